@@ -1,0 +1,3 @@
+"""MindSpeed align."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,171 @@
+"""Which accelerator this process runs on, and the few things we ask of it.
+
+Every device-specific call in MindSpeed goes through this module; elsewhere the
+code only holds a `torch.device` and a backend name.
+
+Detection order for `auto`: an Ascend NPU (torch_npu importable and a device
+present), then CUDA, then CPU. `MINDSPEED_DEVICE=cpu|cuda|npu|auto` or an
+explicit argument overrides it. torch_npu is imported only when it is installed
+and only from here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import resource
+import sys
+from functools import cache
+
+import torch
+
+from mindspeed_core.errors import DeviceError
+
+DEVICE_ENV_VAR = "MINDSPEED_DEVICE"
+DEVICE_TYPES = ("cpu", "cuda", "npu")
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_GIB = 1024**3
+
+
+@cache
+def npu_available() -> bool:
+    """True when torch_npu is installed and sees at least one NPU."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        importlib.import_module("torch_npu")
+    except Exception:  # a broken CANN install must not break CPU/GPU users
+        return False
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available() and npu.device_count() > 0)
+
+
+def cuda_available() -> bool:
+    """True when PyTorch sees at least one CUDA device."""
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def is_available(device_type: str) -> bool:
+    """Whether `device_type` ("cpu", "cuda" or "npu") can be used here."""
+    if device_type == "cpu":
+        return True
+    if device_type == "cuda":
+        return cuda_available()
+    if device_type == "npu":
+        return npu_available()
+    return False
+
+
+def detect_device_type(override: str | None = None) -> str:
+    """The device type to use: `override`, else $MINDSPEED_DEVICE, else the best available.
+
+    Raises:
+        DeviceError: the requested type is unknown or not available here.
+    """
+    source = "device"
+    choice = override
+    if not choice:
+        choice, source = os.environ.get(DEVICE_ENV_VAR, ""), DEVICE_ENV_VAR
+    choice = (choice or "auto").strip().lower()
+    if choice == "auto":
+        return next(t for t in ("npu", "cuda", "cpu") if is_available(t))
+    if choice not in DEVICE_TYPES:
+        raise DeviceError(
+            f"{source}={choice!r} is not a device type; choose one of auto, {', '.join(DEVICE_TYPES)}"
+        )
+    if not is_available(choice):
+        raise DeviceError(f"{source}={choice!r} was requested but no {choice} device is available")
+    return choice
+
+
+def backend_for(device_type: str) -> str:
+    """The torch.distributed backend for a device type: gloo, nccl or hccl."""
+    try:
+        return _BACKENDS[device_type]
+    except KeyError:
+        raise DeviceError(f"no process-group backend for device type {device_type!r}") from None
+
+
+def device_count(device_type: str) -> int:
+    """Number of devices of this type on the node (1 for CPU)."""
+    if device_type == "cpu":
+        return 1
+    if not is_available(device_type):
+        return 0
+    return torch.get_device_module(device_type).device_count()
+
+
+def device_name(device_type: str) -> str:
+    """A human-readable name of device 0 (the processor model for CPU)."""
+    if device_type == "cpu":
+        return _cpu_name()
+    return torch.get_device_module(device_type).get_device_name(0)
+
+
+def get_device(local_rank: int = 0, device_type: str | None = None) -> torch.device:
+    """The device of this process, made current for accelerators.
+
+    Raises:
+        DeviceError: `local_rank` has no device on this node.
+    """
+    device_type = device_type or detect_device_type()
+    if device_type == "cpu":
+        return torch.device("cpu")
+    count = device_count(device_type)
+    if not 0 <= local_rank < count:
+        raise DeviceError(
+            f"LOCAL_RANK={local_rank} but this node has {count} {device_type} device(s); "
+            f"launch at most {count} processes per node"
+        )
+    device = torch.device(device_type, local_rank)
+    torch.get_device_module(device_type).set_device(device)
+    return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for all queued work on `device` (a no-op on CPU)."""
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Memory use in GiB: allocated, reserved and peak allocated.
+
+    On CPU there is no allocator to ask; the peak is the process's maximum
+    resident set size and the other two are reported as that too.
+    """
+    if device.type == "cpu":
+        peak = _max_rss_gib()
+        return {"allocated_gb": peak, "reserved_gb": peak, "peak_gb": peak}
+    module = torch.get_device_module(device.type)
+    return {
+        "allocated_gb": module.memory_allocated(device) / _GIB,
+        "reserved_gb": module.memory_reserved(device) / _GIB,
+        "peak_gb": module.max_memory_allocated(device) / _GIB,
+    }
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (accelerators only; CPU keeps the process peak)."""
+    if device.type != "cpu":
+        torch.get_device_module(device.type).reset_peak_memory_stats(device)
+
+
+def _max_rss_gib() -> float:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return rss / _GIB if sys.platform == "darwin" else rss / 1024**2
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()

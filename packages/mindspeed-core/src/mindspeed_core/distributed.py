@@ -1,0 +1,189 @@
+"""Process-group setup from torchrun's environment, and rank helpers.
+
+`init_distributed()` reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT as torchrun sets them, checks that they agree, picks
+the backend from the device (gloo, nccl, hccl) and starts the default process
+group. A plain `python script.py` with none of them set runs as a world of one
+(an in-memory store, no network), so the same code needs no launcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_core import device as dev
+from mindspeed_core.errors import ParallelError
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+
+
+@dataclass(frozen=True)
+class DistributedInfo:
+    """This process's place in the job, as returned by `init_distributed`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def _int_var(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ParallelError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Parse and check the launcher's environment variables.
+
+    Raises:
+        ParallelError: a variable is missing, not an integer or out of range.
+    """
+    environ = os.environ if environ is None else environ
+    rank, world = _int_var(environ, "RANK"), _int_var(environ, "WORLD_SIZE")
+    if rank is None and world is None:
+        return LaunchEnv(0, 1, 0, 1, environ.get("MASTER_ADDR"), _int_var(environ, "MASTER_PORT"))
+    if rank is None or world is None:
+        missing = "RANK" if rank is None else "WORLD_SIZE"
+        raise ParallelError(
+            f"{missing} is not set but {'WORLD_SIZE' if rank is None else 'RANK'} is; "
+            "launch with torchrun or set both"
+        )
+    if world < 1:
+        raise ParallelError(f"WORLD_SIZE={world} must be at least 1")
+    if not 0 <= rank < world:
+        raise ParallelError(f"RANK={rank} is outside [0, WORLD_SIZE={world})")
+    local_rank = _int_var(environ, "LOCAL_RANK")
+    if local_rank is None:
+        if world > 1:
+            raise ParallelError("LOCAL_RANK is not set; launch with torchrun or set it per process")
+        local_rank = 0
+    local_world = _int_var(environ, "LOCAL_WORLD_SIZE") or max(local_rank + 1, 1)
+    if not 0 <= local_rank < local_world or local_world > world:
+        raise ParallelError(
+            f"LOCAL_RANK={local_rank} with LOCAL_WORLD_SIZE={local_world} and WORLD_SIZE={world} "
+            "is inconsistent"
+        )
+    addr, port = environ.get("MASTER_ADDR"), _int_var(environ, "MASTER_PORT")
+    if world > 1 and not addr:
+        raise ParallelError(f"MASTER_ADDR is not set but WORLD_SIZE={world}")
+    if world > 1 and port is None:
+        raise ParallelError(f"MASTER_PORT is not set but WORLD_SIZE={world}")
+    if port is not None and not 0 < port < 65536:
+        raise ParallelError(f"MASTER_PORT={port} is not a valid port")
+    return LaunchEnv(rank, world, local_rank, local_world, addr, port)
+
+
+def init_distributed(
+    *,
+    device_type: str | None = None,
+    backend: str | None = None,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
+) -> DistributedInfo:
+    """Start the default process group for this process and bind it to its device.
+
+    Args:
+        device_type: "cpu", "cuda", "npu" or None/"auto" to detect (see `device`).
+        backend: overrides the backend chosen from the device type.
+        timeout: collective timeout, a timedelta or seconds.
+
+    Returns:
+        The rank, world size, local rank, device and backend of this process.
+
+    Raises:
+        ParallelError: the launcher's environment is inconsistent, or a process
+            group already exists.
+    """
+    if dist.is_initialized():
+        raise ParallelError(
+            "the default process group is already initialised; call destroy_distributed() first"
+        )
+    env = read_launch_env()
+    device_type = dev.detect_device_type(device_type)
+    device = dev.get_device(env.local_rank, device_type)
+    backend = backend or dev.backend_for(device_type)
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if env.world_size == 1 and env.master_addr is None:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
+    return DistributedInfo(env.rank, env.world_size, env.local_rank, device, backend)
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group if one exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank() -> int:
+    """Global rank, 0 when no process group exists."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """World size, 1 when no process group exists."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_rank0() -> bool:
+    return get_rank() == 0
+
+
+class _Rank0Filter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return is_rank0() or record.levelno >= logging.WARNING
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Log to stderr; ranks other than 0 only pass warnings and errors.
+
+    Messages carry the rank, so a warning from rank 3 says it came from rank 3.
+    """
+    handler = logging.StreamHandler()
+    handler.addFilter(_Rank0Filter())
+    handler.setFormatter(
+        _RankFormatter("[%(asctime)s rank%(rank)s %(levelname)s] %(message)s", "%H:%M:%S")
+    )
+    root = logging.getLogger("mindspeed")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+class _RankFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        record.rank = get_rank()
+        return super().format(record)

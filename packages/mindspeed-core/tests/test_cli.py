@@ -1,0 +1,81 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mindspeed_core
+from mindspeed_core.cli import Command, guarded, run
+from mindspeed_core.errors import ConfigError
+
+MINDSPEED = Path(sys.executable).with_name("mindspeed")
+
+
+def cli(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_DEBUG"}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [str(MINDSPEED), *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_version():
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"mindspeed {mindspeed_core.__version__}"
+
+
+def test_help_lists_installed_commands(capsys):
+    assert run(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "env " in out and "usage: mindspeed" in out
+
+
+def test_env_reports_device_packages_and_compiler():
+    proc = cli("env", "--json", env_extra={"MINDSPEED_DEVICE": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    import torch
+
+    assert info["torch"] == torch.__version__
+    assert (info["device"], info["backend"], info["device_count"]) == ("cpu", "gloo", 1)
+    assert info["packages"]["mindspeed-core"] == mindspeed_core.__version__
+    assert "cxx_compiler" in info and info["device_override"] == "cpu"
+    text = cli("env", env_extra={"MINDSPEED_DEVICE": "cpu"}).stdout
+    assert (
+        "mindspeed-core " + mindspeed_core.__version__ in text and "backend            gloo" in text
+    )
+
+
+def test_unknown_subcommand_is_one_line_listing_installed_ones():
+    proc = cli("trian")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown command 'trian'; installed commands: "
+        + ", ".join(sorted(ep for ep in _installed()))
+    ]
+
+
+def _installed():
+    from mindspeed_core.cli import discover_commands
+
+    return discover_commands()
+
+
+def test_user_error_is_one_line_exit_2_and_debug_shows_traceback():
+    proc = cli("env", env_extra={"MINDSPEED_DEVICE": "tpu"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: MINDSPEED_DEVICE='tpu' is not a device type; choose one of auto, cpu, cuda, npu"
+    ]
+    debug = cli("--debug", "env", env_extra={"MINDSPEED_DEVICE": "tpu"})
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+    debug_env = cli("env", env_extra={"MINDSPEED_DEVICE": "tpu", "MINDSPEED_DEBUG": "1"})
+    assert "Traceback" in debug_env.stderr
+
+
+def test_guarded_folds_multiline_messages(capsys):
+    def bad(_argv):
+        raise ConfigError("first line\nsecond line")
+
+    assert guarded(Command(help="x", run=bad).run, []) == 2
+    assert capsys.readouterr().err == "error: first line second line\n"

@@ -1,0 +1,3 @@
+"""MindSpeed eval."""
+
+__version__ = "0.1.0"

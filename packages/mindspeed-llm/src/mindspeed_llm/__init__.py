@@ -1,0 +1,3 @@
+"""MindSpeed llm."""
+
+__version__ = "0.1.0"

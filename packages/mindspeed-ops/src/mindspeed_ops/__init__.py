@@ -1,0 +1,3 @@
+"""MindSpeed ops."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+"""MindSpeed tools."""
+
+__version__ = "0.1.0"
