@@ -2,11 +2,22 @@
 
 - `run_distributed(fn, world_size, *args)`: run `fn` on several CPU ranks (gloo).
 - `requires_device(type)`: a pytest skip marker for cuda/npu-only tests.
+- `import_sibling(__file__, "helpers")`: import a helper module next to a test file.
 """
+
+import importlib.util
+import sys
+from pathlib import Path
 
 from mindspeed_core.testing.spawn import RankFailure, RankTimeout, run_distributed
 
-__all__ = ["RankFailure", "RankTimeout", "requires_device", "run_distributed"]
+__all__ = [
+    "RankFailure",
+    "RankTimeout",
+    "import_sibling",
+    "requires_device",
+    "run_distributed",
+]
 
 
 def requires_device(device_type: str):
@@ -18,3 +29,20 @@ def requires_device(device_type: str):
     return pytest.mark.skipif(
         not device.is_available(device_type), reason=f"needs a {device_type} device"
     )
+
+
+def import_sibling(test_file: str, name: str):
+    """Import `<dir of test_file>/<name>.py` once, under a name unique to its path.
+
+    Test files run in pytest's importlib mode cannot import each other; this gives
+    them a shared helper module (also inside `run_distributed` ranks, which load the
+    test file and so run this line again).
+    """
+    path = Path(test_file).resolve().parent / f"{name}.py"
+    key = "_mindspeed_test_helper_" + "_".join(path.with_suffix("").parts[-3:]).replace("-", "_")
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]

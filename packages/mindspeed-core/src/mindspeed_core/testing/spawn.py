@@ -88,7 +88,9 @@ def _rank_main(module_name, module_file, payload, results) -> None:
         torch.set_num_threads(1)
         init_distributed(device_type="cpu", timeout=float(os.environ["_MINDSPEED_PG_TIMEOUT"]))
         value = fn(*args, **kwargs)
-        results.put((rank, True, value))
+        # Plain pickle copies tensor data; torch's queue pickler would share it through
+        # file descriptors that vanish when this process exits first.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -180,7 +182,7 @@ def run_distributed(
                 continue
             if not ok:
                 raise RankFailure(rank, value)
-            outputs[rank] = value
+            outputs[rank] = _Unpickler(io.BytesIO(value)).load()
     finally:
         _kill(procs)
         results.close()

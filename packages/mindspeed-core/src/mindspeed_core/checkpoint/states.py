@@ -1,0 +1,89 @@
+"""Stateful wrappers for what a training run checkpoints besides the optimizer.
+
+- `ModelState`: the model parts' parameters and buffers, keyed by their names,
+  sharded tensors kept as DTensors so they load into any other layout.
+- `RNGState`: this rank's random generators (CPU and accelerator), saved under a
+  per-rank key; a rank that has no saved state (a larger world) keeps its own.
+- `TrainState`: the step and token counters and any small extras.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+class ModelState(Stateful):
+    """The state of one model or of the pipeline stages a rank holds."""
+
+    def __init__(self, model_parts: nn.Module | Sequence[nn.Module]):
+        self.model_parts = (
+            [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in self.model_parts:
+            merged.update(get_model_state_dict(part))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # strict=False: each pipeline stage takes only its own names from the merged dict.
+        options = StateDictOptions(strict=len(self.model_parts) == 1)
+        for part in self.model_parts:
+            set_model_state_dict(part, state_dict, options=options)
+
+
+class RNGState(Stateful):
+    """Random-generator state of this rank (per-rank: see `CheckpointManager`)."""
+
+    per_rank = True
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device or torch.device("cpu")
+
+    def _key(self) -> str:
+        return f"rank{dist.get_rank() if dist.is_initialized() else 0}"
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type != "cpu":
+            module = torch.get_device_module(self.device.type)
+            state["device"] = module.get_rng_state(self.device)
+        return {self._key(): state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = state_dict.get(self._key())
+        if state is None:
+            return
+        torch.set_rng_state(state["cpu"])
+        if "device" in state and self.device.type != "cpu":
+            torch.get_device_module(self.device.type).set_rng_state(state["device"], self.device)
+
+
+@dataclass
+class TrainState(Stateful):
+    """Counters of a training run; `extra` holds small picklable values (ints, floats, str)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "extra": dict(self.extra)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.tokens_seen = int(state_dict["tokens_seen"])
+        self.extra = dict(state_dict.get("extra", {}))

@@ -1,0 +1,24 @@
+"""Optimizers, learning-rate schedules, gradient clipping and fp16 loss scaling."""
+
+from mindspeed_core.optim.clip import clip_grad_norm_, total_grad_norm
+from mindspeed_core.optim.loss_scale import DynamicLossScaler
+from mindspeed_core.optim.optimizer import OptimizersContainer, build_optimizers, param_groups
+from mindspeed_core.optim.scheduler import (
+    DECAY_STYLES,
+    LRSchedulersContainer,
+    build_lr_schedulers,
+    lr_multiplier,
+)
+
+__all__ = [
+    "DECAY_STYLES",
+    "DynamicLossScaler",
+    "LRSchedulersContainer",
+    "OptimizersContainer",
+    "build_lr_schedulers",
+    "build_optimizers",
+    "clip_grad_norm_",
+    "lr_multiplier",
+    "param_groups",
+    "total_grad_norm",
+]

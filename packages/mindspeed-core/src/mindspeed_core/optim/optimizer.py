@@ -1,0 +1,122 @@
+"""The optimizer container: one AdamW per model part, checkpointable across layouts.
+
+One optimizer per model part keeps pipeline stages independent (each rank holds
+only its stages); the container steps, zeroes and checkpoints them together.
+Parameters with fewer than two dimensions (biases, norm scales) get no weight
+decay, as in Megatron-LM and nanoGPT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from mindspeed_core.errors import ConfigError
+
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: matrices decay, vectors and scalars do not."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def _impl_flags(implementation: str, device_type: str) -> dict[str, bool]:
+    if implementation not in IMPLEMENTATIONS:
+        raise ConfigError(
+            f"optimizer implementation {implementation!r}; choose one of {IMPLEMENTATIONS}"
+        )
+    if implementation == "auto":
+        # torch's fused AdamW is fastest on CUDA; foreach works everywhere, DTensors included.
+        implementation = "fused" if device_type == "cuda" else "foreach"
+    return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
+
+
+class OptimizersContainer(Stateful):
+    """AdamW over each model part, stepped and checkpointed as one.
+
+    The state dict is keyed by parameter names with the optimizer state of each
+    parameter as a whole (DTensor) tensor, so it loads into any other layout.
+    """
+
+    def __init__(
+        self,
+        model_parts: Sequence[nn.Module],
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        implementation: str = "auto",
+    ):
+        if lr <= 0:
+            raise ConfigError(f"optimizer lr={lr} must be positive")
+        if weight_decay < 0:
+            raise ConfigError(f"optimizer weight_decay={weight_decay} must be >= 0")
+        self.model_parts = list(model_parts)
+        device_type = _device_type(self.model_parts)
+        flags = _impl_flags(implementation, device_type)
+        self.optimizers = [
+            torch.optim.AdamW(param_groups(m, weight_decay), lr=lr, betas=betas, eps=eps, **flags)
+            for m in self.model_parts
+        ]
+
+    def __iter__(self):
+        return iter(self.optimizers)
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def parameters(self) -> Iterable[nn.Parameter]:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                yield from group["params"]
+
+    def state_dict(self) -> dict[str, Any]:
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        merged: dict[str, Any] = {}
+        for model, opt in zip(self.model_parts, self.optimizers, strict=True):
+            merged.update(get_optimizer_state_dict(model, opt, options=options))
+        return merged
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        for model, opt in zip(self.model_parts, self.optimizers, strict=True):
+            set_optimizer_state_dict(model, opt, state_dict, options=options)
+
+
+def build_optimizers(model_parts: nn.Module | Sequence[nn.Module], **kwargs) -> OptimizersContainer:
+    """An `OptimizersContainer` over one module or a list of pipeline-stage modules."""
+    parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
+    return OptimizersContainer(parts, **kwargs)
+
+
+def _device_type(parts: Sequence[nn.Module]) -> str:
+    for part in parts:
+        for param in part.parameters():
+            return param.device.type
+    return "cpu"
