@@ -1,3 +1,49 @@
-"""MindSpeed ops."""
+"""MindSpeed fused operators: one API, a PyTorch reference, CPU/CUDA/NPU backends.
+
+Every op takes `impl="auto" | "reference" | "cpu" | "cuda" | "npu"`; see README.md.
+"""
+
+from mindspeed_ops.attention import attention, attention_reference
+from mindspeed_ops.backends import IMPLS, available_impls, resolve_impl
+from mindspeed_ops.cross_entropy import (
+    cross_entropy,
+    cross_entropy_reference,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from mindspeed_ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from mindspeed_ops.matmul_add import matmul_add, matmul_add_reference
+from mindspeed_ops.rms_norm import rms_norm, rms_norm_reference
+from mindspeed_ops.rotary import (
+    position_ids_from_cu_seqlens,
+    rotary_embedding,
+    rotary_reference,
+    rotary_tables,
+)
+from mindspeed_ops.swiglu import swiglu, swiglu_reference
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "IMPLS",
+    "attention",
+    "attention_reference",
+    "available_impls",
+    "cross_entropy",
+    "cross_entropy_reference",
+    "grouped_matmul",
+    "grouped_matmul_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "matmul_add",
+    "matmul_add_reference",
+    "position_ids_from_cu_seqlens",
+    "resolve_impl",
+    "rms_norm",
+    "rms_norm_reference",
+    "rotary_embedding",
+    "rotary_reference",
+    "rotary_tables",
+    "swiglu",
+    "swiglu_reference",
+]

@@ -1,0 +1,83 @@
+"""Which implementation of an op runs: `impl="auto" | "reference" | "cpu" | "cuda" | "npu"`.
+
+The ops package imports nothing of ours, so it detects devices itself, the same way
+mindspeed_core.device does: torch_npu counts only when it is installed and imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import warnings
+from functools import cache
+
+import torch
+
+IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
+BACKENDS = ("reference", "cpu", "cuda", "npu")
+
+
+@cache
+def npu_available() -> bool:
+    """True when torch_npu imports and sees an NPU."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        importlib.import_module("torch_npu")
+    except Exception:  # a broken CANN install must not break CPU/GPU users
+        return False
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+@cache
+def has_module(name: str) -> bool:
+    """Whether an optional library (liger_kernel, flash_attn, torch_npu) is importable."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available_impls() -> list[str]:
+    """The implementations that can run in this process."""
+    found = ["reference", "cpu"]
+    if cuda_available():
+        found.append("cuda")
+    if npu_available():
+        found.append("npu")
+    return found
+
+
+def check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {', '.join(map(repr, IMPLS))}")
+
+
+def resolve_impl(impl: str, tensor: torch.Tensor) -> str:
+    """The concrete backend for `impl` on `tensor`'s device.
+
+    "auto" picks the backend of the tensor's device ("cpu", "cuda", "npu"; the reference on
+    any other device). An explicit backend must match the device.
+    """
+    check_impl(impl)
+    device = tensor.device.type
+    if impl == "auto":
+        return device if device in ("cpu", "cuda", "npu") else "reference"
+    if impl != "reference" and impl != device:
+        raise ValueError(f"impl={impl!r} cannot run on a tensor on device {device!r}")
+    return impl
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """One RuntimeWarning per key and process."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
