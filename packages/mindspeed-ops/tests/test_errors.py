@@ -109,5 +109,5 @@ def test_cpp_checks_are_exceptions_not_crashes():
                    False, False)  # fmt: skip
     with pytest.raises(RuntimeError, match="must be float32 or bfloat16"):
         ext.rms_norm_fwd(torch.ones(2, 3, dtype=torch.float64), None, 1e-6)
-    with pytest.raises(RuntimeError, match="weight must have 3 elements"):
+    with pytest.raises(RuntimeError, match="weight must have one element per hidden channel"):
         ext.rms_norm_fwd(torch.ones(2, 3), torch.ones(4), 1e-6)

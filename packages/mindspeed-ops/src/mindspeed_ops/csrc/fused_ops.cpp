@@ -3,7 +3,9 @@
 // Inputs are fp32 or bf16; every sum and every product is taken in fp32. Rows are spread over
 // OpenMP threads with at::parallel_for and each row is walked with at::vec::Vectorized<float>.
 // The Python wrappers validate shapes and dtypes first; the TORCH_CHECKs here are a second line
-// of defence so that a bad call is an exception, never a crash.
+// of defence so that a bad call is an exception, never a crash. Their messages hold only
+// strings: with some torch builds (seen with torch 2.11 wheels and GCC 13) a TORCH_CHECK that
+// formats a number in an extension segfaults while throwing.
 
 #include <torch/extension.h>
 
@@ -70,7 +72,7 @@ void dispatch(at::ScalarType dtype, F&& f) {
   if (dtype == at::kFloat) {
     f(float{});
   } else {
-    TORCH_CHECK(dtype == at::kBFloat16, "expected float32 or bfloat16, got ", dtype);
+    TORCH_CHECK(dtype == at::kBFloat16, "expected float32 or bfloat16");
     f(at::BFloat16{});
   }
 }
@@ -81,7 +83,7 @@ int64_t row_grain(int64_t row_elems) {
 }
 
 void check_2d(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.dim() == 2, name, " must be 2-D");
   TORCH_CHECK(t.stride(1) == 1, name, " must have a unit inner stride");
   TORCH_CHECK(
       t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
@@ -175,7 +177,7 @@ std::vector<at::Tensor> rms_norm_fwd(
   at::Tensor w;
   if (weight.has_value()) {
     w = weight->to(at::kFloat).contiguous();
-    TORCH_CHECK(w.numel() == hidden, "weight must have ", hidden, " elements");
+    TORCH_CHECK(w.numel() == hidden, "weight must have one element per hidden channel");
   }
   auto y = at::empty_like(x);
   auto rstd = at::empty({rows}, x.options().dtype(at::kFloat));
@@ -209,7 +211,7 @@ std::vector<at::Tensor> rms_norm_bwd(
   const int64_t num_parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
   if (weight.has_value()) {
     w = weight->to(at::kFloat).contiguous();
-    TORCH_CHECK(w.numel() == hidden, "weight must have ", hidden, " elements");
+    TORCH_CHECK(w.numel() == hidden, "weight must have one element per hidden channel");
     dw_parts = at::zeros({num_parts, hidden}, x.options().dtype(at::kFloat));
   }
   auto dx = at::empty_like(x);
@@ -313,8 +315,12 @@ void swiglu_bwd(
   check_2d(da, "da");
   check_2d(db, "db");
   TORCH_CHECK(dy.is_contiguous() && dy.sizes() == a.sizes(), "dy must be contiguous like a");
-  TORCH_CHECK(a.sizes() == b.sizes() && da.sizes() == a.sizes() && db.sizes() == a.sizes());
-  TORCH_CHECK(dy.scalar_type() == a.scalar_type() && da.scalar_type() == a.scalar_type());
+  TORCH_CHECK(
+      a.sizes() == b.sizes() && da.sizes() == a.sizes() && db.sizes() == a.sizes(),
+      "a, b, da and db must have one shape");
+  TORCH_CHECK(
+      dy.scalar_type() == a.scalar_type() && da.scalar_type() == a.scalar_type(),
+      "dy, a and da must have one dtype");
   dispatch(a.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     swiglu_bwd_kernel<scalar_t>(
@@ -395,9 +401,13 @@ at::Tensor rotary(
   TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "x must be contiguous [tokens, heads, dim]");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x dtype");
   TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && cos.scalar_type() == at::kFloat, "cos");
-  TORCH_CHECK(sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.scalar_type() == at::kFloat);
+  TORCH_CHECK(
+      sin.sizes() == cos.sizes() && sin.is_contiguous() && sin.scalar_type() == at::kFloat,
+      "sin must match cos");
   TORCH_CHECK(position_ids.dim() == 1 && position_ids.numel() == x.size(0), "position_ids");
-  TORCH_CHECK(position_ids.scalar_type() == at::kLong && position_ids.is_contiguous());
+  TORCH_CHECK(
+      position_ids.scalar_type() == at::kLong && position_ids.is_contiguous(),
+      "position_ids must be contiguous int64");
   const int64_t half = cos.size(1);
   TORCH_CHECK(2 * half <= x.size(2), "rotary dim exceeds head_dim");
   if (position_ids.numel() > 0) {
