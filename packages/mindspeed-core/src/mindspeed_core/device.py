@@ -16,6 +16,7 @@ import importlib.util
 import os
 import resource
 import sys
+import time
 from functools import cache
 
 import torch
@@ -150,6 +151,54 @@ def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak-memory window (accelerators only; CPU keeps the process peak)."""
     if device.type != "cpu":
         torch.get_device_module(device.type).reset_peak_memory_stats(device)
+
+
+# Dense bf16/fp16 tensor-core peaks from the vendors' data sheets, by device-name substring.
+_PEAK_BF16 = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("H20", 148e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("V100", 125e12),
+)
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Peak matmul FLOP/s of one device, for MFU.
+
+    Known accelerators come from a data-sheet table (bf16/fp16); anything else (a
+    CPU, an NPU or an unknown GPU) is measured once with a short matmul probe and
+    cached for the life of the process.
+    """
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        name = device_name("cuda")
+        for key, value in _PEAK_BF16:
+            if key in name:
+                return value
+    return _measured_peak(device.type, device.index, dtype)
+
+
+@cache
+def _measured_peak(device_type: str, index: int | None, dtype: torch.dtype) -> float:
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    n = 1024 if device_type == "cpu" else 4096
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm up (thread pools, kernel selection)
+    synchronize(device)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
 
 
 def _max_rss_gib() -> float:

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from mindspeed_core.errors import ConfigError
 
@@ -26,15 +27,24 @@ IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two AdamW groups: matrices decay, vectors and scalars do not."""
-    decay, no_decay = [], []
+    """AdamW groups: matrices decay, vectors and scalars do not.
+
+    Groups are also split by where a parameter lives (plain tensor, or DTensor on a
+    given mesh): foreach and fused kernels cannot mix the two in one call, and a
+    tensor-parallel model keeps unsharded weights (a head, say) as plain tensors.
+    """
+    groups: dict[tuple, dict[str, Any]] = {}
     for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+        if not param.requires_grad:
+            continue
+        decay = param.dim() >= 2
+        mesh = param.device_mesh if isinstance(param, DTensor) else None
+        key = (not decay, id(mesh) if mesh is not None else 0)
+        group = groups.setdefault(
+            key, {"params": [], "weight_decay": weight_decay if decay else 0.0}
+        )
+        group["params"].append(param)
+    return list(groups.values())
 
 
 def _impl_flags(implementation: str, device_type: str) -> dict[str, bool]:
