@@ -7,6 +7,8 @@ the last step are compared with `atol=ATOL`. Several layouts share one spawn.
 import pytest
 import torch
 
+from mindspeed_core.errors import ParallelError
+from mindspeed_core.parallel import apply_fsdp
 from mindspeed_core.testing import import_sibling, run_distributed
 
 loop = import_sibling(__file__, "train_loop")
@@ -20,6 +22,7 @@ WORLD2 = {
     "dp_replicate2": {"dp_replicate": 2},
     "tp2_sp_loss_parallel": {"tp": 2, "sp": True, "loss_parallel": True},
     "dp_shard2_full_ac": {"dp_shard": 2, "ac": "full"},
+    "dp_shard2_no_reshard": {"dp_shard": 2, "reshard_after_forward": False},
     "tp2_sp_selective_ac": {"tp": 2, "sp": True, "ac": "selective"},
 }
 WORLD4 = {
@@ -91,3 +94,8 @@ def test_bf16_mixed_precision_tracks_fp32():
     assert not torch.equal(losses16, losses32)  # and bf16 compute really happened
     # Master weights stay fp32 (FSDP casts only the gathered copies).
     assert all(p.dtype == torch.float32 for p in bf16["params"].values())
+
+
+def test_cpu_offload_of_a_cpu_model_is_refused():
+    with pytest.raises(ParallelError, match="this model is already on the CPU"):
+        apply_fsdp(loop.toy.make_model(), None, cpu_offload=True)

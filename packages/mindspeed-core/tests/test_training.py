@@ -83,3 +83,12 @@ def test_cpu_peak_is_measured_once():
     first = device.peak_flops(torch.device("cpu"), torch.float32)
     assert 1e8 < first < 1e14  # a real measurement, not a table entry
     assert device.peak_flops(torch.device("cpu"), torch.float32) == first  # cached
+
+
+def test_deterministic_switch():
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        set_seed(3, deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)

@@ -36,7 +36,13 @@ def parallelize(model, dims: ParallelDims, layout: dict, param_dtype=None):
         apply_tp(model, dims.mesh("tp"), plan)
     apply_ac(model, layout.get("ac", "none"))
     if dims.fsdp_enabled:
-        apply_fsdp(model, dims.mesh("fsdp"), param_dtype=param_dtype)
+        apply_fsdp(
+            model,
+            dims.mesh("fsdp"),
+            param_dtype=param_dtype,
+            reshard_after_forward=layout.get("reshard_after_forward", True),
+            cpu_offload=layout.get("cpu_offload", False),
+        )
     else:
         apply_ddp(model, dims.mesh("dp_replicate"), param_dtype=param_dtype)
     return model

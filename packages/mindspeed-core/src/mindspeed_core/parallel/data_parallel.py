@@ -44,9 +44,18 @@ def apply_fsdp(
         reshard_after_forward: free gathered parameters after forward (ZeRO-3); False
             keeps them until backward (ZeRO-2-like: more memory, less communication).
         cpu_offload: keep sharded parameters, gradients and optimizer state in host
-            memory.
+            memory (for models on an accelerator).
         blocks: see `find_blocks`.
+
+    Raises:
+        ParallelError: a mesh of the wrong rank, or cpu_offload for a model already
+            in host memory.
     """
+    if cpu_offload and _on_cpu(module):
+        raise ParallelError(
+            "cpu_offload=True moves parameters from an accelerator to host memory; "
+            "this model is already on the CPU"
+        )
     if dp_mesh is None:
         return module
     if dp_mesh.ndim not in (1, 2):
@@ -81,3 +90,8 @@ def apply_ddp(
         replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
     replicate(module, mesh=dp_mesh, mp_policy=mp_policy)
     return module
+
+
+def _on_cpu(module: nn.Module) -> bool:
+    param = next(module.parameters(), None)
+    return param is not None and param.device.type == "cpu"
