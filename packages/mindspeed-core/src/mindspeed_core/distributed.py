@@ -142,6 +142,22 @@ def init_distributed(
     return DistributedInfo(env.rank, env.world_size, env.local_rank, device, backend)
 
 
+def current_distributed(device_type: str | None = None) -> DistributedInfo:
+    """The `DistributedInfo` of a process group someone else already started.
+
+    For code that runs both alone (and calls `init_distributed`) and inside a
+    caller's job (a test harness, an embedding framework).
+    """
+    if not dist.is_initialized():
+        raise ParallelError("no process group; call init_distributed() first")
+    env = read_launch_env()
+    device_type = dev.detect_device_type(device_type)
+    device = dev.get_device(env.local_rank, device_type)
+    return DistributedInfo(
+        dist.get_rank(), dist.get_world_size(), env.local_rank, device, dist.get_backend()
+    )
+
+
 def destroy_distributed() -> None:
     """Tear down the default process group if one exists."""
     if dist.is_initialized():

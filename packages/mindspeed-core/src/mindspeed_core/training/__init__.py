@@ -1,6 +1,7 @@
-"""Training utilities: determinism, throughput and MFU accounting."""
+"""Training utilities: determinism, throughput and MFU accounting, metrics files."""
 
 from mindspeed_core.training.determinism import derive_seed, enable_determinism, set_seed
+from mindspeed_core.training.metrics import MetricsWriter, read_metrics
 from mindspeed_core.training.throughput import (
     ThroughputMeter,
     dense_params,
@@ -10,6 +11,7 @@ from mindspeed_core.training.throughput import (
 )
 
 __all__ = [
+    "MetricsWriter",
     "ThroughputMeter",
     "dense_params",
     "derive_seed",
@@ -17,5 +19,6 @@ __all__ = [
     "flops_per_token",
     "mfu",
     "moe_active_params",
+    "read_metrics",
     "set_seed",
 ]
