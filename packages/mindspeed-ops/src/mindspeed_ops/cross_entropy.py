@@ -18,11 +18,17 @@ from mindspeed_ops.backends import resolve_impl
 from mindspeed_ops.validate import check_float, check_index, check_same_device
 
 REDUCTIONS = ("mean", "sum", "none")
-_CHUNK_ELEMENTS = 1 << 22  # fp32 elements of one chunk of logits (16 MiB)
+# fp32 elements of one chunk of logits: 16 MiB on CPU; 256 MiB on accelerators, where each
+# chunk is a few kernel launches and small chunks would be launch-bound.
+_CHUNK_ELEMENTS = {"cpu": 1 << 22}
+_CHUNK_ELEMENTS_ACCELERATOR = 1 << 26
 
 
-def _chunk_rows(vocab: int, chunk_size: int | None) -> int:
-    return chunk_size if chunk_size else max(1, _CHUNK_ELEMENTS // vocab)
+def _chunk_rows(vocab: int, chunk_size: int | None, device: torch.device) -> int:
+    if chunk_size:
+        return chunk_size
+    elements = _CHUNK_ELEMENTS.get(device.type, _CHUNK_ELEMENTS_ACCELERATOR)
+    return max(1, elements // vocab)
 
 
 def _chunk_loss(z: Tensor, target: Tensor, ignore_index: int, smoothing: float):
@@ -217,7 +223,8 @@ def cross_entropy(
     """Cross entropy of (tokens, vocab) logits against (tokens,) class indices.
 
     Args:
-        chunk_size: tokens per chunk; default keeps one fp32 chunk near 16 MiB.
+        chunk_size: tokens per chunk; default keeps one fp32 chunk of logits near 16 MiB on
+            CPU and 256 MiB on GPU/NPU.
         impl: "auto", "reference", "cpu", "cuda" or "npu" (all but the reference run the
             chunked composed kernel).
     """
@@ -232,7 +239,7 @@ def cross_entropy(
             logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
             reduction=reduction,
         )  # fmt: skip
-    chunk = _chunk_rows(logits.shape[1], chunk_size)
+    chunk = _chunk_rows(logits.shape[1], chunk_size, logits.device)
     loss, _ = _ce_fwd(
         logits.contiguous(), target.long(), ignore_index, float(label_smoothing), chunk
     )
@@ -278,7 +285,7 @@ def linear_cross_entropy(
     kwargs = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
     if backend == "reference":
         return linear_cross_entropy_reference(hidden, weight, target, **kwargs)
-    chunk = _chunk_rows(weight.shape[0], chunk_size)
+    chunk = _chunk_rows(weight.shape[0], chunk_size, hidden.device)
     loss, _ = _lce_fwd(
         hidden.contiguous(), weight.contiguous(), target.long(), ignore_index,
         float(label_smoothing), chunk,

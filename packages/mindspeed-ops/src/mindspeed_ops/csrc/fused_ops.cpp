@@ -53,6 +53,12 @@ struct IO<at::BFloat16> {
     return fVec::loadu(buf);
   }
   static void store(at::BFloat16* p, const fVec& v, int64_t n = kVec) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if (n == kVec) {  // full width: one conversion and one 128-bit store, no staging buffer
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), at::vec::cvtfp32_bf16(__m256(v)));
+      return;
+    }
+#endif
     auto b = at::vec::convert_from_float<at::BFloat16>(v, v);
     b.store(p, n);
   }
