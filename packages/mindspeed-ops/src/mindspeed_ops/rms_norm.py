@@ -10,6 +10,7 @@ from torch import Tensor
 
 from mindspeed_ops import cpu_ext
 from mindspeed_ops.backends import has_module, resolve_impl, warn_once
+from mindspeed_ops.dtensor import is_dtensor, run_rowwise
 from mindspeed_ops.validate import check_float, check_same_device
 
 _CPP_DTYPES = (torch.float32, torch.bfloat16)
@@ -131,6 +132,12 @@ def rms_norm(
         check_same_device("weight", weight, x)
         if tuple(weight.shape) != (hidden,):
             raise ValueError(f"weight shape {tuple(weight.shape)} != (hidden,) = ({hidden},)")
+    if is_dtensor(x):
+
+        def local(x_local: Tensor, w_local: Tensor | None) -> Tensor:
+            return rms_norm(x_local, w_local, eps, offset=offset, impl=impl)
+
+        return run_rowwise("rms_norm", local, x, params=(weight,))
     backend = resolve_impl(impl, x)
     if backend == "reference":
         return rms_norm_reference(x, weight, eps, offset)

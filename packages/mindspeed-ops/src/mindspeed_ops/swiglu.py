@@ -8,6 +8,7 @@ from torch import Tensor
 
 from mindspeed_ops import cpu_ext
 from mindspeed_ops.backends import has_module, resolve_impl, warn_once
+from mindspeed_ops.dtensor import is_dtensor, run_rowwise
 from mindspeed_ops.validate import check_float, check_same_device, check_same_dtype
 
 _CPP_DTYPES = (torch.float32, torch.bfloat16)
@@ -136,6 +137,9 @@ def swiglu(x: Tensor, y: Tensor | None = None, *, impl: str = "auto") -> Tensor:
         impl: "auto", "reference", "cpu", "cuda" or "npu".
     """
     _validate(x, y)
+    if is_dtensor(x):
+        rows_like = () if y is None else (y,)
+        return run_rowwise("swiglu", lambda *t: swiglu(*t, impl=impl), x, rows_like=rows_like)
     backend = resolve_impl(impl, x)
     if backend == "reference":
         return swiglu_reference(x, y)
