@@ -1,0 +1,79 @@
+"""Causal self-attention: GQA, optional q/k/v biases, per-head qk RMSNorm, sliding window,
+packed documents.
+
+The forward uses local head counts (``view(batch, seq, -1, head_dim)``), so the same module
+runs whole or with wq/wk/wv split by column and wo by row under tensor parallel.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from mindspeed_llm.models.common.norm import RMSNorm
+from mindspeed_llm.models.config import TransformerConfig
+from mindspeed_ops import attention, rotary_embedding
+
+RopeTables = tuple[Tensor, Tensor]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with `num_kv_heads` key/value heads shared by query groups."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.sliding_window = config.sliding_window
+        self.impl = config.ops_impl
+        q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            nn.init.normal_(linear.weight, std=std)
+            if linear.bias is not None:
+                nn.init.zeros_(linear.bias)
+        nn.init.normal_(self.wo.weight, std=out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: RopeTables,
+        position_ids: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+    ) -> Tensor:
+        """
+        Args:
+            x: (batch, seq, hidden).
+            rope: (cos, sin) tables from `rope_tables`.
+            position_ids: (batch, seq) or (seq,) RoPE positions; default 0..seq-1.
+            cu_seqlens: int32 (num_docs + 1,) boundaries of documents packed over the
+                flattened batch * seq tokens; attention never crosses them.
+        """
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (batch, seq, local heads, head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q = rotary_embedding(q, cos, sin, position_ids, impl=self.impl)
+        k = rotary_embedding(k, cos, sin, position_ids, impl=self.impl)
+        if cu_seqlens is None:
+            out = attention(q, k, v, window=self.sliding_window, impl=self.impl)
+        else:  # packed layout: (batch * seq, heads, head_dim)
+            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+            out = attention(
+                q, k, v, window=self.sliding_window, cu_seqlens=cu_seqlens, impl=self.impl
+            )
+        return self.wo(out.reshape(batch, seq, -1))

@@ -1,0 +1,29 @@
+"""The SwiGLU feed-forward: w2(silu(w1 x) * w3 x)."""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from mindspeed_ops import swiglu
+
+
+class FeedForward(nn.Module):
+    """w1 (gate) and w3 (up) project to `intermediate_size`, w2 (down) projects back.
+
+    torchtitan's names, so core's `llama_tp_plan` shards w1/w3 by column and w2 by row.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, impl: str = "auto"):
+        super().__init__()
+        self.impl = impl
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1.weight, std=std)
+        nn.init.normal_(self.w3.weight, std=std)
+        nn.init.normal_(self.w2.weight, std=out_std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x), impl=self.impl))

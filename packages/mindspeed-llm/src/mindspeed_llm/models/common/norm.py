@@ -1,0 +1,52 @@
+"""RMSNorm as a module over `mindspeed_ops.rms_norm`, also on sequence-sharded DTensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from mindspeed_ops import rms_norm
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight over the last dimension.
+
+    Under a sequence-parallel plan the input is a DTensor sharded along the sequence and the
+    weight a replicated DTensor: the op runs on the local shard, and the weight's local
+    gradient is marked Partial over the sharded mesh dims so DTensor sums it across ranks.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, impl: str = "auto"):
+        super().__init__()
+        self.eps = eps
+        self.impl = impl
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if isinstance(x, DTensor):
+            return self._forward_dtensor(x)
+        return rms_norm(x, self.weight, self.eps, impl=self.impl)
+
+    def _forward_dtensor(self, x: DTensor) -> DTensor:
+        if any(p.is_shard(x.ndim - 1) or p.is_shard(-1) for p in x.placements):
+            raise ValueError(f"RMSNorm input must not be sharded on its last dim: {x.placements}")
+        if any(p.is_partial() for p in x.placements):  # the norm is not linear: reduce first
+            x = x.redistribute(
+                placements=[Replicate() if p.is_partial() else p for p in x.placements]
+            )
+        weight = self.weight
+        if isinstance(weight, DTensor):
+            grads = [Partial() if p.is_shard() else Replicate() for p in x.placements]
+            weight = weight.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+            weight = weight.to_local(grad_placements=grads)
+        out = rms_norm(x.to_local(), weight, self.eps, impl=self.impl)
+        return DTensor.from_local(
+            out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

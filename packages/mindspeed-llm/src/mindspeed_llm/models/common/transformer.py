@@ -1,0 +1,131 @@
+"""The dense decoder: embedding -> pre-norm blocks -> norm -> output projection.
+
+Submodule names are torchtitan's (`tok_embeddings`, `layers.N.attention.wq`, ...), so
+mindspeed_core's `llama_tp_plan` applies with its defaults. `layers` is a ModuleDict keyed
+by layer index (the state-dict names are those of a ModuleList).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from mindspeed_llm.models.common.attention import Attention, RopeTables
+from mindspeed_llm.models.common.feed_forward import FeedForward
+from mindspeed_llm.models.common.norm import RMSNorm
+from mindspeed_llm.models.common.rope import rope_tables
+from mindspeed_llm.models.config import TransformerConfig
+from mindspeed_ops import position_ids_from_cu_seqlens
+
+
+class Block(nn.Module):
+    """x + attention(norm(x)), then + feed_forward(norm(.))."""
+
+    def __init__(self, layer_id: int, config: TransformerConfig):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps, impl=config.ops_impl)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps, impl=config.ops_impl)
+        self.feed_forward = FeedForward(
+            config.hidden_size, config.intermediate_size, impl=config.ops_impl
+        )
+
+    def init_weights(self, std: float) -> None:
+        # torchtitan's depth scaling of the projections that write into the residual stream.
+        out_std = std / math.sqrt(2 * (self.layer_id + 1))
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(std, out_std)
+        self.feed_forward.init_weights(std, out_std)
+
+    def forward(
+        self,
+        x: Tensor,
+        rope: RopeTables,
+        position_ids: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+    ) -> Tensor:
+        h = x + self.attention(
+            self.attention_norm(x), rope, position_ids=position_ids, cu_seqlens=cu_seqlens
+        )
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """A dense decoder-only language model described by a `TransformerConfig`.
+
+    Build on the meta device and materialise later with::
+
+        with torch.device("meta"):
+            model = Transformer(config)
+        model.to_empty(device=device)
+        model.init_weights()
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Block(i, config) for i in range(config.num_layers)})
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, impl=config.ops_impl)
+        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if self.rope_cos.device.type != "meta":
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """Recompute the RoPE tables and draw every weight from the global torch RNG.
+
+        Embedding and input projections ~ N(0, init_std); the projections into the
+        residual stream (wo, w2) ~ N(0, init_std / sqrt(2 * (layer_id + 1))); norms 1,
+        biases 0. Same seed, same weights, whether the model was built on the meta device.
+        """
+        if self.config.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # `to_empty` from the meta device materialises the two names separately.
+            self.output.weight = self.tok_embeddings.weight
+        device = buffer_device or self.rope_cos.device
+        self.rope_cos, self.rope_sin = rope_tables(self.config, device)
+        std = self.config.init_std
+        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        for layer in self.layers.values():
+            layer.init_weights(std)
+        self.norm.reset_parameters()
+        if not self.config.tie_word_embeddings:
+            nn.init.normal_(self.output.weight, std=std)
+
+    def forward(
+        self,
+        tokens: Tensor,
+        position_ids: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+    ) -> Tensor:
+        """Logits of the next token at every position.
+
+        Args:
+            tokens: (batch, seq) token ids.
+            position_ids: (batch, seq) RoPE positions; default 0..seq-1 per row, or
+                restarting at every document when `cu_seqlens` is given.
+            cu_seqlens: int32 (num_docs + 1,) cumulative document lengths over the
+                flattened batch * seq tokens (starting at 0, ending at batch * seq);
+                attention stays inside each document.
+
+        Returns:
+            (batch, seq, vocab_size) logits (vocab-sharded DTensor under loss parallel).
+        """
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
+        if cu_seqlens is not None and position_ids is None:
+            position_ids = position_ids_from_cu_seqlens(cu_seqlens).view(tokens.shape)
+        rope = (self.rope_cos, self.rope_sin)
+        h = self.tok_embeddings(tokens)  # (batch, seq, hidden)
+        for layer in self.layers.values():
+            h = layer(h, rope, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        return self.output(self.norm(h))  # (batch, seq, vocab)

@@ -1,0 +1,316 @@
+"""`TransformerConfig`: the hyperparameters of a dense decoder, and their Hugging Face spelling.
+
+One config describes every dense family we support (Llama 2/3, Qwen2/2.5, Qwen3, Mistral):
+the families differ only in flags (qkv bias, per-head qk norm, sliding window, RoPE scaling).
+`from_hf` reads a `config.json` written by transformers v4 or v5; `to_hf_dict` writes one
+that both versions read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mindspeed_core.errors import ConfigError
+
+# Hugging Face `model_type` -> our family.
+HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+_HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+_OPS_IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
+
+# RoPE scaling: required fields, then optional fields with their defaults (transformers').
+_ROPE_SCALING = {
+    "linear": ({"factor"}, {}),
+    "llama3": (
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+        {},
+    ),
+    "yarn": (
+        {"factor", "original_max_position_embeddings"},
+        {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "attention_factor": None,
+            "mscale": None,
+            "mscale_all_dim": None,
+            "truncate": True,
+        },
+    ),
+}
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    """A dense decoder-only transformer (pre-norm, RMSNorm, RoPE, GQA, SwiGLU)."""
+
+    family: str = "llama"
+    """Model family in the registry: "llama", "qwen2", "qwen3" or "mistral"."""
+    vocab_size: int
+    """Rows of the embedding and of the output projection."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the SwiGLU feed-forward (each of w1 and w3)."""
+    num_layers: int
+    """Number of decoder blocks."""
+    num_heads: int
+    """Query heads per block."""
+    num_kv_heads: int | None = None
+    """Key/value heads (GQA); must divide num_heads. None: num_heads (MHA)."""
+    head_dim: int | None = None
+    """Channels per head. None: hidden_size // num_heads."""
+    max_position_embeddings: int = 4096
+    """Length of the RoPE tables: positions must stay below it."""
+    rope_theta: float = 10000.0
+    """RoPE base wavelength."""
+    rope_scaling: dict[str, Any] | None = None
+    """None, or {"type": "linear", "factor"}, {"type": "llama3", "factor", "low_freq_factor",
+    "high_freq_factor", "original_max_position_embeddings"} or {"type": "yarn", "factor",
+    "original_max_position_embeddings", optional "beta_fast", "beta_slow",
+    "attention_factor", "mscale", "mscale_all_dim", "truncate"}, as transformers computes them."""
+    norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim of each query and key head, before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    """Each query sees only the last `sliding_window` keys, itself included (Mistral v0.1).
+    None: full causal attention."""
+    tie_word_embeddings: bool = False
+    """The output projection shares the embedding matrix."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+    ops_impl: str = "auto"
+    """Backend of the fused ops: "auto", "reference", "cpu", "cuda" or "npu"."""
+    dtype: str | None = None
+    """dtype the published weights are stored in ("bfloat16", ...); informational."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
+            _check_positive_int(name, getattr(self, name))
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        _check_positive_int("num_kv_heads", self.num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ConfigError(
+                    f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size} "
+                    "(or set head_dim)"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        _check_positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+        _check_positive_int("max_position_embeddings", self.max_position_embeddings)
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not isinstance(getattr(self, name), int | float) or getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive number")
+        if self.sliding_window is not None:
+            _check_positive_int("sliding_window", self.sliding_window)
+        if self.ops_impl not in _OPS_IMPLS:
+            raise ConfigError(f"ops_impl={self.ops_impl!r} must be one of {_OPS_IMPLS}")
+        if not isinstance(self.family, str) or not self.family:
+            raise ConfigError(f"family={self.family!r} must be a non-empty string")
+        self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
+
+    @classmethod
+    def from_hf(cls, source: str | Path | dict[str, Any], **overrides: Any) -> TransformerConfig:
+        """Read a Hugging Face config: a `config.json` path, its directory, or its dict.
+
+        Accepts transformers v4 (`rope_theta` + `rope_scaling`, `torch_dtype`) and v5
+        (`rope_parameters`, `dtype`) spellings. `overrides` set our own fields afterwards
+        (e.g. `ops_impl="reference"`).
+
+        Raises:
+            ConfigError: unreadable file, unknown `model_type`, or a feature we do not build.
+        """
+        hf = _read_hf(source)
+        model_type = hf.get("model_type")
+        if model_type not in HF_MODEL_TYPES:
+            raise ConfigError(
+                f"Hugging Face model_type={model_type!r} is not supported; "
+                f"known: {', '.join(sorted(HF_MODEL_TYPES))}"
+            )
+        family = HF_MODEL_TYPES[model_type]
+        _check_hf_features(hf, family)
+        theta, scaling = _hf_rope(hf)
+        fields = {
+            "family": family,
+            "vocab_size": hf["vocab_size"],
+            "hidden_size": hf["hidden_size"],
+            "intermediate_size": hf["intermediate_size"],
+            "num_layers": hf["num_hidden_layers"],
+            "num_heads": hf["num_attention_heads"],
+            "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            "head_dim": hf.get("head_dim"),
+            "max_position_embeddings": hf.get("max_position_embeddings", 4096),
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "qkv_bias": family == "qwen2",
+            "qk_norm": family == "qwen3",
+            "sliding_window": _hf_sliding_window(hf, family),
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "init_std": hf.get("initializer_range", 0.02),
+            "dtype": _hf_dtype(hf),
+        }
+        fields.update(overrides)
+        return cls(**fields)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A `config.json` dict for transformers (v4 keys, which v5 also reads)."""
+        hf: dict[str, Any] = {
+            "architectures": [_HF_ARCHITECTURES[self.family]],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": _hf_rope_scaling(self.rope_scaling),
+            "rms_norm_eps": self.norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.init_std,
+            "attention_bias": False,
+            "sliding_window": self.sliding_window,
+        }
+        if self.family in ("qwen2", "qwen3"):
+            hf["use_sliding_window"] = self.sliding_window is not None
+            hf["max_window_layers"] = 0
+        if self.dtype is not None:
+            hf["torch_dtype"] = self.dtype
+        return hf
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+
+
+def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Check a rope_scaling dict and fill its optional fields with transformers' defaults."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"rope_scaling must be None or a dict, got {scaling!r}")
+    kind = scaling.get("type")
+    if kind not in _ROPE_SCALING:
+        raise ConfigError(
+            f"rope_scaling.type={kind!r} is not supported; choose one of {sorted(_ROPE_SCALING)}"
+        )
+    required, optional = _ROPE_SCALING[kind]
+    missing = sorted(required - scaling.keys())
+    if missing:
+        raise ConfigError(f"rope_scaling of type {kind!r} needs {', '.join(missing)}")
+    unknown = sorted(scaling.keys() - required - optional.keys() - {"type"})
+    if unknown:
+        raise ConfigError(f"rope_scaling of type {kind!r} has unknown field(s) {unknown}")
+    out = {"type": kind, **optional, **scaling}
+    if not isinstance(out["factor"], int | float) or out["factor"] <= 0:
+        raise ConfigError(f"rope_scaling.factor={out['factor']!r} must be a positive number")
+    return out
+
+
+def _read_hf(source: str | Path | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(source, dict):
+        return dict(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"Hugging Face config {path} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"Hugging Face config {path} is not valid JSON: {err}") from None
+
+
+def _check_hf_features(hf: dict[str, Any], family: str) -> None:
+    """Refuse options our modules do not build, instead of silently ignoring them."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act={act!r} is not supported (only 'silu', i.e. SwiGLU)")
+    if hf.get("mlp_bias"):
+        raise ConfigError("mlp_bias=true is not supported")
+    # Qwen2 has q/k/v biases regardless; elsewhere attention_bias also biases o_proj.
+    if family != "qwen2" and hf.get("attention_bias"):
+        raise ConfigError(f"attention_bias=true is not supported for model_type {family!r}")
+
+
+def _hf_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, our rope_scaling) from v4 `rope_theta`/`rope_scaling` or v5 `rope_parameters`."""
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if params.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("partial_rotary_factor != 1 is not supported")
+    if kind == "default":
+        return theta, None
+    if kind not in _ROPE_SCALING:
+        raise ConfigError(
+            f"rope type {kind!r} is not supported; choose one of {sorted(_ROPE_SCALING)}"
+        )
+    required, optional = _ROPE_SCALING[kind]
+    if "original_max_position_embeddings" in required:
+        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if kind == "yarn" and params.get("factor") is None:
+        # transformers: the ratio of the context lengths when no factor is given.
+        params["factor"] = (
+            hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+        )
+    kept = {k: v for k, v in params.items() if k in required or k in optional}
+    return theta, {"type": kind, **kept}
+
+
+def _hf_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
+    if scaling is None:
+        return None
+    out = {k: v for k, v in scaling.items() if v is not None}
+    out["rope_type"] = out["type"]
+    return out
+
+
+def _hf_sliding_window(hf: dict[str, Any], family: str) -> int | None:
+    window = hf.get("sliding_window")
+    if family == "mistral" or window is None:
+        return window
+    if family not in ("qwen2", "qwen3") or not hf.get("use_sliding_window", False):
+        return None
+    # Qwen: layers from max_window_layers on slide (or as `layer_types` says).
+    num_layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", num_layers) else "full_attention"
+        for i in range(num_layers)
+    ]
+    if all(t == "sliding_attention" for t in types):
+        return window
+    if all(t == "full_attention" for t in types):
+        return None
+    raise ConfigError(
+        "a sliding window on some layers only (max_window_layers / layer_types) is not supported"
+    )
+
+
+def _hf_dtype(hf: dict[str, Any]) -> str | None:
+    value = hf.get("dtype") or hf.get("torch_dtype")
+    if value is None:
+        return None
+    return str(value).removeprefix("torch.")

@@ -1,0 +1,15 @@
+"""The qwen2 family: the shared dense decoder with qwen2's flags (see flavors.py)."""
+
+from mindspeed_llm.models.common import Transformer, hf_adapter, parallelize_decoder
+from mindspeed_llm.models.qwen2.flavors import FLAVORS
+from mindspeed_llm.models.registry import ModelSpec
+
+SPEC = ModelSpec(
+    name="qwen2",
+    flavors=FLAVORS,
+    build=Transformer,
+    parallelize=parallelize_decoder,
+    hf_adapter=hf_adapter,
+)
+
+__all__ = ["FLAVORS", "SPEC"]

@@ -1,0 +1,33 @@
+"""Qwen2 / Qwen2.5 sizes (q/k/v biases): a CPU-sized debug model and Qwen2.5-7B."""
+
+from mindspeed_llm.models.config import TransformerConfig
+
+FLAVORS = {
+    "debug": TransformerConfig(
+        family="qwen2",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=256,
+        norm_eps=1e-6,
+        qkv_bias=True,
+    ),
+    # Qwen/Qwen2.5-7B
+    "qwen2.5-7b": TransformerConfig(
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        max_position_embeddings=131072,
+        rope_theta=1000000.0,
+        norm_eps=1e-6,
+        qkv_bias=True,
+        dtype="bfloat16",
+    ),
+}
