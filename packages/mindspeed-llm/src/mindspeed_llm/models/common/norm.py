@@ -29,7 +29,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(x, DTensor):
             return self._forward_dtensor(x)
-        return rms_norm(x, self.weight, self.eps, impl=self.impl)
+        weight = self.weight
+        if isinstance(weight, DTensor):
+            # A replicated weight over this rank's share of a tensor-parallel input (the local
+            # heads of q/k): the local weight gradient is a partial sum over ranks.
+            weight = weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
+        return rms_norm(x, weight, self.eps, impl=self.impl)
 
     def _forward_dtensor(self, x: DTensor) -> DTensor:
         if any(p.is_shard(x.ndim - 1) or p.is_shard(-1) for p in x.placements):

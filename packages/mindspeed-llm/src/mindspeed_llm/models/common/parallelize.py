@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_module
 
 from mindspeed_core.errors import ParallelError
 from mindspeed_core.parallel import (
@@ -67,6 +69,8 @@ def parallelize_decoder(
             loss_parallel=loss_parallel,
         )
         apply_tp(model, dims.mesh("tp"), plan)
+        if config.qk_norm:
+            _replicate_qk_norms(model, dims.mesh("tp"))
     apply_ac(model, ac_mode)
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.mesh("fsdp"), param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -75,3 +79,14 @@ def parallelize_decoder(
             model, dims.mesh("dp_replicate"), param_dtype=param_dtype, reduce_dtype=reduce_dtype
         )
     return model
+
+
+def _replicate_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make the per-head q/k norm weights replicated DTensors over the tp mesh.
+
+    Each rank normalises only its own heads, so each sees part of the weights' gradient;
+    as DTensors, `RMSNorm` marks that gradient Partial and DTensor sums it over ranks.
+    """
+    for layer in model.layers.values():
+        distribute_module(layer.attention.q_norm, tp_mesh)
+        distribute_module(layer.attention.k_norm, tp_mesh)

@@ -1,0 +1,144 @@
+"""Parallel layouts of the dense models give one process's logits and gradients (fp32, 2 gloo
+ranks, one spawn): tensor parallel with and without sequence/loss parallel, packed
+documents under TP, Qwen2 biases and Qwen3 qk-norm under TP, FSDP with recompute."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from mindspeed_core.errors import ParallelError
+from mindspeed_core.optim import clip_grad_norm_
+from mindspeed_core.parallel import ParallelDims, loss_parallel_context
+from mindspeed_core.testing import run_distributed
+from mindspeed_llm.models import build_model_config, get_model_spec
+from mindspeed_llm.models.common import RMSNorm
+
+ATOL = 1e-5
+LAYOUTS = {
+    "llama_tp2": ("llama", {"tp": 2}, {}),
+    "llama_tp2_sp": ("llama", {"tp": 2}, {"sequence_parallel": True}),
+    "llama_tp2_sp_loss_parallel": (
+        "llama",
+        {"tp": 2},
+        {"sequence_parallel": True, "loss_parallel": True},
+    ),
+    "llama_tp2_sp_packed": ("llama", {"tp": 2}, {"sequence_parallel": True}),
+    "qwen2_tp2_sp": ("qwen2", {"tp": 2}, {"sequence_parallel": True}),
+    "qwen3_tp2_selective_ac": ("qwen3", {"tp": 2}, {"ac_mode": "selective"}),
+    "mistral_fsdp2_full_ac": ("mistral", {"dp_shard": 2}, {"ac_mode": "full"}),
+}
+CU_SEQLENS = torch.tensor([0, 5, 16, 30, 32], dtype=torch.int32)  # over 2 rows of 16
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, 512, (2, 16), generator=gen), torch.randint(
+        0, 512, (2, 16), generator=gen
+    )
+
+
+def _full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _run(family, degrees=None, options=None, packed=False):
+    """Logits and gradients of one step; no degrees: the one-process reference."""
+    spec = get_model_spec(family)
+    torch.manual_seed(0)
+    model = spec.build(build_model_config(family, flavor="debug"))
+    options = options or {}
+    if degrees is not None:
+        model = spec.parallelize(model, ParallelDims(**degrees).build(), **options)
+    tokens, labels = _batch()
+    kwargs = {"cu_seqlens": CU_SEQLENS} if packed else {}
+    with loss_parallel_context(options.get("loss_parallel", False)):
+        logits = model(tokens, **kwargs)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    # one clipped SGD step: Partial gradients (norm weights) must reduce inside the update
+    norm = clip_grad_norm_(model.parameters(), max_norm=0.5)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    params = {n: _full(p) for n, p in model.named_parameters()}
+    return {
+        "logits": _full(logits),
+        "loss": _full(loss),
+        "norm": _full(norm),
+        "grads": grads,
+        "params": params,
+    }
+
+
+def _rms_norm_on_sequence_shards():
+    """RMSNorm on a DTensor sharded along the sequence == on the whole tensor."""
+    mesh = ParallelDims(tp=2).build().mesh("tp")
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    plain = RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+    sharded = RMSNorm(16, eps=1e-6)
+    sharded.weight = torch.nn.Parameter(
+        distribute_tensor(plain.weight.detach(), mesh, [Replicate()])
+    )
+    x_shard = distribute_tensor(x.detach(), mesh, [Shard(1)]).requires_grad_()
+    out = sharded(x_shard)
+    assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+    out.full_tensor().pow(2).sum().backward()
+    plain(x).pow(2).sum().backward()
+    return {
+        "out": (_full(out), plain(x).detach()),
+        "x_grad": (_full(x_shard.grad), x.grad),
+        "w_grad": (_full(sharded.weight.grad), plain.weight.grad),
+    }
+
+
+def _all_layouts():
+    results = {
+        name: _run(family, degrees, options, packed=name.endswith("packed"))
+        for name, (family, degrees, options) in LAYOUTS.items()
+    }
+    return results, _rms_norm_on_sequence_shards()
+
+
+@pytest.mark.distributed
+def test_layouts_match_one_process():
+    ranks = run_distributed(_all_layouts, 2, timeout=300)
+    references = {}
+    for name, (family, _, _) in LAYOUTS.items():
+        packed = name.endswith("packed")
+        if (family, packed) not in references:
+            references[family, packed] = _run(family, packed=packed)
+    for results, norm in ranks:
+        for name, got in results.items():
+            family = LAYOUTS[name][0]
+            ref = references[family, name.endswith("packed")]
+            torch.testing.assert_close(got["logits"], ref["logits"], atol=ATOL, rtol=0, msg=name)
+            for key in ("loss", "norm"):
+                torch.testing.assert_close(got[key], ref[key], atol=ATOL, rtol=0, msg=name)
+            for key in ("grads", "params"):
+                assert got[key].keys() == ref[key].keys(), name
+                for param, value in ref[key].items():
+                    torch.testing.assert_close(
+                        got[key][param], value, atol=ATOL, rtol=0, msg=f"{name} {key} {param}"
+                    )
+        for key, (got, expected) in norm.items():
+            torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=key)
+    assert references["llama", False]["norm"] > 0.5  # so clipping really clips
+    # packing changes the answer, so the packed layout really tests cu_seqlens under TP
+    assert not torch.allclose(
+        references["llama", True]["logits"], references["llama", False]["logits"]
+    )
+
+
+def test_unsupported_layouts_are_refused():
+    spec = get_model_spec("llama")
+    model = spec.build(build_model_config("llama", flavor="debug"))
+    with pytest.raises(ParallelError, match="cp=2"):
+        spec.parallelize(model, ParallelDims(cp=2, world_size=2))
+    with pytest.raises(ParallelError, match="need tp > 1"):
+        spec.parallelize(model, ParallelDims(world_size=1), sequence_parallel=True)
+    tied = spec.build(build_model_config("llama", flavor="debug", tie_word_embeddings=True))
+    with pytest.raises(ParallelError, match="tie_word_embeddings"):
+        spec.parallelize(tied, ParallelDims(tp=2, world_size=2))
