@@ -61,5 +61,5 @@ class MegatronTokenizerStub:
 
     vocab_size = 1000
     eod = 0
-    pad = 0
+    pad = 1000  # outside the corpus ids: Megatron rewrites pad tokens it meets
     unique_identifiers = {"class": "MegatronTokenizerStub"}

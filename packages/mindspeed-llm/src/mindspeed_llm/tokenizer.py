@@ -282,6 +282,7 @@ def train_sentencepiece(
                 sentence_iterator=iter(texts),
                 model_writer=model,
                 logstream=quiet,
+                minloglevel=2,  # the C++ trainer logs every step otherwise
                 vocab_size=vocab_size,
                 model_type=model_type,
                 byte_fallback=True,
