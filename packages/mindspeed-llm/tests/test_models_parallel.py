@@ -1,6 +1,7 @@
 """Parallel layouts of the dense models give one process's logits and gradients (fp32, 2 gloo
 ranks, one spawn): tensor parallel with and without sequence/loss parallel, packed
-documents under TP, Qwen2 biases and Qwen3 qk-norm under TP, FSDP with recompute."""
+documents under TP, Qwen2 biases and Qwen3 qk-norm under TP, FSDP with recompute; and a
+model built on the meta device, sharded by FSDP, then materialised and initialised."""
 
 import pytest
 import torch
@@ -94,11 +95,31 @@ def _rms_norm_on_sequence_shards():
     }
 
 
+def _meta_then_fsdp_then_init():
+    """torchtitan's flow: build on meta, parallelise, materialise, initialise in place."""
+    config = build_model_config("qwen2", flavor="debug")
+    spec = get_model_spec("qwen2")
+    with torch.device("meta"):
+        model = spec.build(config)
+    spec.parallelize(model, ParallelDims(dp_shard=2).build())
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    logits = model(_batch()[0])
+    weight = model.layers["0"].attention.wq.weight
+    assert isinstance(weight, DTensor) and weight.to_local().shape == (32, 64)
+    assert torch.isfinite(logits).all() and logits.shape == (2, 16, 512)
+    assert abs(_full(weight).std().item() - config.init_std) < 3e-3
+    assert torch.all(_full(model.layers["1"].attention.wk.bias) == 0)
+    torch.testing.assert_close(model.rope_cos, spec.build(config).rope_cos, atol=0, rtol=0)
+
+
 def _all_layouts():
     results = {
         name: _run(family, degrees, options, packed=name.endswith("packed"))
         for name, (family, degrees, options) in LAYOUTS.items()
     }
+    _meta_then_fsdp_then_init()
     return results, _rms_norm_on_sequence_shards()
 
 

@@ -1,0 +1,77 @@
+"""Tiny Hugging Face models with every tensor randomised, and ours built from them."""
+
+import torch
+import transformers
+
+from mindspeed_llm.models import Transformer, TransformerConfig
+from mindspeed_llm.models.common import hf_adapter
+
+SEQ = 24
+TINY = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+CASES = {
+    "llama": ("LlamaConfig", {}),
+    "llama-linear": ("LlamaConfig", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "llama-llama3": (
+        "LlamaConfig",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "llama-yarn": (
+        "LlamaConfig",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "mistral-window": ("MistralConfig", {"sliding_window": 8}),
+}
+
+
+def make_hf(case: str, device="cpu", **changes):
+    cls_name, extra = CASES[case]
+    config = getattr(transformers, cls_name)(**{**TINY, **extra, **changes})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: make every tensor count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 0.08)
+    return model.to(device).eval()
+
+
+def ours_from(hf_model) -> Transformer:
+    config = TransformerConfig.from_hf(hf_model.config.to_dict())
+    model = Transformer(config).to(hf_model.device)
+    model.load_state_dict(hf_adapter.from_hf(hf_model.state_dict(), config))
+    return model.eval()
+
+
+def tokens(batch=2, seq=SEQ, seed=1):
+    return torch.randint(
+        0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed)
+    )
