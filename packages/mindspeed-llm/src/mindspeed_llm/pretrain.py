@@ -1,0 +1,78 @@
+"""`mindspeed pretrain` / `python -m mindspeed_llm.pretrain`: pretrain a decoder LLM.
+
+With no arguments it trains the `debug` Llama on the embedded demo corpus on CPU.
+Several processes: `torchrun --standalone --nproc-per-node 2 -m mindspeed_llm.pretrain
+--parallel.tp 2`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from mindspeed_core.cli import Command, debug_enabled, guarded
+from mindspeed_core.config import config_from_args, to_dict
+from mindspeed_core.distributed import (
+    current_distributed,
+    destroy_distributed,
+    init_distributed,
+    setup_logging,
+)
+from mindspeed_llm.train.config import PretrainConfig
+
+logger = logging.getLogger("mindspeed.pretrain")
+
+
+def pretrain(cfg: PretrainConfig) -> dict[str, float]:
+    """Run pretraining in this process (one rank of a torchrun job, or alone)."""
+    import torch.distributed as dist
+
+    from mindspeed_llm.train.trainer import Trainer
+
+    owns_group = not dist.is_initialized()
+    device = None if cfg.train.device == "auto" else cfg.train.device
+    info = init_distributed(device_type=device) if owns_group else current_distributed(device)
+    try:
+        summary = Trainer(cfg, info).run()
+        logger.info(
+            "trained %d steps: loss %.3f -> %.3f; run directory %s",
+            summary["steps"],
+            summary["first_loss"] if summary["first_loss"] is not None else float("nan"),
+            summary["final_loss"] if summary["final_loss"] is not None else float("nan"),
+            cfg.logging.run_dir,
+        )
+        return summary
+    finally:
+        if owns_group:
+            destroy_distributed()
+
+
+def _usage() -> str:
+    lines = [
+        "usage: mindspeed pretrain [--config FILE] [--section.field VALUE ...]",
+        "",
+        "With no arguments: the debug Llama on the embedded demo corpus (CPU, a few minutes).",
+        "Fields and defaults:",
+    ]
+    for section, values in to_dict(PretrainConfig()).items():
+        for name, value in values.items():
+            lines.append(f"  --{section}.{name} {value}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(_usage())
+        return 0
+    cfg = config_from_args(PretrainConfig, argv)
+    setup_logging()
+    pretrain(cfg)
+    return 0
+
+
+command = Command(help="pretrain a decoder LLM (no arguments: the embedded demo)", run=main)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    sys.exit(guarded(main, [a for a in args if a != "--debug"], debug=debug_enabled(args)))

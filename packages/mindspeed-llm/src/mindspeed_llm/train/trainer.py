@@ -1,0 +1,396 @@
+"""The pretraining loop: config -> run directory -> steps -> metrics and checkpoints.
+
+Read top to bottom: `Trainer.__init__` checks everything a user can get wrong
+before anything is written, then builds data, model (parallelised from outside by
+mindspeed_core), optimizer and checkpoints; `run` trains. The run directory holds
+`config.yaml`, `metrics.jsonl`, `tb/`, `checkpoints/` and `loss_curve.png`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import mindspeed_ops
+from mindspeed_core import device as dev
+from mindspeed_core.checkpoint import CheckpointManager, ModelState, RNGState, TrainState
+from mindspeed_core.config import dump_yaml
+from mindspeed_core.distributed import DistributedInfo, is_rank0
+from mindspeed_core.errors import ConfigError, MindSpeedError
+from mindspeed_core.optim import (
+    DynamicLossScaler,
+    build_lr_schedulers,
+    build_optimizers,
+    clip_grad_norm_,
+)
+from mindspeed_core.parallel import ParallelDims, loss_parallel_context
+from mindspeed_core.training import (
+    MetricsWriter,
+    ThroughputMeter,
+    dense_params,
+    flops_per_token,
+    set_seed,
+)
+from mindspeed_llm.data import build_pretrain_datasets, packed_positions
+from mindspeed_llm.models import build_model_config, get_model_spec
+from mindspeed_llm.tokenizer import load_tokenizer
+from mindspeed_llm.train.config import PretrainConfig
+from mindspeed_llm.train.loader import PretrainLoader
+from mindspeed_llm.train.plots import plot_loss_curve
+
+logger = logging.getLogger("mindspeed.pretrain")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TrainingError(MindSpeedError):
+    """Training cannot go on (e.g. the loss stayed inf/nan)."""
+
+
+class Trainer:
+    def __init__(self, cfg: PretrainConfig, info: DistributedInfo):
+        self.cfg = cfg
+        self.device = info.device
+        self.dims = ParallelDims(
+            dp_replicate=cfg.parallel.dp_replicate,
+            dp_shard=cfg.parallel.dp_shard,
+            tp=cfg.parallel.tp,
+        ).build(self.device.type)
+        self.accum = _grad_accum_steps(cfg, self.dims.dp)
+        tokenizer_path, self.data_paths = _resolve_data(cfg)
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        hf_config = cfg.model.hf_config
+        self.model_cfg = build_model_config(
+            cfg.model.family,
+            None if hf_config is not None else cfg.model.flavor,
+            hf_config,
+            ops_impl=cfg.model.ops_impl,
+        )
+        _check_fits(cfg, self.model_cfg, self.tokenizer, tokenizer_path)
+        self._build_data()
+        self._build_model()
+        self._build_optimizer()
+        self._build_checkpointing()
+        self.run_dir = Path(cfg.logging.run_dir)
+
+    # -- construction ---------------------------------------------------------------
+
+    def _build_data(self) -> None:
+        cfg = self.cfg
+        eval_samples = cfg.train.eval_batches * cfg.train.global_batch
+        train, valid, _ = build_pretrain_datasets(
+            self.data_paths,
+            split=cfg.data.split,
+            seq_len=cfg.data.seq_len,
+            seed=cfg.train.seed,
+            num_samples=(cfg.train.steps * cfg.train.global_batch, eval_samples, 0),
+            cache_dir=cfg.data.cache_dir,
+        )
+        loader_args = {
+            "micro_batch": cfg.train.micro_batch,
+            "dp_rank": self.dims.rank("dp"),
+            "dp_size": self.dims.dp,
+        }
+        self.loader = PretrainLoader(train, **loader_args)
+        self.valid = valid
+        self.valid_args = loader_args
+
+    def _build_model(self) -> None:
+        cfg, mcfg = self.cfg, self.model_cfg
+        set_seed(cfg.train.seed, self.dims)
+        spec = get_model_spec(cfg.model.family)
+        with torch.device(self.device):
+            model = spec.build(mcfg)
+        self.flops_per_token = flops_per_token(
+            dense_params(model), mcfg.num_layers, mcfg.hidden_size, cfg.data.seq_len
+        )
+        dtype = _DTYPES[cfg.train.precision]
+        sharded = self.dims.fsdp_enabled or self.dims.dp_replicate > 1
+        self.autocast = dtype != torch.float32 and not sharded
+        self.loss_parallel = self.dims.tp > 1 and cfg.parallel.loss_parallel
+        self.model = spec.parallelize(
+            model,
+            self.dims,
+            ac_mode=cfg.train.ac,
+            param_dtype=dtype if dtype != torch.float32 else None,
+            sequence_parallel=self.dims.tp > 1 and cfg.parallel.sequence_parallel,
+            loss_parallel=self.loss_parallel,
+        )
+        self.scaler = DynamicLossScaler() if cfg.train.precision == "fp16" else None
+
+    def _build_optimizer(self) -> None:
+        o, steps = self.cfg.optim, self.cfg.train.steps
+        self.optimizer = build_optimizers(
+            self.model,
+            lr=o.lr,
+            weight_decay=o.weight_decay,
+            betas=tuple(o.betas),
+            eps=o.eps,
+            implementation=o.implementation,
+        )
+        self.scheduler = build_lr_schedulers(
+            self.optimizer,
+            warmup_steps=o.warmup_steps,
+            total_steps=steps,
+            decay_style=o.decay_style,
+            min_lr_ratio=o.min_lr_ratio,
+            decay_steps=o.decay_steps,
+        )
+
+    def _build_checkpointing(self) -> None:
+        c = self.cfg.checkpoint
+        self.state = TrainState()
+        states = {
+            "model": ModelState(self.model),
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "train": self.state,
+            "data": self.loader,
+            "rng": RNGState(self.device),
+        }
+        if self.scaler is not None:
+            states["loss_scaler"] = self.scaler
+        folder = c.dir or Path(self.cfg.logging.run_dir) / "checkpoints"
+        self.checkpoints = CheckpointManager(
+            states, folder, interval=c.interval, keep_last=c.keep_last, async_save=c.async_save
+        )
+        self.states = states
+
+    # -- running --------------------------------------------------------------------
+
+    def run(self) -> dict[str, float]:
+        """Train to `train.steps`; returns the first and last logged loss."""
+        resumed = self._maybe_resume()
+        if is_rank0():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_yaml(self.cfg, self.run_dir / "config.yaml")
+        metrics = MetricsWriter(
+            self.run_dir, tensorboard=self.cfg.logging.tensorboard, resume_step=resumed
+        )
+        try:
+            summary = self._loop(metrics)
+        finally:
+            metrics.close()
+        self._finish()
+        return summary
+
+    def _maybe_resume(self) -> int | None:
+        load = self.cfg.checkpoint.load
+        if load == "none":
+            return None
+        if load == "auto":
+            step = self.checkpoints.load()
+        else:
+            step = _load_from(Path(load), self.states)
+        if step is not None:
+            logger.info("resumed from step %d", self.state.step)
+        return step
+
+    def _loop(self, metrics: MetricsWriter) -> dict[str, float]:
+        cfg = self.cfg
+        tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        peak = dev.peak_flops(self.device, _DTYPES[cfg.train.precision])
+        meter = ThroughputMeter(self.flops_per_token, peak)
+        bar = tqdm(
+            total=cfg.train.steps,
+            initial=self.state.step,
+            disable=not (is_rank0() and cfg.logging.progress),
+            desc="pretrain",
+            dynamic_ncols=True,
+        )
+        first = last = None
+        steps_since_log = 0
+        stop = min(cfg.train.steps, cfg.train.exit_at_step or cfg.train.steps)
+        while self.state.step < stop:
+            loss, grad_norm = self._train_step()
+            self.state.step += 1
+            self.state.tokens_seen += tokens_per_step
+            steps_since_log += 1
+            bar.update(1)
+            record = {"loss": loss, "lr": self.scheduler.get_last_lr(), "grad_norm": grad_norm}
+            if self._eval_due():
+                record["valid_loss"] = self._evaluate()
+            if self._log_due() or "valid_loss" in record:
+                rate = meter.update(tokens_per_step * steps_since_log // dist.get_world_size())
+                steps_since_log = 0
+                record.update(
+                    tokens_per_s=rate["tokens_per_s"] * dist.get_world_size(),
+                    mfu=rate["mfu"],
+                    mem_gb=dev.memory_stats(self.device)["peak_gb"],
+                )
+                metrics.log(self.state.step, record)
+                bar.set_postfix(
+                    loss=f"{loss:.3f}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                    mfu=f"{rate['mfu']:.1%}",
+                )
+            first = loss if first is None else first
+            last = loss
+            self.checkpoints.save(self.state.step)
+        bar.close()
+        return {"first_loss": first, "final_loss": last, "steps": self.state.step}
+
+    def _log_due(self) -> bool:
+        interval = self.cfg.logging.log_interval
+        return self.state.step % max(interval, 1) == 0 or self.state.step == self.cfg.train.steps
+
+    def _eval_due(self) -> bool:
+        interval = self.cfg.train.eval_interval
+        if self.valid is None or interval <= 0:
+            return False
+        return self.state.step % interval == 0 or self.state.step == self.cfg.train.steps
+
+    def _train_step(self) -> tuple[float, float]:
+        self.optimizer.zero_grad()
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.accum):
+            batch = self.loader.next_micro_batch().to(self.device)
+            with self._compute_context():
+                loss = self._loss(batch) / self.accum
+                (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
+            total += _plain(loss).detach()
+        loss = self._mean_over_data(total)
+        if not math.isfinite(loss):
+            return self._skip_step(loss)
+        self.state.extra["nonfinite_in_a_row"] = 0
+        params = list(self.optimizer.parameters())
+        if self.scaler is not None:
+            found_inf = self.scaler.unscale_(params)
+            self.scaler.update(found_inf)
+            if found_inf:  # the fp16 gradients overflowed: skip, the scale went down
+                self.optimizer.zero_grad()
+                self.scheduler.step()
+                return loss, float("nan")
+        grad_norm = clip_grad_norm_(params, self.cfg.optim.clip_grad)
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss, float(grad_norm)
+
+    def _skip_step(self, loss: float) -> tuple[float, float]:
+        count = self.state.extra.get("nonfinite_in_a_row", 0) + 1
+        self.state.extra["nonfinite_in_a_row"] = count
+        self.state.extra["nonfinite_total"] = self.state.extra.get("nonfinite_total", 0) + 1
+        self.optimizer.zero_grad()
+        logger.warning(
+            "step %d: loss is %s; skipped (%d in a row)", self.state.step + 1, loss, count
+        )
+        if count >= self.cfg.train.max_nonfinite_steps:
+            raise TrainingError(
+                f"the loss was inf/nan for {count} steps in a row (up to step {self.state.step + 1}); "
+                "lower optim.lr, raise optim.warmup_steps or use train.precision bf16/fp32"
+            )
+        return loss, float("nan")
+
+    def _compute_context(self):
+        stack = contextlib.ExitStack()
+        if self.autocast:
+            dtype = _DTYPES[self.cfg.train.precision]
+            stack.enter_context(torch.autocast(self.device.type, dtype=dtype))
+        stack.enter_context(loss_parallel_context(self.loss_parallel))
+        return stack
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        tokens, labels = batch[:, :-1], batch[:, 1:]
+        positions, cu_seqlens = packed_positions(
+            tokens,
+            -1 if self.tokenizer.eod_id is None else self.tokenizer.eod_id,
+            reset_position_ids=self.cfg.data.reset_position_ids,
+            reset_attention_mask=self.cfg.data.reset_attention_mask,
+        )
+        logits = self.model(tokens, position_ids=positions, cu_seqlens=cu_seqlens)
+        if self.loss_parallel:  # vocab-sharded DTensor logits: torch's loss-parallel kernel
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return mindspeed_ops.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), impl=self.cfg.model.ops_impl
+        )
+
+    def _mean_over_data(self, value: torch.Tensor) -> float:
+        mesh = self.dims.mesh("loss")
+        if mesh is not None:
+            value = value.clone()
+            dist.all_reduce(value, group=mesh.get_group())
+            value /= mesh.size()
+        return value.item()
+
+    @torch.no_grad()
+    def _evaluate(self) -> float:
+        loader = PretrainLoader(self.valid, **self.valid_args)  # the same samples every time
+        total = torch.zeros((), device=self.device)
+        micro_batches = self.cfg.train.eval_batches * self.accum  # whole global batches
+        for _ in range(micro_batches):
+            with self._compute_context():
+                total += _plain(self._loss(loader.next_micro_batch().to(self.device)))
+        return self._mean_over_data(total / micro_batches)
+
+    def _finish(self) -> None:
+        if self.cfg.checkpoint.interval == 0 or self.state.step % self.cfg.checkpoint.interval:
+            self.checkpoints.save(self.state.step, force=True)
+        self.checkpoints.close()
+        if is_rank0():
+            plot_loss_curve(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png")
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A loss computed under loss parallel is a replicated DTensor; take its value."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _grad_accum_steps(cfg: PretrainConfig, dp: int) -> int:
+    per_step = cfg.train.micro_batch * dp
+    if cfg.train.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch={cfg.train.global_batch} is not divisible by train.micro_batch "
+            f"({cfg.train.micro_batch}) x data-parallel size ({dp}) = {per_step}"
+        )
+    return cfg.train.global_batch // per_step
+
+
+def _resolve_data(cfg: PretrainConfig) -> tuple[Path, list[str]]:
+    """(tokenizer, dataset paths): the user's, or the embedded demo built on rank 0."""
+    if cfg.data.paths:
+        if cfg.data.tokenizer is None:
+            raise ConfigError("data.tokenizer is required when data.paths is set")
+        return Path(cfg.data.tokenizer), list(cfg.data.paths)
+    from mindspeed_llm.demo import cache_root, ensure_demo_data
+
+    if is_rank0():
+        ensure_demo_data()
+    if dist.is_initialized():
+        dist.barrier()
+    demo = ensure_demo_data(cache_root())
+    return Path(cfg.data.tokenizer or demo.tokenizer), [str(demo.prefix)]
+
+
+def _check_fits(cfg: PretrainConfig, model_cfg, tokenizer, tokenizer_path: Path) -> None:
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer_path} has {tokenizer.vocab_size} tokens but the model's "
+            f"vocab_size is {model_cfg.vocab_size}; pick a model with a larger vocabulary"
+        )
+    if tokenizer.eod_id is None and (cfg.data.reset_position_ids or cfg.data.reset_attention_mask):
+        raise ConfigError(
+            f"tokenizer {tokenizer_path} has no end-of-document token; set "
+            "data.reset_position_ids=false and data.reset_attention_mask=false"
+        )
+    if cfg.data.seq_len > model_cfg.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
+            f"{model_cfg.max_position_embeddings}"
+        )
+
+
+def _load_from(path: Path, states) -> int | None:
+    """checkpoint.load given as a folder of checkpoints or one step_<N> folder."""
+    if path.name.startswith("step_") and path.name[5:].isdigit():
+        return CheckpointManager(states, path.parent).load(int(path.name[5:]))
+    manager = CheckpointManager(states, path)
+    step = manager.load()
+    if step is None:
+        raise ConfigError(f"checkpoint.load={path} holds no checkpoint")
+    return step
