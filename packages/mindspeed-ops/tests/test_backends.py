@@ -48,7 +48,12 @@ def test_env_info_does_not_build(tmp_path):
 
 
 def test_env_entry_point_is_registered():
-    from importlib.metadata import entry_points
+    from importlib.metadata import PackageNotFoundError, distribution, entry_points
+
+    try:
+        distribution("mindspeed-ops")
+    except PackageNotFoundError:
+        pytest.skip("mindspeed-ops is on sys.path but not installed (no entry points)")
 
     names = {ep.value for ep in entry_points(group="mindspeed.env")}
     assert "mindspeed_ops.env:info" in names

@@ -20,15 +20,20 @@ from mindspeed_ops.validate import check_float, check_index, check_same_device
 REDUCTIONS = ("mean", "sum", "none")
 # fp32 elements of one chunk of logits: 16 MiB on CPU; 256 MiB on accelerators, where each
 # chunk is a few kernel launches and small chunks would be launch-bound.
+# The fused variant uses 64 MiB chunks on CPU: each chunk rereads the whole output weight in
+# three GEMMs, and narrow GEMMs are slow.
 _CHUNK_ELEMENTS = {"cpu": 1 << 22}
+_LINEAR_CHUNK_ELEMENTS = {"cpu": 1 << 24}
 _CHUNK_ELEMENTS_ACCELERATOR = 1 << 26
 
 
-def _chunk_rows(vocab: int, chunk_size: int | None, device: torch.device) -> int:
+def _chunk_rows(
+    vocab: int, chunk_size: int | None, device: torch.device, linear: bool = False
+) -> int:
     if chunk_size:
         return chunk_size
-    elements = _CHUNK_ELEMENTS.get(device.type, _CHUNK_ELEMENTS_ACCELERATOR)
-    return max(1, elements // vocab)
+    table = _LINEAR_CHUNK_ELEMENTS if linear else _CHUNK_ELEMENTS
+    return max(1, table.get(device.type, _CHUNK_ELEMENTS_ACCELERATOR) // vocab)
 
 
 def _chunk_loss(z: Tensor, target: Tensor, ignore_index: int, smoothing: float):
@@ -266,6 +271,8 @@ def linear_cross_entropy(
 
     Args:
         hidden: (tokens, hidden_size).
+        chunk_size: tokens per chunk; default keeps one fp32 chunk of logits near 64 MiB on
+            CPU and 256 MiB on GPU/NPU.
         weight: (vocab, hidden_size), same dtype as hidden.
         target: (tokens,) class indices.
     """
@@ -285,7 +292,7 @@ def linear_cross_entropy(
     kwargs = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
     if backend == "reference":
         return linear_cross_entropy_reference(hidden, weight, target, **kwargs)
-    chunk = _chunk_rows(weight.shape[0], chunk_size, hidden.device)
+    chunk = _chunk_rows(weight.shape[0], chunk_size, hidden.device, linear=True)
     loss, _ = _lce_fwd(
         hidden.contiguous(), weight.contiguous(), target.long(), ignore_index,
         float(label_smoothing), chunk,
