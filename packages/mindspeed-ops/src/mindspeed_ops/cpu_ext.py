@@ -123,3 +123,10 @@ def status() -> str:
     if any(build_dir().glob(f"{_NAME}*.so")):
         return f"built (cached in {build_dir()}, loads on first use)"
     return "not built yet (builds on first CPU use)"
+
+
+if __name__ == "__main__":
+    # Ahead-of-time build (e.g. in a container image): python -m mindspeed_ops.cpu_ext
+    load()
+    print(f"{status()} ({build_dir()})")
+    raise SystemExit(0 if _state["module"] is not None else 1)
