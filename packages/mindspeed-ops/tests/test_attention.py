@@ -109,3 +109,20 @@ def test_single_key_softmax_is_identity():
     out, lse = mo.attention(q, k, v, return_lse=True, impl="cpu")
     torch.testing.assert_close(out[0, 0], v[0, 0])
     torch.testing.assert_close(lse[0, 0, 0], (q[0, 0, 0] @ k[0, 0, 0]) / math.sqrt(4))
+
+
+@pytest.mark.parametrize("lse", [False, True], ids=["sdpa", "composed"])
+def test_attention_non_contiguous(parity, backend, lse):
+    # q, k, v as (batch, heads, seq, dim) buffers viewed as (batch, seq, heads, dim).
+    inputs = {"q": _g(2, 4, 9, 8), "k": _g(2, 2, 9, 8, seed=1), "v": _g(2, 2, 9, 8, seed=2)}
+
+    def ours(q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return mo.attention(q, k, v, return_lse=lse, impl=backend)
+
+    def ref(q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out, s = mo.attention_reference(q, k, v)
+        return (out, s) if lse else out
+
+    parity(ours, ref, inputs, torch.float32, backend, ATTN_TOL[torch.float32])

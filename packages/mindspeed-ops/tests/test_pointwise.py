@@ -125,3 +125,18 @@ def test_rotary_half_matches_complex_rotation():
     out = mo.rotary_embedding(x, cos, sin, impl="cpu")
     z = torch.complex(x[..., :2], x[..., 2:]) * torch.complex(cos[:5], sin[:5])[None, :, None]
     torch.testing.assert_close(out, torch.cat([z.real, z.imag], -1), atol=1e-6, rtol=1e-6)
+
+
+def test_rotary_non_contiguous(parity, backend, dtype):
+    # k taken out of a fused qkv projection: a strided view, as in a real attention block.
+    cos, sin = mo.rotary_tables(6, 16, device=backend)
+    positions = torch.arange(5, device=backend).expand(2, 5)
+
+    def split(qkv):
+        return qkv[..., 24:36].unflatten(-1, (2, 6))
+
+    parity(
+        lambda qkv: mo.rotary_embedding(split(qkv), cos, sin, impl=backend),
+        lambda qkv: mo.rotary_reference(split(qkv), cos, sin, positions),
+        {"qkv": _g(2, 5, 48)}, dtype, backend,
+    )  # fmt: skip
