@@ -34,13 +34,21 @@ def pretrain(cfg: PretrainConfig) -> dict[str, float]:
     info = init_distributed(device_type=device) if owns_group else current_distributed(device)
     try:
         summary = Trainer(cfg, info).run()
-        logger.info(
-            "trained %d steps: loss %.3f -> %.3f; run directory %s",
-            summary["steps"],
-            summary["first_loss"] if summary["first_loss"] is not None else float("nan"),
-            summary["final_loss"] if summary["final_loss"] is not None else float("nan"),
-            cfg.logging.run_dir,
-        )
+        if summary["first_loss"] is None:
+            logger.info(
+                "nothing to do: the checkpoint is already at step %d of %d; raise "
+                "--train.steps to train on",
+                summary["steps"],
+                cfg.train.steps,
+            )
+        else:
+            logger.info(
+                "trained to step %d: loss %.3f -> %.3f; run directory %s",
+                summary["steps"],
+                summary["first_loss"],
+                summary["final_loss"],
+                cfg.logging.run_dir,
+            )
         return summary
     finally:
         if owns_group:
