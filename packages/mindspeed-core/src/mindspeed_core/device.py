@@ -124,6 +124,11 @@ def get_device(local_rank: int = 0, device_type: str | None = None) -> torch.dev
     return device
 
 
+def prefers_fused_optimizer(device_type: str) -> bool:
+    """Whether torch's fused AdamW is the fast choice on this device type (CUDA)."""
+    return device_type == "cuda"
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for all queued work on `device` (a no-op on CPU)."""
     if device.type != "cpu":

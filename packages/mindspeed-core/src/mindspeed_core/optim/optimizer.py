@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from mindspeed_core import device as dev
 from mindspeed_core.errors import ConfigError
 
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
@@ -54,7 +55,7 @@ def _impl_flags(implementation: str, device_type: str) -> dict[str, bool]:
         )
     if implementation == "auto":
         # torch's fused AdamW is fastest on CUDA; foreach works everywhere, DTensors included.
-        implementation = "fused" if device_type == "cuda" else "foreach"
+        implementation = "fused" if dev.prefers_fused_optimizer(device_type) else "foreach"
     return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
 
 
