@@ -178,6 +178,9 @@ def test_a_damaged_dataset_is_named(cache, tmp_path, demo, damage, fragment):
 def test_configuration_mistakes_are_named(cache, tmp_path, demo):
     done = _cli(cache, tmp_path, "--train.global_batch=7")
     _assert_user_error(done, "train.global_batch=7 is not divisible", tmp_path=tmp_path)
+    empty = tmp_path / "no-checkpoints"
+    done = _cli(cache, tmp_path, f"--checkpoint.load={empty}")
+    _assert_user_error(done, f"checkpoint.load={empty} holds no checkpoint", tmp_path=tmp_path)
     done = _cli(cache, tmp_path, "--data.seq_len=100000")
     _assert_user_error(
         done, "data.seq_len=100000 exceeds", "max_position_embeddings", tmp_path=tmp_path

@@ -59,6 +59,8 @@ def test_config_sections_and_mistakes(tmp_path):
         load_config(PretrainConfig, None, ["--parallel.pp", "2"])
     with pytest.raises(ConfigError, match="warmup_steps=50 exceeds train.steps=10"):
         load_config(PretrainConfig, None, ["--train.steps", "10", "--optim.warmup_steps", "50"])
+    with pytest.raises(ConfigError, match="train.exit_at_step=0 must be positive"):
+        load_config(PretrainConfig, None, ["--train.exit_at_step", "0"])
     with pytest.raises(ConfigError, match="train.stepz"):
         load_config(PretrainConfig, None, ["--train.stepz", "10"])
 

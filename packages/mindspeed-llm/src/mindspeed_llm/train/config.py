@@ -124,6 +124,8 @@ class TrainSection:
         for name in ("steps", "micro_batch", "global_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be positive")
+        if self.exit_at_step is not None and self.exit_at_step < 1:
+            raise ConfigError(f"train.exit_at_step={self.exit_at_step} must be positive")
 
 
 @dataclass(kw_only=True)
