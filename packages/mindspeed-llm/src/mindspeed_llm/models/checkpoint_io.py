@@ -1,0 +1,198 @@
+"""Find and read the model of a MindSpeed checkpoint: a converted one or a trainer's.
+
+Two kinds of folders hold a model's DCP checkpoint:
+
+- converted (`mindspeed convert --to mindspeed`)::
+
+      OUT/mindspeed_manifest.json   family, our model config, layout it was validated for
+      OUT/config.json ...           the Hugging Face config, generation config, tokenizer
+      OUT/step_0/                   DCP: the `model` state under ModelState's names
+      OUT/latest                    "step_0"
+
+- a trainer run: `<run>/checkpoints/step_<N>/` and `<run>/checkpoints/latest`, with the
+  model section in `<run>/config.yaml`.
+
+DCP keeps each tensor under its fully-qualified name with its global shape, whatever the
+layout it was saved from, so one checkpoint loads under any tp/pp/ep layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from mindspeed_core.checkpoint import LATEST, ModelState
+from mindspeed_core.checkpoint.verify import check_files, check_states, read_metadata
+from mindspeed_core.errors import CheckpointError, ConfigError
+from mindspeed_llm.models.config import TransformerConfig
+from mindspeed_llm.models.hf_io import CONFIG_FILE, MANIFEST_FILE, read_hf_config
+from mindspeed_llm.models.registry import build_model_config
+
+MODEL_KEY = "model"
+"""The name the trainer (and convert) give the model state inside a checkpoint."""
+MANIFEST_FORMAT = "mindspeed-checkpoint"
+MANIFEST_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def is_mindspeed_checkpoint(folder: Path) -> bool:
+    """A converted checkpoint, a trainer checkpoint folder, or one step_<N> in it."""
+    return (
+        (folder / MANIFEST_FILE).is_file()
+        or (folder / LATEST).is_file()
+        or (bool(_STEP_DIR.match(folder.name)) and (folder / ".metadata").is_file())
+    )
+
+
+def resolve_step_dir(folder: Path) -> Path:
+    """The DCP folder to read: `folder` itself when it is a step_<N>, else what `latest` names.
+
+    Raises:
+        CheckpointError: no `latest` pointer, or it names a missing folder.
+    """
+    if _STEP_DIR.match(folder.name):
+        return folder
+    pointer = folder / LATEST
+    if not pointer.is_file():
+        raise CheckpointError(f"checkpoint folder {folder} has no {LATEST} pointer")
+    step = folder / pointer.read_text().strip()
+    if not _STEP_DIR.match(step.name) or not step.is_dir():
+        raise CheckpointError(f"{pointer} names {step.name!r}, which is not a step folder here")
+    return step
+
+
+def checkpoint_root(folder: Path) -> Path:
+    """The folder that holds `latest` and the step folders."""
+    return folder.parent if _STEP_DIR.match(folder.name) else folder
+
+
+def read_manifest(root: Path) -> dict[str, Any] | None:
+    """The manifest of a converted checkpoint, or None for a trainer's."""
+    path = root / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path} is not valid JSON: {err}") from None
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise CheckpointError(f"{path} is not a MindSpeed checkpoint manifest")
+    return manifest
+
+
+def run_config_path(folder: Path) -> Path | None:
+    """`config.yaml` of the trainer run whose checkpoints are in `folder`, if there is one."""
+    root = checkpoint_root(folder)
+    for candidate in (root.parent / "config.yaml", root / "config.yaml"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def read_checkpoint_config(folder: Path, **overrides: Any) -> TransformerConfig:
+    """The model config of a MindSpeed checkpoint folder (converted or a trainer's).
+
+    Raises:
+        ConfigError: neither a manifest nor the run's config.yaml is found.
+    """
+    root = checkpoint_root(folder)
+    manifest = read_manifest(root)
+    if manifest is not None:
+        fields = {**manifest["model_config"], **overrides}
+        return TransformerConfig(**fields)
+    config_yaml = run_config_path(folder)
+    if config_yaml is None:
+        raise ConfigError(
+            f"checkpoint {folder} has no {MANIFEST_FILE} and no run config.yaml next to it; "
+            "cannot tell which model it holds"
+        )
+    return model_config_from_run(config_yaml, **overrides)
+
+
+def model_config_from_run(config_yaml: Path, **overrides: Any) -> TransformerConfig:
+    """The model a trainer run built, from the `model` section of its config.yaml."""
+    from mindspeed_core.config import read_yaml
+
+    data, _ = read_yaml(config_yaml)
+    model = data.get("model") or {}
+    overrides = {"ops_impl": model.get("ops_impl", "auto"), **overrides}
+    if model.get("hf_path"):
+        return read_hf_config(model["hf_path"], **overrides)
+    family = model.get("family", "llama")
+    if model.get("hf_config"):
+        return build_model_config(family, hf_config=model["hf_config"], **overrides)
+    return build_model_config(family, model.get("flavor") or "debug", **overrides)
+
+
+def hf_source_dir(folder: Path) -> Path | None:
+    """A folder holding the Hugging Face config.json (and tokenizer files) this model came from."""
+    root = checkpoint_root(folder)
+    if (root / CONFIG_FILE).is_file():
+        return root
+    config_yaml = run_config_path(folder)
+    if config_yaml is None:
+        return None
+    from mindspeed_core.config import read_yaml
+
+    model = (read_yaml(config_yaml)[0].get("model")) or {}
+    for key in ("hf_path", "hf_config"):
+        if model.get(key):
+            path = Path(model[key])
+            path = path if path.is_dir() else path.parent
+            if (path / CONFIG_FILE).is_file():
+                return path
+    return None
+
+
+def tensor_metadata(step_dir: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Our name -> (dtype, global shape) of every model tensor in a DCP checkpoint."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata(step_dir)
+    check_files(step_dir, metadata)
+    prefix = MODEL_KEY + "."
+    return {
+        key[len(prefix) :]: (meta.properties.dtype, tuple(meta.size))
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+
+
+def read_tensors(step_dir: Path, names: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
+    """Load the model tensors `names` (name -> dtype, shape) from a DCP checkpoint, as plain tensors."""
+    state = {MODEL_KEY: {n: torch.empty(shape, dtype=dtype) for n, (dtype, shape) in names.items()}}
+    dcp.load(
+        state,
+        checkpoint_id=str(step_dir),
+        planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+        no_dist=True,
+    )
+    return state[MODEL_KEY]
+
+
+def load_model_weights(model: nn.Module | list[nn.Module], step_dir: Path) -> None:
+    """Load the `model` state of DCP checkpoint `step_dir` into a (possibly parallelised) model.
+
+    Only the model is read; a checkpoint holding optimizer state too is fine.
+
+    Raises:
+        CheckpointError: incomplete checkpoint or one of another model.
+    """
+    state = {MODEL_KEY: ModelState(model)}
+    metadata = read_metadata(step_dir)
+    check_files(step_dir, metadata)
+    check_states(step_dir, metadata, state)
+    dcp.load(state, checkpoint_id=str(step_dir), no_dist=not dist.is_initialized())
+
+
+def config_fields(config: TransformerConfig) -> dict[str, Any]:
+    """Our config as JSON-ready fields (for the manifest)."""
+    return dataclasses.asdict(config)
