@@ -8,6 +8,17 @@ code path serves every layout.
 
 from mindspeed_core.parallel.ac import AC_MODES, apply_ac
 from mindspeed_core.parallel.blocks import find_blocks
+from mindspeed_core.parallel.context_parallel import (
+    CP_MODES,
+    ContextParallel,
+    apply_cp,
+    cp_degrees,
+    gather_tokens,
+    packed_shard_index,
+    shard_sequence,
+    unshard_packed,
+    unshard_sequence,
+)
 from mindspeed_core.parallel.data_parallel import apply_ddp, apply_fsdp
 from mindspeed_core.parallel.dims import MESH_NAMES, ParallelDims
 from mindspeed_core.parallel.pipeline import (
@@ -27,20 +38,29 @@ from mindspeed_core.parallel.tp import (
 
 __all__ = [
     "AC_MODES",
+    "CP_MODES",
+    "ContextParallel",
     "MESH_NAMES",
     "LlamaNames",
     "ParallelDims",
     "PipelineParts",
     "SCHEDULES",
     "apply_ac",
+    "apply_cp",
     "apply_ddp",
     "apply_fsdp",
     "apply_tp",
+    "cp_degrees",
     "build_pipeline_schedule",
     "check_pipeline",
     "find_blocks",
+    "gather_tokens",
     "llama_tp_plan",
     "loss_parallel_context",
+    "packed_shard_index",
+    "shard_sequence",
     "split_pipeline",
     "stage_layer_counts",
+    "unshard_packed",
+    "unshard_sequence",
 ]

@@ -1,0 +1,85 @@
+"""Differentiable collectives of context parallel: Ulysses all-to-all and the ring shift.
+
+Each is an autograd Function whose backward is the transposed communication: the inverse
+all-to-all, or the shift the other way round the ring (so dK/dV travel back to the rank
+that owns K/V). Plain torch.distributed calls, so they run on gloo, NCCL and HCCL alike.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+
+def _seq_to_heads(x: Tensor, group: ProcessGroup) -> Tensor:
+    """(tokens, heads, d) on each rank -> (size * tokens, heads / size, d)."""
+    size = dist.get_world_size(group)
+    tokens, heads, dim = x.shape
+    send = x.reshape(tokens, size, heads // size, dim).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)  # recv[j]: rank j's tokens, this rank's heads
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.reshape(size * tokens, heads // size, dim)
+
+
+def _heads_to_seq(x: Tensor, group: ProcessGroup) -> Tensor:
+    """The inverse: (size * tokens, heads / size, d) -> (tokens, heads, d)."""
+    size = dist.get_world_size(group)
+    all_tokens, local_heads, dim = x.shape
+    send = x.reshape(size, all_tokens // size, local_heads, dim).contiguous()
+    recv = torch.empty_like(send)  # recv[j]: this rank's tokens, rank j's heads
+    dist.all_to_all_single(recv, send, group=group)
+    return recv.transpose(0, 1).reshape(all_tokens // size, size * local_heads, dim)
+
+
+class SeqToHeads(torch.autograd.Function):
+    """Ulysses: trade the sequence shard for a head shard (backward: the inverse)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _seq_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _heads_to_seq(grad.contiguous(), ctx.group), None
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """Ulysses: back from a head shard to the sequence shard (backward: the inverse)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _heads_to_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _seq_to_heads(grad.contiguous(), ctx.group), None
+
+
+def _shift(x: Tensor, group: ProcessGroup, step: int) -> Tensor:
+    """Send x to the rank `step` places on, receive from the rank `step` places back."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    recv = torch.empty_like(x)
+    ops = [
+        dist.P2POp(dist.isend, x, dist.get_global_rank(group, (rank + step) % size), group),
+        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - step) % size), group),
+    ]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return recv
+
+
+class RingShift(torch.autograd.Function):
+    """Pass a tensor to the next rank of the ring; its gradient goes to the previous one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _shift(x.contiguous(), group, 1)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _shift(grad.contiguous(), ctx.group, -1), None
