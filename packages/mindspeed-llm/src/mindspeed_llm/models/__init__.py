@@ -1,4 +1,4 @@
-"""Model architectures: one dense decoder, its config, and a registry of families.
+"""Model architectures: one decoder (dense or MoE), its config, and a registry of families.
 
 from mindspeed_llm.models import build_model_config, get_model_spec
 
@@ -7,7 +7,7 @@ spec = get_model_spec(config.family)
 model = spec.parallelize(spec.build(config), dims)
 """
 
-from mindspeed_llm.models import llama, mistral, qwen2, qwen3
+from mindspeed_llm.models import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from mindspeed_llm.models.common import Transformer
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_llm.models.registry import (
@@ -18,7 +18,7 @@ from mindspeed_llm.models.registry import (
     register_model,
 )
 
-for _family in (llama, qwen2, qwen3, mistral):
+for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe):
     register_model(_family.SPEC)
 
 __all__ = [

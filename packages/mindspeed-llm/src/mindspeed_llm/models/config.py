@@ -1,7 +1,8 @@
 """`TransformerConfig`: the hyperparameters of a dense decoder, and their Hugging Face spelling.
 
-One config describes every dense family we support (Llama 2/3, Qwen2/2.5, Qwen3, Mistral):
-the families differ only in flags (qkv bias, per-head qk norm, sliding window, RoPE scaling).
+One config describes every family we support (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, and the
+MoE ones Mixtral, Qwen2-MoE, Qwen3-MoE): the families differ only in flags (qkv bias,
+per-head qk norm, sliding window, RoPE scaling, experts).
 `from_hf` reads a `config.json` written by transformers v4 or v5; `to_hf_dict` writes one
 that both versions read.
 """
@@ -16,13 +17,25 @@ from typing import Any
 from mindspeed_core.errors import ConfigError
 
 # Hugging Face `model_type` -> our family.
-HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+HF_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "mistral": "mistral",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+}
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+_ROUTER_SCORES = ("softmax", "sigmoid")
 _OPS_IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
 
 # RoPE scaling: required fields, then optional fields with their defaults (transformers').
@@ -86,6 +99,32 @@ class TransformerConfig:
     None: full causal attention."""
     tie_word_embeddings: bool = False
     """The output projection shares the embedding matrix."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model (every block a `FeedForward`)."""
+    num_experts_per_tok: int = 2
+    """top_k: experts each token is sent to."""
+    moe_intermediate_size: int | None = None
+    """Width of each routed expert's SwiGLU. None: intermediate_size."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the always-on shared expert, gated by sigmoid (Qwen2-MoE); 0: none."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing weights to sum to 1 (Mixtral, Qwen3-MoE)."""
+    router_score: str = "softmax"
+    """"softmax" (Mixtral, Qwen) or "sigmoid" with an aux-loss-free balancing bias
+    (DeepSeek-V3)."""
+    router_bias_update_rate: float = 0.0
+    """Sigmoid routers: step of the balancing-bias update after each optimizer step."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss (Switch/Mixtral) in the training loss."""
+    router_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (mean logsumexp(logits)^2, ST-MoE)."""
+    capacity_factor: float | None = None
+    """Each expert takes at most ceil(factor * tokens * top_k / num_experts) assignments per
+    forward, the rest are dropped; None: dropless."""
+    decoder_sparse_step: int = 1
+    """Every `decoder_sparse_step`-th block is MoE (Qwen-MoE); the others are dense."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Blocks that stay dense (Qwen-MoE)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     ops_impl: str = "auto"
@@ -124,6 +163,44 @@ class TransformerConfig:
         if not isinstance(self.family, str) or not self.family:
             raise ConfigError(f"family={self.family!r} must be a non-empty string")
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ConfigError(f"num_experts={self.num_experts!r} must be a non-negative integer")
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if not self.num_experts:
+            return
+        _check_positive_int("num_experts_per_tok", self.num_experts_per_tok)
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                f"num_experts={self.num_experts}"
+            )
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        _check_positive_int("moe_intermediate_size", self.moe_intermediate_size)
+        _check_positive_int("decoder_sparse_step", self.decoder_sparse_step)
+        if self.router_score not in _ROUTER_SCORES:
+            raise ConfigError(f"router_score={self.router_score!r} must be one of {_ROUTER_SCORES}")
+        if self.router_bias_update_rate and self.router_score != "sigmoid":
+            raise ConfigError(
+                f"router_bias_update_rate={self.router_bias_update_rate} needs "
+                "router_score='sigmoid'"
+            )
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
+            if not isinstance(getattr(self, name), int | float) or getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a number >= 0")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ConfigError(f"capacity_factor={self.capacity_factor!r} must be > 0 or None")
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id` has routed experts (Qwen-MoE's sparse step rules)."""
+        return (
+            self.num_experts > 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_hf(cls, source: str | Path | dict[str, Any], **overrides: Any) -> TransformerConfig:
@@ -159,12 +236,13 @@ class TransformerConfig:
             "rope_theta": theta,
             "rope_scaling": scaling,
             "norm_eps": hf.get("rms_norm_eps", 1e-6),
-            "qkv_bias": family == "qwen2",
-            "qk_norm": family == "qwen3",
+            "qkv_bias": family in ("qwen2", "qwen2_moe"),
+            "qk_norm": family in ("qwen3", "qwen3_moe"),
             "sliding_window": _hf_sliding_window(hf, family),
             "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "init_std": hf.get("initializer_range", 0.02),
             "dtype": _hf_dtype(hf),
+            **_hf_moe(hf, family),
         }
         fields.update(overrides)
         return cls(**fields)
@@ -191,9 +269,10 @@ class TransformerConfig:
             "attention_bias": False,
             "sliding_window": self.sliding_window,
         }
-        if self.family in ("qwen2", "qwen3"):
+        if self.family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             hf["use_sliding_window"] = self.sliding_window is not None
             hf["max_window_layers"] = 0
+        hf.update(_hf_moe_dict(self))
         if self.dtype is not None:
             hf["torch_dtype"] = self.dtype
         return hf
@@ -250,7 +329,7 @@ def _check_hf_features(hf: dict[str, Any], family: str) -> None:
     if hf.get("mlp_bias"):
         raise ConfigError("mlp_bias=true is not supported")
     # Qwen2 has q/k/v biases regardless; elsewhere attention_bias also biases o_proj.
-    if family != "qwen2" and hf.get("attention_bias"):
+    if family not in ("qwen2", "qwen2_moe") and hf.get("attention_bias"):
         raise ConfigError(f"attention_bias=true is not supported for model_type {family!r}")
 
 
@@ -290,7 +369,7 @@ def _hf_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
 
 def _hf_sliding_window(hf: dict[str, Any], family: str) -> int | None:
     window = hf.get("sliding_window")
-    if family == "mistral" or window is None:
+    if family in ("mistral", "mixtral") or window is None:
         return window
     if family not in ("qwen2", "qwen3") or not hf.get("use_sliding_window", False):
         return None
@@ -307,6 +386,59 @@ def _hf_sliding_window(hf: dict[str, Any], family: str) -> int | None:
     raise ConfigError(
         "a sliding window on some layers only (max_window_layers / layer_types) is not supported"
     )
+
+
+def _hf_moe(hf: dict[str, Any], family: str) -> dict[str, Any]:
+    """Our MoE fields from a Mixtral / Qwen2-MoE / Qwen3-MoE config (empty for dense ones)."""
+    if family == "mixtral":
+        if hf.get("router_jitter_noise"):
+            raise ConfigError("router_jitter_noise > 0 is not supported")
+        return {
+            "num_experts": hf.get("num_local_experts", 8),
+            "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
+            "moe_intermediate_size": hf["intermediate_size"],
+            "norm_topk_prob": True,
+            "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+        }
+    if family not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    return {
+        # transformers v5 writes Qwen3-MoE's count as num_local_experts
+        "num_experts": hf.get("num_experts") or hf["num_local_experts"],
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf["moe_intermediate_size"],
+        "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
+        "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
+    }
+
+
+def _hf_moe_dict(config: TransformerConfig) -> dict[str, Any]:
+    """The MoE keys of a Hugging Face config.json for our config."""
+    if config.family == "mixtral":
+        return {
+            "num_local_experts": config.num_experts,
+            "num_experts_per_tok": config.num_experts_per_tok,
+            "intermediate_size": config.moe_intermediate_size,
+            "router_aux_loss_coef": config.router_aux_loss_coef,
+        }
+    if config.family not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    out = {
+        "num_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size,
+        "norm_topk_prob": config.norm_topk_prob,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+        "decoder_sparse_step": config.decoder_sparse_step,
+        "mlp_only_layers": list(config.mlp_only_layers),
+    }
+    if config.family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+        out["qkv_bias"] = True
+    return out
 
 
 def _hf_dtype(hf: dict[str, Any]) -> str | None:

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from mindspeed_llm.models.common.attention import Attention, RopeTables
 from mindspeed_llm.models.common.feed_forward import FeedForward
+from mindspeed_llm.models.common.moe import MoE
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.common.rope import rope_tables
 from mindspeed_llm.models.config import TransformerConfig
@@ -29,8 +30,10 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps, impl=config.ops_impl)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps, impl=config.ops_impl)
-        self.feed_forward = FeedForward(
-            config.hidden_size, config.intermediate_size, impl=config.ops_impl
+        self.feed_forward = (
+            MoE(config)
+            if config.is_moe_layer(layer_id)
+            else FeedForward(config.hidden_size, config.intermediate_size, impl=config.ops_impl)
         )
 
     def init_weights(self, std: float) -> None:

@@ -1,0 +1,265 @@
+"""Mixture of experts: a router, grouped experts, optional shared expert, and the MoE block.
+
+The block replaces `FeedForward` in a `Block` (same `init_weights(std, out_std)` and
+`forward(x)`). Tokens are routed to `top_k` experts, sorted by expert, run through one
+grouped GEMM per projection (`mindspeed_ops.grouped_matmul`), then put back in place and
+summed with their routing weights. Expert weights are stacked `(num_experts, in, out)`,
+so expert parallel shards them on dim 0; `mindspeed_core.parallel.apply_ep` wraps
+`GroupedExperts` with the all-to-all dispatch, the block itself does not change.
+
+The auxiliary losses reach the trainer through a side channel that needs no change of
+the model's return value (and so works with FSDP, recompute and pipeline stages): each
+`MoE` keeps the `RouterStats` of its last forward in `last_stats`, and `moe_aux_loss(model)`
+combines them right after the forward, before backward. `LoadTracker` accumulates the
+expert loads over a step for the metrics and for the aux-loss-free bias update.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from mindspeed_llm.models.common.feed_forward import FeedForward
+from mindspeed_llm.models.config import TransformerConfig
+from mindspeed_ops import grouped_matmul, swiglu
+
+
+@dataclass
+class RouterStats:
+    """What one MoE layer's router saw in its last forward (over this rank's tokens)."""
+
+    tokens_per_expert: Tensor
+    """(num_experts,) float count of top-k assignments before capacity dropping (no grad)."""
+    prob_per_expert: Tensor
+    """(num_experts,) mean routing probability over tokens (differentiable)."""
+    z_loss: Tensor
+    """Scalar mean of logsumexp(router logits)^2 (differentiable)."""
+    num_tokens: int
+    num_dropped: int
+    """Assignments dropped by the capacity limit."""
+
+
+class Router(nn.Module):
+    """Top-k routing: softmax (Mixtral/Qwen) or sigmoid (DeepSeek-V3) scores.
+
+    With sigmoid scores a non-learned `expert_bias` buffer is added to the scores for
+    choosing experts only (aux-loss-free balancing); `update_bias` moves it toward
+    balance after each step.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.score = config.router_score
+        self.norm_topk_prob = config.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        if self.score == "sigmoid":
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+        if self.score == "sigmoid":
+            self.expert_bias.zero_()
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x (tokens, hidden) -> (indices (tokens, k), weights (tokens, k), probs, logits)."""
+        logits = F.linear(x, self.weight).float()  # (tokens, experts)
+        if self.score == "softmax":
+            scores = probs = torch.softmax(logits, dim=-1)
+            _, indices = torch.topk(scores, self.top_k, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+            _, indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return indices, weights.to(x.dtype), probs, logits
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: Tensor, rate: float) -> None:
+        """Raise the bias of under-loaded experts and lower the over-loaded ones by `rate`."""
+        load = tokens_per_expert.to(self.expert_bias)
+        self.expert_bias += rate * torch.sign(load.mean() - load)
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU MLPs with stacked weights, run as grouped GEMMs.
+
+    Input rows are sorted by expert; `num_tokens_per_expert` says how many each gets.
+    Under expert parallel the weights are DTensors sharded on dim 0 and `apply_ep` hands
+    this module only the rows (and counts) of its local experts.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: str):
+        super().__init__()
+        self.num_experts = num_experts
+        self.impl = impl
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1, std=std)
+        nn.init.normal_(self.w3, std=std)
+        nn.init.normal_(self.w2, std=out_std)
+
+    def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        counts = num_tokens_per_expert
+        gate = grouped_matmul(x, w1, counts, impl=self.impl)
+        up = grouped_matmul(x, w3, counts, impl=self.impl)
+        return grouped_matmul(swiglu(gate, up, impl=self.impl), w2, counts, impl=self.impl)
+
+
+class MoE(nn.Module):
+    """Router -> sort by expert -> grouped experts -> weighted sum (+ gated shared expert)."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.capacity_factor = config.capacity_factor
+        self.router = Router(config)
+        self.experts = GroupedExperts(
+            config.num_experts, config.hidden_size, config.moe_intermediate_size, config.ops_impl
+        )
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = FeedForward(
+                config.hidden_size, config.shared_expert_intermediate_size, impl=config.ops_impl
+            )
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        self.last_stats: RouterStats | None = None
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.router.init_weights(std)
+        self.experts.init_weights(std, out_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(std, out_std)
+            nn.init.normal_(self.shared_expert_gate.weight, std=std)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (tokens, hidden)
+        indices, weights, probs, logits = self.router(x)
+        flat = indices.flatten()  # (tokens * k,) token-major
+        counts_all = torch.bincount(flat, minlength=self.num_experts)
+        num_dropped = 0
+        if self.capacity_factor is not None:
+            flat, num_dropped = self._drop_over_capacity(flat, x.shape[0])
+        # Dropped assignments carry the id num_experts, so they sort last and are cut off.
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
+        kept = order[: flat.numel() - num_dropped]
+        routed = self.experts(x[kept // self.top_k], counts)  # (kept, hidden)
+        out = x.new_zeros(flat.numel(), shape[-1]).index_copy(0, kept, routed)
+        out = (out.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        self.last_stats = RouterStats(
+            tokens_per_expert=counts_all.detach().float(),
+            prob_per_expert=probs.mean(dim=0),
+            z_loss=torch.logsumexp(logits, dim=-1).square().mean(),
+            num_tokens=x.shape[0],
+            num_dropped=num_dropped,
+        )
+        return out.view(shape)
+
+    def _drop_over_capacity(self, flat: Tensor, num_tokens: int) -> tuple[Tensor, int]:
+        """Keep the first `capacity` assignments of each expert (in token order)."""
+        capacity = math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+        one_hot = F.one_hot(flat, self.num_experts)  # (assignments, experts)
+        position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1
+        keep = position < capacity
+        return torch.where(keep, flat, self.num_experts), int((~keep).sum())
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """The MoE blocks of `model` by module name (empty for a dense model)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> Tensor:
+    """Switch Transformer's loss as Hugging Face's `load_balancing_loss_func` computes it.
+
+    num_experts * sum_e f_e * P_e, where f_e is the fraction of top-k assignments to
+    expert e and P_e its mean routing probability, both averaged over the layers first.
+    """
+    rows = sum(s.num_tokens for s in stats)
+    tokens = torch.stack([s.tokens_per_expert for s in stats]).sum(0) / rows
+    probs = torch.stack([s.prob_per_expert * s.num_tokens for s in stats]).sum(0) / rows
+    return num_experts * (tokens * probs).sum()
+
+
+def moe_aux_loss(model: nn.Module, config: TransformerConfig) -> Tensor | None:
+    """The weighted auxiliary loss of the last forward (None for a dense model or no coef).
+
+    router_aux_loss_coef * load balancing + router_z_loss_coef * mean z-loss over layers.
+    Call after the forward and before backward; add the result to the training loss.
+    """
+    stats = [m.last_stats for m in moe_layers(model).values() if m.last_stats is not None]
+    if not stats:
+        return None
+    loss = None
+    if config.router_aux_loss_coef:
+        loss = config.router_aux_loss_coef * load_balancing_loss(stats, config.num_experts)
+    if config.router_z_loss_coef:
+        z = config.router_z_loss_coef * torch.stack([s.z_loss for s in stats]).mean()
+        loss = z if loss is None else loss + z
+    return loss
+
+
+class LoadTracker:
+    """Expert loads over a training step: metrics, and the aux-loss-free bias update.
+
+    Call `observe()` after every forward (micro-batch), `step(group)` after the
+    optimizer step: it sums the loads over `group` (all data-parallel ranks, so every
+    rank applies the same bias update), updates the router biases and returns metrics.
+    """
+
+    def __init__(self, model: nn.Module, bias_update_rate: float = 0.0):
+        self.layers = moe_layers(model)
+        self.bias_update_rate = bias_update_rate
+        self._loads: Tensor | None = None
+        self._dropped = 0
+
+    def observe(self) -> None:
+        stats = [m.last_stats for m in self.layers.values()]
+        if not stats or any(s is None for s in stats):
+            return
+        loads = torch.stack([s.tokens_per_expert for s in stats])  # (layers, experts)
+        self._loads = loads if self._loads is None else self._loads + loads
+        self._dropped += sum(s.num_dropped for s in stats)
+
+    def step(self, group: dist.ProcessGroup | None = None) -> dict[str, float | list]:
+        """Reduce, update biases, reset; the metrics of the step (empty if nothing seen)."""
+        if self._loads is None:
+            return {}
+        loads = torch.cat([self._loads.flatten(), self._loads.new_tensor([self._dropped])])
+        if group is not None:
+            dist.all_reduce(loads, group=group)
+        dropped, loads = int(loads[-1]), loads[:-1].view_as(self._loads)
+        self._loads, self._dropped = None, 0
+        if self.bias_update_rate:
+            for layer, load in zip(self.layers.values(), loads, strict=True):
+                layer.router.update_bias(load, self.bias_update_rate)
+        fractions = loads / loads.sum(dim=1, keepdim=True)  # (layers, experts), rows sum to 1
+        relative = fractions * loads.shape[1]  # 1 = perfectly balanced
+        return {
+            "moe_max_load": float(relative.max()),
+            "moe_min_load": float(relative.min()),
+            "moe_dropped_tokens": dropped,
+            "moe_load": [[round(float(v), 4) for v in row] for row in fractions],
+        }
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
