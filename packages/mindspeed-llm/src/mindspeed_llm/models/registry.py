@@ -34,6 +34,10 @@ class ModelSpec:
     loss_parallel)`: applies TP -> AC -> FSDP/DDP in place."""
     hf_adapter: ModuleType | Any
     """Object with `to_hf(state_dict, config)` and `from_hf(hf_state_dict, config)`."""
+    pipeline: Callable[..., Any] | None = None
+    """`pipeline(model, dims, *, device, schedule, stages_per_rank, layers_per_stage,
+    **parallelize_options)`: this rank's pipeline stages (a `PipelineParts`), each
+    parallelised; None: the family does not support pipeline parallel."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

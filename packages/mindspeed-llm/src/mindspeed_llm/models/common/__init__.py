@@ -5,7 +5,7 @@ from mindspeed_llm.models.common import hf_adapter
 from mindspeed_llm.models.common.attention import Attention
 from mindspeed_llm.models.common.feed_forward import FeedForward
 from mindspeed_llm.models.common.norm import RMSNorm
-from mindspeed_llm.models.common.parallelize import parallelize_decoder
+from mindspeed_llm.models.common.parallelize import parallelize_decoder, pipeline_decoder
 from mindspeed_llm.models.common.rope import rope_tables
 from mindspeed_llm.models.common.transformer import Block, Transformer
 
@@ -17,5 +17,6 @@ __all__ = [
     "Transformer",
     "hf_adapter",
     "parallelize_decoder",
+    "pipeline_decoder",
     "rope_tables",
 ]

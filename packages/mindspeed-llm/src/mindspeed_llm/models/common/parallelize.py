@@ -1,4 +1,5 @@
-"""Parallelise a dense `Transformer` from outside: TP -> activation checkpointing -> FSDP/DDP.
+"""Parallelise a dense `Transformer` from outside: (pipeline split) -> TP -> activation
+checkpointing -> FSDP/DDP.
 
 The order is torchtitan's: tensor parallel first (DTensor plans on whole modules), then
 recompute wrappers on each block, then data parallel, which shards whatever parameters
@@ -6,6 +7,9 @@ recompute wrappers on each block, then data parallel, which shards whatever para
 """
 
 from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -15,11 +19,13 @@ from torch.distributed.tensor import distribute_module
 from mindspeed_core.errors import ParallelError
 from mindspeed_core.parallel import (
     ParallelDims,
+    PipelineParts,
     apply_ac,
     apply_ddp,
     apply_fsdp,
     apply_tp,
     llama_tp_plan,
+    split_pipeline,
 )
 
 
@@ -47,12 +53,17 @@ def parallelize_decoder(
             inside `mindspeed_core.parallel.loss_parallel_context(True)`.
 
     Raises:
-        ParallelError: a layout these models do not support yet (cp, pp, ep), or options
-            that need tensor parallel without it.
+        ParallelError: a layout these models do not support yet (cp, ep), a whole model
+            under pp > 1 (see `pipeline_decoder`), or options that need tensor parallel
+            without it.
     """
-    for axis in ("cp", "pp", "ep"):
+    for axis in ("cp", "ep"):
         if dims.degree(axis) > 1:
             raise ParallelError(f"{axis}={dims.degree(axis)} is not supported by dense models yet")
+    if dims.pp > 1 and None not in (model.tok_embeddings, model.output):
+        raise ParallelError(
+            f"pp={dims.pp}: split the model into stages with pipeline_decoder, not parallelize_decoder"
+        )
     if dims.tp == 1 and (sequence_parallel or loss_parallel):
         raise ParallelError("sequence_parallel and loss_parallel need tp > 1")
     config = model.config
@@ -68,7 +79,7 @@ def parallelize_decoder(
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
         )
-        apply_tp(model, dims.mesh("tp"), plan)
+        apply_tp(model, dims.mesh("tp"), _owned_entries(plan, model))
         if config.qk_norm:
             _replicate_qk_norms(model, dims.mesh("tp"))
     apply_ac(model, ac_mode)
@@ -79,6 +90,53 @@ def parallelize_decoder(
             model, dims.mesh("dp_replicate"), param_dtype=param_dtype, reduce_dtype=reduce_dtype
         )
     return model
+
+
+def pipeline_decoder(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    device: torch.device | str,
+    schedule: str = "1F1B",
+    stages_per_rank: int = 1,
+    layers_per_stage: Sequence[int] | None = None,
+    **options,
+) -> PipelineParts:
+    """This rank's pipeline stages of `model`, each parallelised like a whole model.
+
+    torchtitan's order: split first (`split_pipeline`: each stage a copy holding its own
+    layers under their original names), then TP -> AC -> FSDP/DDP on every stage with
+    `parallelize_decoder(stage, dims, **options)`. Initialise `model` whole before (with
+    the run's seed) and a pipelined run starts from one process's weights.
+
+    Raises:
+        ParallelError: pp=1, tied embeddings (they would sit on two stages), or a split
+            `split_pipeline` refuses.
+    """
+    if dims.pp == 1:
+        raise ParallelError("pipeline_decoder needs pp > 1; use parallelize_decoder")
+    if model.config.tie_word_embeddings:
+        raise ParallelError(
+            "pipeline parallel with tie_word_embeddings=true is not supported: the embedding "
+            "and the output projection would sit on different stages"
+        )
+    parts = split_pipeline(
+        model,
+        dims.mesh("pp"),
+        device=device,
+        stages_per_rank=stages_per_rank,
+        schedule=schedule,
+        layers_per_stage=layers_per_stage,
+    )
+    for part in parts.model_parts:
+        parallelize_decoder(part, dims, **options)
+    return parts
+
+
+def _owned_entries(plan: dict, model: nn.Module) -> dict:
+    """The plan entries naming submodules `model` has (a pipeline stage lacks some)."""
+    names = [n for n, _ in model.named_modules() if n]
+    return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
 
 
 def _replicate_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:

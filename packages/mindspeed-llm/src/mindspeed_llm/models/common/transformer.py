@@ -90,18 +90,23 @@ class Transformer(nn.Module):
         Embedding and input projections ~ N(0, init_std); the projections into the
         residual stream (wo, w2) ~ N(0, init_std / sqrt(2 * (layer_id + 1))); norms 1,
         biases 0. Same seed, same weights, whether the model was built on the meta device.
+        Parts a pipeline stage dropped (None) are skipped; to start a pipelined run from
+        one process's weights, initialise the whole model, then split it.
         """
-        if self.config.tie_word_embeddings and self.output.weight is not self.tok_embeddings.weight:
+        tied = self.config.tie_word_embeddings and None not in (self.output, self.tok_embeddings)
+        if tied and self.output.weight is not self.tok_embeddings.weight:
             # `to_empty` from the meta device materialises the two names separately.
             self.output.weight = self.tok_embeddings.weight
         device = buffer_device or self.rope_cos.device
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
         std = self.config.init_std
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers.values():
             layer.init_weights(std)
-        self.norm.reset_parameters()
-        if not self.config.tie_word_embeddings:
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.config.tie_word_embeddings:
             nn.init.normal_(self.output.weight, std=std)
 
     def forward(
@@ -122,13 +127,23 @@ class Transformer(nn.Module):
 
         Returns:
             (batch, seq, vocab_size) logits (vocab-sharded DTensor under loss parallel).
+
+        A pipeline stage (`mindspeed_core.parallel.split_pipeline`) without
+        `tok_embeddings` takes (batch, seq, hidden) hidden states as `tokens`, and one
+        without `norm`/`output` returns hidden states; give such stages `position_ids`
+        (under sequence parallel their hidden states hold a slice of the sequence).
         """
-        if tokens.dim() != 2:
+        if self.tok_embeddings is None:
+            h = tokens  # hidden states from the previous pipeline stage
+        elif tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
+        else:
+            h = self.tok_embeddings(tokens)  # (batch, seq, hidden)
         if cu_seqlens is not None and position_ids is None:
-            position_ids = position_ids_from_cu_seqlens(cu_seqlens).view(tokens.shape)
+            position_ids = position_ids_from_cu_seqlens(cu_seqlens).view(h.shape[:2])
         rope = (self.rope_cos, self.rope_sin)
-        h = self.tok_embeddings(tokens)  # (batch, seq, hidden)
         for layer in self.layers.values():
             h = layer(h, rope, position_ids=position_ids, cu_seqlens=cu_seqlens)
-        return self.output(self.norm(h))  # (batch, seq, vocab)
+        if self.norm is not None:
+            h = self.norm(h)
+        return h if self.output is None else self.output(h)  # (batch, seq, vocab)

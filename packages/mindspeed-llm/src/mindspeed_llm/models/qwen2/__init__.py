@@ -1,6 +1,11 @@
 """The qwen2 family: the shared dense decoder with qwen2's flags (see flavors.py)."""
 
-from mindspeed_llm.models.common import Transformer, hf_adapter, parallelize_decoder
+from mindspeed_llm.models.common import (
+    Transformer,
+    hf_adapter,
+    parallelize_decoder,
+    pipeline_decoder,
+)
 from mindspeed_llm.models.qwen2.flavors import FLAVORS
 from mindspeed_llm.models.registry import ModelSpec
 
@@ -9,6 +14,7 @@ SPEC = ModelSpec(
     flavors=FLAVORS,
     build=Transformer,
     parallelize=parallelize_decoder,
+    pipeline=pipeline_decoder,
     hf_adapter=hf_adapter,
 )
 
