@@ -7,11 +7,16 @@ runs whole or with wq/wk/wv split by column and wo by row under tensor parallel.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import Tensor, nn
 
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import attention, rotary_embedding
+
+if TYPE_CHECKING:
+    from mindspeed_llm.generation.kv_cache import LayerCache
 
 RopeTables = tuple[Tensor, Tensor]
 
@@ -51,6 +56,8 @@ class Attention(nn.Module):
         rope: RopeTables,
         position_ids: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
+        *,
+        kv_cache: LayerCache | None = None,
     ) -> Tensor:
         """
         Args:
@@ -59,6 +66,9 @@ class Attention(nn.Module):
             position_ids: (batch, seq) or (seq,) RoPE positions; default 0..seq-1.
             cu_seqlens: int32 (num_docs + 1,) boundaries of documents packed over the
                 flattened batch * seq tokens; attention never crosses them.
+            kv_cache: generation only: this layer's slice of a `KVCache`; the new keys and
+                values are written at its offset and the queries attend to everything
+                cached so far (its mask hides left padding).
         """
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (batch, seq, local heads, head_dim)
@@ -69,7 +79,9 @@ class Attention(nn.Module):
         cos, sin = rope
         q = rotary_embedding(q, cos, sin, position_ids, impl=self.impl)
         k = rotary_embedding(k, cos, sin, position_ids, impl=self.impl)
-        if cu_seqlens is None:
+        if kv_cache is not None:
+            out = kv_cache.attend(q, k, v, window=self.sliding_window)
+        elif cu_seqlens is None:
             out = attention(q, k, v, window=self.sliding_window, impl=self.impl)
         else:  # packed layout: (batch * seq, heads, head_dim)
             q, k, v = (t.flatten(0, 1) for t in (q, k, v))

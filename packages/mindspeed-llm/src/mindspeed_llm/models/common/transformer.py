@@ -8,6 +8,7 @@ by layer index (the state-dict names are those of a ModuleList).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +20,9 @@ from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.common.rope import rope_tables
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import position_ids_from_cu_seqlens
+
+if TYPE_CHECKING:
+    from mindspeed_llm.generation.kv_cache import KVCache, LayerCache
 
 
 class Block(nn.Module):
@@ -50,9 +54,15 @@ class Block(nn.Module):
         rope: RopeTables,
         position_ids: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
+        *,
+        kv_cache: LayerCache | None = None,
     ) -> Tensor:
         h = x + self.attention(
-            self.attention_norm(x), rope, position_ids=position_ids, cu_seqlens=cu_seqlens
+            self.attention_norm(x),
+            rope,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            kv_cache=kv_cache,
         )
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -114,6 +124,8 @@ class Transformer(nn.Module):
         tokens: Tensor,
         position_ids: Tensor | None = None,
         cu_seqlens: Tensor | None = None,
+        *,
+        kv_cache: KVCache | None = None,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -124,6 +136,9 @@ class Transformer(nn.Module):
             cu_seqlens: int32 (num_docs + 1,) cumulative document lengths over the
                 flattened batch * seq tokens (starting at 0, ending at batch * seq);
                 attention stays inside each document.
+            kv_cache: generation only (`mindspeed_llm.generation`): keys and values of
+                earlier positions; `tokens` continue them at the cache's offset, which
+                then moves on by seq. Give `position_ids` with it.
 
         Returns:
             (batch, seq, vocab_size) logits (vocab-sharded DTensor under loss parallel).
@@ -142,8 +157,13 @@ class Transformer(nn.Module):
         if cu_seqlens is not None and position_ids is None:
             position_ids = position_ids_from_cu_seqlens(cu_seqlens).view(h.shape[:2])
         rope = (self.rope_cos, self.rope_sin)
-        for layer in self.layers.values():
-            h = layer(h, rope, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        for name, layer in self.layers.items():
+            layer_cache = None if kv_cache is None else kv_cache.layer(int(name))
+            h = layer(
+                h, rope, position_ids=position_ids, cu_seqlens=cu_seqlens, kv_cache=layer_cache
+            )
+        if kv_cache is not None:
+            kv_cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
         return h if self.output is None else self.output(h)  # (batch, seq, vocab)

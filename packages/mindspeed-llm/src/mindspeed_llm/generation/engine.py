@@ -1,0 +1,194 @@
+"""Token-level generation: prefill the prompts, then decode one token per step.
+
+Prompts of different lengths are padded on the left; the KV cache hides the padding and
+position ids start at 0 on the first real token, so a padded row decodes exactly what it
+would decode alone. Without the cache (`use_cache=False`) every step runs the whole
+sequences again, packed into one row with `cu_seqlens` (no padding at all): the slow
+reference the cache is tested against.
+
+Under tensor parallel every rank runs the same loop on the same (replicated) logits and
+draws from a generator seeded alike, so all ranks produce the same tokens.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from mindspeed_core.errors import DataError
+from mindspeed_llm.generation.config import GenerationConfig
+from mindspeed_llm.generation.kv_cache import KVCache
+from mindspeed_llm.generation.sampling import next_tokens
+
+StreamCallback = Callable[[int, int], bool | None]
+
+
+def generate(
+    model: nn.Module,
+    prompts_token_ids: Sequence[Sequence[int]],
+    config: GenerationConfig | None = None,
+    *,
+    stream: StreamCallback | None = None,
+) -> list[list[int]]:
+    """New tokens for each prompt.
+
+    Args:
+        model: a `Transformer` (whole, or tensor parallel with replicated logits).
+        prompts_token_ids: one non-empty list of token ids per prompt.
+        config: decoding settings (default: greedy, 256 new tokens). `stop_strings`
+            need text: use `Generator`.
+        stream: called as `stream(row, token)` for every new token as it is drawn; a
+            true return ends that row there.
+
+    Returns:
+        For each prompt its new tokens, a stop token included as the last one.
+    """
+    steps = TokenSteps(model, prompts_token_ids, config or GenerationConfig())
+    for new in steps:
+        if stream is not None:
+            for row, token in new:
+                if stream(row, token):
+                    steps.finish(row)
+    return steps.outputs
+
+
+class TokenSteps:
+    """Generation as an iterator: each step yields `[(row, token), ...]` for the rows still
+    running; `finish(row)` between steps ends a row. `outputs` holds the new tokens."""
+
+    def __init__(
+        self, model: nn.Module, prompts: Sequence[Sequence[int]], config: GenerationConfig
+    ):
+        self.model, self.config = model, config
+        self.prompts = _checked_prompts(prompts, model.config.vocab_size)
+        self.outputs: list[list[int]] = [[] for _ in self.prompts]
+        self.finished = [False] * len(self.prompts)
+        longest = max(len(p) for p in self.prompts)
+        context = model.config.max_position_embeddings
+        if longest >= context:
+            raise DataError(
+                f"a prompt of {longest} tokens leaves no room in the model's context of "
+                f"{context} positions"
+            )
+        self.max_new_tokens = min(config.max_new_tokens, context - longest)
+        self.device = _local(model.tok_embeddings.weight).device
+        self._stop_ids = frozenset(config.stop_token_ids)
+        self._cache: KVCache | None = None
+        self._positions: Tensor | None = None
+
+    def finish(self, row: int) -> None:
+        self.finished[row] = True
+
+    @torch.inference_mode()
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        config = self.config
+        seen = self._seen() if config.repetition_penalty != 1.0 else None
+        generator = None
+        if not config.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(_shared_seed(self.model, config.seed))
+        logits = self._prefill() if config.use_cache else self._recompute()
+        for step in range(self.max_new_tokens):
+            tokens = next_tokens(logits, config, seen, generator)
+            new = []
+            for row, token in enumerate(tokens.tolist()):
+                if not self.finished[row]:
+                    self.outputs[row].append(token)
+                    new.append((row, token))
+                    self.finished[row] = token in self._stop_ids
+            yield new
+            if step + 1 == self.max_new_tokens or all(self.finished):
+                return
+            if seen is not None:
+                seen.scatter_(1, tokens[:, None], True)
+            logits = self._decode(tokens) if config.use_cache else self._recompute()
+
+    def _seen(self) -> Tensor:
+        """(batch, vocab) bool: the tokens of each prompt."""
+        seen = torch.zeros(
+            len(self.prompts), self.model.config.vocab_size, dtype=torch.bool, device=self.device
+        )
+        for row, prompt in enumerate(self.prompts):
+            seen[row, torch.tensor(prompt, device=self.device)] = True
+        return seen
+
+    def _prefill(self) -> Tensor:
+        lengths = [len(p) for p in self.prompts]
+        longest = max(lengths)
+        pads = [longest - n for n in lengths]
+        tokens = torch.tensor(
+            [[0] * pad + p for pad, p in zip(pads, self.prompts, strict=True)], device=self.device
+        )
+        pad_t = torch.tensor(pads, device=self.device)[:, None]
+        positions = (torch.arange(longest, device=self.device)[None, :] - pad_t).clamp_(min=0)
+        self._cache = KVCache.for_model(
+            self.model, len(self.prompts), longest + self.max_new_tokens
+        )
+        self._cache.reset(pads)
+        self._positions = torch.tensor(lengths, device=self.device)[:, None]
+        return self._last_logits(self.model(tokens, position_ids=positions, kv_cache=self._cache))
+
+    def _decode(self, tokens: Tensor) -> Tensor:
+        logits = self.model(tokens[:, None], position_ids=self._positions, kv_cache=self._cache)
+        self._positions += 1
+        return self._last_logits(logits)
+
+    def _recompute(self) -> Tensor:
+        """Next-token logits of every row from a full forward of its whole sequence."""
+        rows = [p + out for p, out in zip(self.prompts, self.outputs, strict=True)]
+        lengths = torch.tensor([len(r) for r in rows], device=self.device)
+        ends = lengths.cumsum(0)
+        cu_seqlens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+        tokens = torch.tensor([t for r in rows for t in r], device=self.device)[None, :]
+        logits = _full(self.model(tokens, cu_seqlens=cu_seqlens))
+        return logits[0, ends - 1]
+
+    @staticmethod
+    def _last_logits(logits: Tensor) -> Tensor:
+        return _full(logits)[:, -1]
+
+
+def _checked_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, Tensor):
+        prompts = prompts.tolist()
+    if not prompts:
+        raise DataError("no prompts to generate from")
+    checked = []
+    for row, prompt in enumerate(prompts):
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise DataError(f"prompt {row} is empty")
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise DataError(
+                f"prompt {row} holds token id {bad}, outside the vocabulary 0..{vocab_size - 1}"
+            )
+        checked.append(ids)
+    return checked
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: Tensor) -> Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _shared_seed(model: nn.Module, seed: int | None) -> int:
+    """`seed`, or a fresh one that every rank of the model's mesh agrees on."""
+    if seed is not None:
+        return seed
+    seed = secrets.randbits(62)
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is not None:
+        value = torch.tensor([seed], device=mesh.device_type)
+        for dim in range(mesh.ndim):
+            dist.broadcast(value, group=mesh.get_group(dim), group_src=0)
+        seed = int(value.item())
+    return seed

@@ -1,0 +1,134 @@
+"""A key/value cache allocated once: (batch, kv_heads, max_len, head_dim) per layer.
+
+Every row of a batch shares one write offset. Prompts of different lengths are padded on
+the left, so their ends line up and each decode step writes one column for all rows; the
+cache's key mask hides the padding from every query.
+
+Under tensor parallel each rank caches its own heads only (the q/k/v projections are
+column-sharded, so attention sees local heads).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+
+class KVCache:
+    """Keys and values of `num_layers` layers for `batch` rows of up to `max_len` positions.
+
+    Pass it to `Transformer.forward(tokens, position_ids, kv_cache=cache)`: the new
+    tokens are written at `offset`, attend to everything before them, and `offset`
+    moves on by their number.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (batch, num_kv_heads, max_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self._layers = [LayerCache(self, i) for i in range(num_layers)]
+        self.batch, self.max_len = batch, max_len
+        self.offset = 0
+        self.key_mask: Tensor | None = None  # (batch, max_len) bool; None: no padding
+        self._mask_for: tuple | None = None  # (offset, seq, window) of the cached mask
+        self._mask: Tensor | None = None
+
+    @classmethod
+    def for_model(cls, model: nn.Module, batch: int, max_len: int) -> KVCache:
+        """A cache shaped for `model` (a `Transformer`, whole or tensor parallel)."""
+        config = model.config
+        weight = next(iter(model.layers.values())).attention.wk.weight
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        return cls(
+            num_layers=config.num_layers,
+            batch=batch,
+            max_len=max_len,
+            num_kv_heads=local.shape[0] // config.head_dim,
+            head_dim=config.head_dim,
+            dtype=local.dtype,
+            device=local.device,
+        )
+
+    def reset(self, pad_lengths: list[int] | None = None) -> None:
+        """Start over (offset 0); row i begins with `pad_lengths[i]` padding positions."""
+        self.offset = 0
+        self._mask_for = self._mask = None
+        if pad_lengths is None or not any(pad_lengths):
+            self.key_mask = None
+            return
+        device = self.keys[0].device
+        pads = torch.tensor(pad_lengths, device=device)[:, None]
+        self.key_mask = torch.arange(self.max_len, device=device)[None, :] >= pads
+
+    def layer(self, index: int) -> LayerCache:
+        return self._layers[index]
+
+    def advance(self, num_tokens: int) -> None:
+        self.offset += num_tokens
+        self._mask_for = self._mask = None
+
+    def attend(
+        self, index: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None
+    ) -> Tensor:
+        """Write k, v (batch, seq, kv_heads, head_dim) of layer `index` at the offset and
+        attend q (batch, seq, heads, head_dim) to the cache up to them; same shape as q."""
+        seq = q.shape[1]
+        start, end = self.offset, self.offset + seq
+        if end > self.max_len:
+            raise ValueError(f"KV cache of {self.max_len} positions is full (offset {start})")
+        keys, values = self.keys[index], self.values[index]
+        keys[:, :, start:end] = k.transpose(1, 2)
+        values[:, :, start:end] = v.transpose(1, 2)
+        mask = self._attention_mask(seq, window, q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # (batch, heads, seq, head_dim)
+            keys[:, :, :end],
+            values[:, :, :end],
+            attn_mask=mask,
+            is_causal=mask is None and seq > 1,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )
+        return out.transpose(1, 2)
+
+    def _attention_mask(self, seq: int, window: int | None, device: torch.device) -> Tensor | None:
+        """bool (batch or 1, 1, seq, offset + seq): may the query see the key; None when
+        plain causal attention from offset 0 (or one query with nothing hidden) says it."""
+        start, end = self.offset, self.offset + seq
+        if self.key_mask is None and window is None and (start == 0 or seq == 1):
+            return None
+        if self._mask_for != (start, seq, window):
+            i = torch.arange(start, end, device=device)[:, None]  # query positions
+            j = torch.arange(end, device=device)[None, :]  # key positions
+            allowed = j <= i
+            if window is not None:
+                allowed = allowed & (i - j < window)
+            if self.key_mask is not None:
+                # A padding query sees itself only, so its output stays finite.
+                allowed = (allowed & self.key_mask[:, None, :end]) | (i == j)
+            self._mask = allowed.unsqueeze(-3)
+            self._mask_for = (start, seq, window)
+        return self._mask
+
+
+class LayerCache:
+    """One layer's view of a `KVCache` (what `Attention.forward` receives)."""
+
+    __slots__ = ("cache", "index")
+
+    def __init__(self, cache: KVCache, index: int):
+        self.cache, self.index = cache, index
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+        return self.cache.attend(self.index, q, k, v, window)
