@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +191,9 @@ def load_model_weights(model: nn.Module | list[nn.Module], step_dir: Path) -> No
     metadata = read_metadata(step_dir)
     check_files(step_dir, metadata)
     check_states(step_dir, metadata, state)
-    dcp.load(state, checkpoint_id=str(step_dir), no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
+        dcp.load(state, checkpoint_id=str(step_dir), no_dist=not dist.is_initialized())
 
 
 def config_fields(config: TransformerConfig) -> dict[str, Any]:

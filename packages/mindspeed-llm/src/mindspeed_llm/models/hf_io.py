@@ -17,12 +17,13 @@ Nothing here downloads: a Hub name such as `org/model` gets an error asking for 
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -59,6 +60,9 @@ class TensorInfo:
     file: Path
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int
+    """Byte offset of the data from the start of the file."""
+    nbytes: int
 
 
 # -- paths --------------------------------------------------------------------------------
@@ -148,10 +152,10 @@ def hf_tensor_index(path: str | Path) -> dict[str, TensorInfo]:
             raise CheckpointError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}{hint}")
     index: dict[str, TensorInfo] = {}
     for file in files:
-        for name, (dtype, shape, _) in read_safetensors_header(file).items():
+        for name, info in read_safetensors_header(file).items():
             if name in index:
                 raise CheckpointError(f"tensor {name} is stored twice: {index[name].file}, {file}")
-            index[name] = TensorInfo(file, dtype, shape)
+            index[name] = info
     return index
 
 
@@ -169,23 +173,27 @@ def iter_hf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name, info in index.items():
         by_file.setdefault(info.file, []).append(name)
     for file, names in by_file.items():
-        yield from read_safetensors(file, names)
-
-
-def read_safetensors(file: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors `names` of one safetensors file, one at a time (each an owned copy)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(file), framework="pt") as f:
+        with open(file, "rb") as f:
             for name in names:
-                yield name, f.get_tensor(name)
-    except SafetensorError as err:
-        raise CheckpointError(f"safetensors file {file} is unreadable: {err}") from None
+                yield name, read_tensor(index[name], f)
 
 
-def read_safetensors_header(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
-    """Name -> (dtype, shape, byte length) from a safetensors header, checking the file size.
+def read_tensor(info: TensorInfo, f: BinaryIO | None = None) -> torch.Tensor:
+    """One tensor of a safetensors file, read straight into fresh memory (no mmap, so the
+    process holds only the tensors it keeps)."""
+    if f is None:
+        with open(info.file, "rb") as own:
+            return read_tensor(info, own)
+    tensor = torch.empty(info.shape, dtype=info.dtype)
+    f.seek(info.offset)
+    view = tensor.reshape(-1).view(torch.uint8).numpy()
+    if f.readinto(view) != info.nbytes:
+        raise CheckpointError(f"safetensors file {info.file} is truncated")
+    return tensor
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
+    """Name -> `TensorInfo` from a safetensors header, checking sizes against the file's.
 
     Raises:
         CheckpointError: the file is missing, truncated or its header is corrupt.
@@ -207,9 +215,10 @@ def read_safetensors_header(file: Path) -> dict[str, tuple[torch.dtype, tuple[in
         raise CheckpointError(f"safetensors file {file} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"safetensors file {file} has a corrupt header: {err}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"safetensors file {file} has a corrupt header")
     header.pop("__metadata__", None)
     out = {}
-    end = 0
     for name, entry in header.items():
         try:
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
@@ -220,13 +229,61 @@ def read_safetensors_header(file: Path) -> dict[str, tuple[torch.dtype, tuple[in
                 f"safetensors file {file}: tensor {name} has an unsupported or corrupt entry "
                 f"{entry!r}"
             ) from None
-        out[name] = (dtype, shape, stop - start)
-        end = max(end, stop)
-    if 8 + header_len + end > size:
-        raise CheckpointError(
-            f"safetensors file {file} is truncated ({size} of {8 + header_len + end} bytes)"
-        )
+        nbytes = math.prod(shape) * dtype.itemsize
+        if stop - start != nbytes or start < 0:
+            raise CheckpointError(f"safetensors file {file}: tensor {name} has corrupt offsets")
+        if 8 + header_len + stop > size:
+            raise CheckpointError(
+                f"safetensors file {file} is truncated ({size} bytes; tensor {name} ends at "
+                f"{8 + header_len + stop})"
+            )
+        out[name] = TensorInfo(file, dtype, shape, 8 + header_len + start, nbytes)
     return out
+
+
+class SafetensorsWriter:
+    """Writes one safetensors file whose tensors arrive one at a time, in any order.
+
+    The header (names, dtypes, shapes, offsets) is written up front from `entries`, so
+    each tensor goes straight to its place and is dropped: memory stays at one tensor.
+    """
+
+    def __init__(self, file: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        to_name = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        self.offsets: dict[str, tuple[int, int]] = {}
+        end = 0
+        for name, dtype, shape in entries:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {
+                "dtype": to_name[dtype],
+                "shape": list(shape),
+                "data_offsets": [end, end + nbytes],
+            }
+            self.offsets[name] = (end, nbytes)
+            end += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        self.data_start = 8 + len(raw)
+        self.size = end
+        self.file = file
+        self._f = open(file, "wb")  # noqa: SIM115 (closed by close())
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._f.truncate(self.data_start + end)
+        self._pending = set(self.offsets)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        start, nbytes = self.offsets[name]
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert data.numel() == nbytes, (name, data.numel(), nbytes)
+        self._f.seek(self.data_start + start)
+        self._f.write(data.numpy().data)
+        self._pending.discard(name)
+
+    def close(self) -> None:
+        """Finish the file. Raises if a tensor was never written (an internal error)."""
+        self._f.close()
+        assert not self._pending, f"{self.file}: tensors never written: {sorted(self._pending)[:5]}"
 
 
 def _files_from_index(index_path: Path) -> list[Path]:
@@ -246,40 +303,114 @@ def _files_from_index(index_path: Path) -> list[Path]:
 # -- name mapping through the family's adapter --------------------------------------------
 
 
-def hf_to_ours_names(config: TransformerConfig, index: Mapping[str, TensorInfo]) -> dict[str, str]:
-    """Our name -> Hugging Face name, asking the family's `hf_adapter.from_hf` on meta tensors.
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _layer_of(name: str) -> int | None:
+    match = _LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
+def _meta(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
+
+
+class HFWeights:
+    """The tensors of a Hugging Face folder under our names, read one at a time.
+
+    The family's `hf_adapter.from_hf`, run once on meta tensors, tells which of our tensors
+    are renamed Hugging Face tensors (read alone) and which it computes from several (e.g.
+    MoE experts stacked per layer: those are computed one layer at a time, from that
+    layer's tensors only).
 
     Raises:
-        CheckpointError: the adapter reports missing/unexpected tensors, or it computes a
-            tensor from several (not a pure renaming; not streamable here).
+        CheckpointError: the adapter reports missing or unexpected tensors.
     """
-    meta = {
-        name: torch.empty(info.shape, dtype=info.dtype, device="meta")
-        for name, info in index.items()
-    }
-    ours = get_model_spec(config.family).hf_adapter.from_hf(meta, config)
-    return _renaming(ours, meta, config.family)
+
+    def __init__(self, path: str | Path, config: TransformerConfig):
+        self.path = Path(path)
+        self.config = config
+        self.index = hf_tensor_index(path)
+        self._adapter = get_model_spec(config.family).hf_adapter
+        meta = _meta(self.index)
+        ours = self._adapter.from_hf(meta, config)
+        by_id = {id(t): name for name, t in meta.items()}
+        self.shapes = {n: (t.dtype, tuple(t.shape)) for n, t in ours.items()}
+        """Our name -> (dtype, shape) as stored."""
+        self.renamed = {n: by_id[id(t)] for n, t in ours.items() if id(t) in by_id}
+        """Our name -> the Hugging Face tensor it is."""
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        """Our tensor `name` (a fresh CPU tensor)."""
+        if name in self.renamed:
+            return read_tensor(self.index[self.renamed[name]])
+        if name not in self._cache:
+            self._cache.update(self._compute(_layer_of(name)))
+        return self._cache.pop(name)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every (our name, tensor): renamed ones in file order, then computed ones by layer."""
+        by_hf: dict[str, list[str]] = {}
+        for ours, hf in self.renamed.items():
+            by_hf.setdefault(hf, []).append(ours)
+        for hf_name, tensor in iter_hf_tensors(self.path):
+            for ours in by_hf.get(hf_name, ()):
+                yield ours, tensor
+        computed = [n for n in self.shapes if n not in self.renamed]
+        for name in sorted(computed, key=lambda n: (_layer_of(n) or -1, n)):
+            yield name, self.get(name)
+
+    def _compute(self, layer: int | None) -> dict[str, torch.Tensor]:
+        """The computed tensors of one layer, from that layer's Hugging Face tensors alone."""
+        mixed: dict[str, torch.Tensor] = _meta(self.index)
+        for name, info in self.index.items():
+            if _layer_of(name) == layer:
+                mixed[name] = read_tensor(info)
+        out = {}
+        for name, tensor in self._adapter.from_hf(mixed, self.config).items():
+            if name in self.renamed or _layer_of(name) != layer:
+                continue
+            if tensor.is_meta:
+                raise CheckpointError(
+                    f"the {self.config.family!r} adapter builds {name} from tensors of other "
+                    "layers; it cannot be converted one layer at a time"
+                )
+            out[name] = tensor
+        return out
 
 
-def ours_to_hf_names(config: TransformerConfig, ours: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Hugging Face name -> our name, asking the family's `hf_adapter.to_hf` on `ours` (meta ok)."""
-    hf = get_model_spec(config.family).hf_adapter.to_hf(ours, config)
-    return _renaming(hf, ours, config.family)
+def to_hf_plan(
+    config: TransformerConfig, ours: Mapping[str, Any]
+) -> tuple[dict[str, tuple[torch.dtype, tuple[int, ...]]], dict[str, str]]:
+    """What the family's `hf_adapter.to_hf` makes of our tensors, without reading any.
+
+    Args:
+        ours: our name -> anything with .shape and .dtype (e.g. checkpoint metadata).
+
+    Returns:
+        (Hugging Face name -> (dtype, shape) of every tensor to write, Hugging Face name ->
+        our name for those that are only renamed; the others are computed, see `to_hf_one`).
+
+    Raises:
+        CheckpointError: the adapter reports missing or unexpected tensors.
+    """
+    meta = _meta(ours)
+    by_id = {id(t): name for name, t in meta.items()}
+    out = get_model_spec(config.family).hf_adapter.to_hf(meta, config)
+    shapes = {hf: (t.dtype, tuple(t.shape)) for hf, t in out.items()}
+    return shapes, {hf: by_id[id(t)] for hf, t in out.items() if id(t) in by_id}
 
 
-def _renaming(
-    out: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor], family: str
-) -> dict[str, str]:
-    by_id = {id(t): name for name, t in src.items()}
-    mapping = {}
-    for name, tensor in out.items():
-        if id(tensor) not in by_id:
-            raise CheckpointError(
-                f"the {family!r} adapter computes {name} from several tensors; streaming "
-                "conversion of such families is not supported yet"
-            )
-        mapping[name] = by_id[id(tensor)]
-    return mapping
+def to_hf_one(
+    config: TransformerConfig, ours: Mapping[str, Any], name: str, tensor: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The computed Hugging Face tensors made from our tensor `name` alone (e.g. the
+    per-expert weights of a stacked expert tensor); the others stay meta and are dropped."""
+    adapter = get_model_spec(config.family).hf_adapter
+    probe = _meta(ours)
+    probe[name] = tensor
+    return {hf: t for hf, t in adapter.to_hf(probe, config).items() if not t.is_meta}
 
 
 # -- loading a model ----------------------------------------------------------------------
@@ -329,27 +460,20 @@ def load_hf_weights(model: nn.Module, path: str | Path, config: TransformerConfi
     Raises:
         CheckpointError: a tensor is missing, extra, or of the wrong shape.
     """
-    index = hf_tensor_index(path)
-    names = hf_to_ours_names(config, index)
+    weights = HFWeights(path, config)
     targets = model.state_dict(keep_vars=True)
-    missing = sorted(set(targets) - set(names))
+    missing = sorted(set(targets) - set(weights.shapes))
     if missing:
-        raise CheckpointError(
-            f"{path}: the model has tensors the adapter does not map: {missing[:5]}"
-        )
-    wanted: dict[str, list[str]] = {}
-    for ours, hf in names.items():
-        wanted.setdefault(hf, []).append(ours)
+        raise CheckpointError(f"{path}: the model has tensors the checkpoint lacks: {missing[:5]}")
     with torch.no_grad():
-        for hf_name, tensor in iter_hf_tensors(path):
-            for ours in wanted.get(hf_name, ()):
-                target = targets[ours]
-                if tuple(target.shape) != tuple(tensor.shape):
-                    raise CheckpointError(
-                        f"{path}: {hf_name} has shape {tuple(tensor.shape)} but the model's "
-                        f"{ours} is {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
+        for name, tensor in weights.items():
+            target = targets[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"{path}: {name} has shape {tuple(tensor.shape)} in the checkpoint but "
+                    f"{tuple(target.shape)} in the model"
+                )
+            target.copy_(tensor)
 
 
 def _empty_model(

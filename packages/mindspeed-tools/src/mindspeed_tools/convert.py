@@ -1,0 +1,338 @@
+"""`mindspeed convert`: Hugging Face safetensors <-> MindSpeed checkpoints, tensor by tensor.
+
+    mindspeed convert --input HF_DIR --output OUT --to mindspeed [--tp 2 --pp 2 --ep 1]
+    mindspeed convert --input CKPT --output HF_OUT --to hf [--max-shard-size 5GB]
+
+A MindSpeed checkpoint is a DCP checkpoint: every tensor is stored once, under its
+fully-qualified name with its global shape, and DCP reshards it on load. Our parallel
+layouts (TP via DTensor, FSDP2, pipeline stages) keep those names, so one converted
+checkpoint loads under any tp/pp/ep layout; `--tp/--pp/--ep` check that the layout you plan
+is possible for this model and record it, instead of writing per-rank shards.
+
+The output is written to `OUT.tmp-*` and renamed to `OUT` when complete: a failed
+conversion leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from mindspeed_core.checkpoint import LATEST
+from mindspeed_core.cli import Command
+from mindspeed_core.distributed import setup_logging
+from mindspeed_core.errors import CheckpointError, ConfigError, ParallelError
+from mindspeed_llm.models import TransformerConfig, hf_io
+from mindspeed_llm.models import checkpoint_io as ckpt
+from mindspeed_tools.dcp_stream import load_streaming, save_streaming
+
+logger = logging.getLogger("mindspeed.convert")
+DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HF_EXTRA_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+STEP = "step_0"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+# -- Hugging Face -> MindSpeed ------------------------------------------------------------
+
+
+def hf_to_mindspeed(
+    source: str | Path,
+    output: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Convert the Hugging Face folder `source` into a MindSpeed checkpoint at `output`.
+
+    Writes `output/step_0` (DCP, the `model` state under ModelState's names), `latest`,
+    `mindspeed_manifest.json` and copies of config.json, generation_config.json and the
+    tokenizer files. Tensors keep their dtype unless `dtype` is given.
+
+    Raises:
+        ConfigError / CheckpointError: bad source (named); ParallelError: a layout this
+            model cannot take.
+    """
+    config = hf_io.read_hf_config(source)
+    check_layout(config, tp=tp, pp=pp, ep=ep)
+    weights = hf_io.HFWeights(source, config)
+    prefix = ckpt.MODEL_KEY + "."
+    shapes = {prefix + n: (dtype or d, shape) for n, (d, shape) in weights.shapes.items()}
+
+    def read(fqn: str) -> torch.Tensor:
+        tensor = weights.get(fqn[len(prefix) :])
+        return tensor if dtype is None else tensor.to(dtype)
+
+    with _staging(output) as tmp:
+        save_streaming(tmp / STEP, shapes, read)
+        (tmp / LATEST).write_text(STEP + "\n")
+        copied = _copy_hf_files(Path(source), tmp)
+        stored = sorted({str(d).removeprefix("torch.") for d, _ in shapes.values()})
+        manifest = {
+            "format": ckpt.MANIFEST_FORMAT,
+            "version": ckpt.MANIFEST_VERSION,
+            "family": config.family,
+            "model_config": ckpt.config_fields(config),
+            "layout": {"tp": tp, "pp": pp, "ep": ep},
+            "dtype": stored[0] if len(stored) == 1 else stored,
+            "source": str(Path(source).resolve()),
+            "files": ["config.json", *copied],
+        }
+        (tmp / hf_io.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    logger.info("wrote %s (%d tensors, layout tp=%d pp=%d ep=%d)", output, len(shapes), tp, pp, ep)
+    return Path(output)
+
+
+def check_layout(config: TransformerConfig, *, tp: int, pp: int, ep: int) -> None:
+    """Refuse a tp/pp/ep layout this model cannot be trained under.
+
+    Raises:
+        ParallelError: the offending degree and the model size it does not fit.
+    """
+    for name, degree in (("tp", tp), ("pp", pp), ("ep", ep)):
+        if degree < 1:
+            raise ParallelError(f"--{name}={degree} must be >= 1")
+    if tp > 1:
+        for field in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+            if getattr(config, field) % tp:
+                raise ParallelError(
+                    f"--tp={tp} does not divide {field}={getattr(config, field)} of this model"
+                )
+        if config.tie_word_embeddings:
+            raise ParallelError(f"--tp={tp}: tensor parallel with tied embeddings is not supported")
+    if pp > config.num_layers:
+        raise ParallelError(f"--pp={pp} exceeds the model's {config.num_layers} layers")
+    if pp > 1 and config.tie_word_embeddings:
+        raise ParallelError(f"--pp={pp}: pipeline parallel with tied embeddings is not supported")
+    num_experts = getattr(config, "num_experts", None)
+    if ep > 1 and not num_experts:
+        raise ParallelError(f"--ep={ep}: this {config.family} model has no experts")
+    if num_experts and num_experts % ep:
+        raise ParallelError(f"--ep={ep} does not divide num_experts={num_experts}")
+
+
+# -- MindSpeed -> Hugging Face ------------------------------------------------------------
+
+
+def mindspeed_to_hf(
+    source: str | Path,
+    output: str | Path,
+    *,
+    max_shard_size: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Convert a MindSpeed checkpoint (converted, or a trainer's) into a Hugging Face folder.
+
+    `source` is a converted folder, `<run>/checkpoints` (its `latest`), or one `step_<N>`.
+    Writes config.json, generation_config.json, tokenizer files when known, and
+    model.safetensors or shards with model.safetensors.index.json.
+
+    Raises:
+        ConfigError / CheckpointError: the source is not a checkpoint or is incomplete.
+    """
+    folder = hf_io.local_dir(source, "checkpoint")
+    if not ckpt.is_mindspeed_checkpoint(folder):
+        raise CheckpointError(
+            f"{folder} is not a MindSpeed checkpoint (no {hf_io.MANIFEST_FILE}, {LATEST} or "
+            ".metadata)"
+        )
+    config = ckpt.read_checkpoint_config(folder)
+    step_dir = ckpt.resolve_step_dir(folder)
+    stored = ckpt.tensor_metadata(step_dir)
+    meta = {n: torch.empty(shape, dtype=d, device="meta") for n, (d, shape) in stored.items()}
+    hf_shapes, renamed = hf_io.to_hf_plan(config, meta)
+    entries = [(hf, dtype or d, shape) for hf, (d, shape) in hf_shapes.items()]
+    shards = _plan_shards(entries, max_shard_size)
+    prefix = ckpt.MODEL_KEY + "."
+    computed = len(renamed) < len(hf_shapes)  # e.g. per-expert weights from stacked experts
+    sources = set(renamed.values()) | (set(stored) if computed else set())
+    wanted = {prefix + ours: stored[ours] for ours in stored if ours in sources}
+    hf_names: dict[str, list[str]] = {}
+    for hf, ours in renamed.items():
+        hf_names.setdefault(prefix + ours, []).append(hf)
+
+    with _staging(output) as tmp:
+        writers = {}
+        for file, names in shards.items():
+            writers[file] = hf_io.SafetensorsWriter(
+                tmp / file, [e for e in entries if e[0] in names]
+            )
+        where = {hf: file for file, names in shards.items() for hf in names}
+
+        def write(hf: str, tensor: torch.Tensor) -> None:
+            writers[where[hf]].write(hf, tensor if dtype is None else tensor.to(dtype))
+
+        def done(fqn: str, tensor: torch.Tensor) -> None:
+            for hf in hf_names.get(fqn, ()):
+                write(hf, tensor)
+            if computed and fqn not in hf_names:
+                for hf, made in hf_io.to_hf_one(config, meta, fqn[len(prefix) :], tensor).items():
+                    write(hf, made)
+
+        try:
+            load_streaming(step_dir, wanted, done)
+        finally:
+            for writer in writers.values():
+                writer.close()
+        if len(shards) > 1:
+            _write_index(tmp, writers, where)
+        _write_hf_config(folder, config, tmp, entries)
+    logger.info("wrote %s (%d tensors in %d file(s))", output, len(entries), len(shards))
+    return Path(output)
+
+
+def _plan_shards(
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int
+) -> dict[str, list[str]]:
+    """File name -> tensor names, in order, each file at most `max_shard_size` (or one tensor)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, dtype, shape in entries:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if groups[-1] and size + nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return {hf_io.SINGLE_FILE: groups[0]}
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def _write_index(tmp: Path, writers, where: dict[str, str]) -> None:
+    index = {
+        "metadata": {"total_size": sum(w.size for w in writers.values())},
+        "weight_map": dict(sorted(where.items())),
+    }
+    (tmp / hf_io.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_hf_config(folder: Path, config: TransformerConfig, tmp: Path, entries) -> None:
+    """config.json (the source's when it has one, else built from our config), plus the
+    generation config and tokenizer files of the source when known."""
+    dtypes = {str(d).removeprefix("torch.") for _, d, _ in entries if d.is_floating_point}
+    hf_dir = ckpt.hf_source_dir(folder)
+    if hf_dir is not None:
+        hf_config = json.loads((hf_dir / hf_io.CONFIG_FILE).read_text())
+        _copy_hf_files(hf_dir, tmp)
+    else:
+        hf_config = config.to_hf_dict()
+    if len(dtypes) == 1:
+        key = "dtype" if "dtype" in hf_config else "torch_dtype"
+        hf_config[key] = dtypes.pop()
+    (tmp / hf_io.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    if not (tmp / "generation_config.json").is_file():
+        generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config}
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"_from_model_config": True, **generation}, indent=2) + "\n"
+        )
+
+
+# -- shared -------------------------------------------------------------------------------
+
+
+def _copy_hf_files(source: Path, dest: Path) -> list[str]:
+    """Copy config.json, the generation config and tokenizer files that exist in `source`."""
+    copied = []
+    for name in (hf_io.CONFIG_FILE, *HF_EXTRA_FILES):
+        if (source / name).is_file():
+            shutil.copy2(source / name, dest / name)
+            if name != hf_io.CONFIG_FILE:
+                copied.append(name)
+    return copied
+
+
+@contextlib.contextmanager
+def _staging(output: str | Path) -> Iterator[Path]:
+    """A fresh `OUT.tmp-*` folder, renamed to `output` on success and removed on failure."""
+    out = Path(output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"output {out} already exists; remove it or choose another path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.is_dir():
+            out.rmdir()  # an empty folder the user made
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def parse_size(text: str) -> int:
+    """Bytes in "5GB", "500MB", "2GiB" or a plain number of bytes.
+
+    Raises:
+        ConfigError: not a size.
+    """
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ConfigError(f"--max-shard-size={text!r} is not a size like 5GB or 500MB")
+    value = float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()]
+    if value < 1:
+        raise ConfigError(f"--max-shard-size={text!r} must be positive")
+    return int(value)
+
+
+# -- command line -------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mindspeed convert",
+        description="Convert Hugging Face safetensors <-> MindSpeed (DCP) checkpoints, "
+        "tensor by tensor. One MindSpeed checkpoint loads under any tp/pp/ep layout.",
+    )
+    p.add_argument("--input", required=True, help="HF folder, or a MindSpeed checkpoint")
+    p.add_argument("--output", required=True, help="folder to create (must not exist)")
+    p.add_argument("--to", required=True, choices=("mindspeed", "hf"), help="target format")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree to validate")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree to validate")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree to validate")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help="stored dtype")
+    p.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    setup_logging()
+    dtype = DTYPES[args.dtype]
+    if args.to == "mindspeed":
+        hf_to_mindspeed(args.input, args.output, tp=args.tp, pp=args.pp, ep=args.ep, dtype=dtype)
+    else:
+        if (args.tp, args.pp, args.ep) != (1, 1, 1):
+            raise ConfigError("--tp/--pp/--ep apply to --to mindspeed only")
+        size = parse_size(args.max_shard_size)
+        mindspeed_to_hf(args.input, args.output, max_shard_size=size, dtype=dtype)
+    print(f"wrote {args.output}")
+    return 0
+
+
+command = Command(help="convert Hugging Face <-> MindSpeed checkpoints (any layout)", run=main)

@@ -1,0 +1,240 @@
+"""`mindspeed convert`: Hugging Face -> MindSpeed -> Hugging Face is bit-identical, the
+converted model gives transformers' logits (also under tp=2), and bad input is one line."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from mindspeed_core.cli import run as cli
+from mindspeed_core.testing import import_sibling, run_distributed
+from mindspeed_llm.models import checkpoint_io, hf_io
+from mindspeed_tools.convert import hf_to_mindspeed, mindspeed_to_hf, parse_size
+
+LLM_TESTS = Path(__file__).resolve().parents[2] / "mindspeed-llm" / "tests"
+models_hf = import_sibling(str(LLM_TESTS / "conftest.py"), "models_hf")
+make_hf, tokens = models_hf.make_hf, models_hf.tokens
+CONFIG_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "sliding_window",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+)
+
+
+MOE = {
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+    ),
+}
+
+
+def _make(case):
+    if case not in MOE:
+        return make_hf(case)
+    cls_name, extra = MOE[case]
+    config = getattr(transformers, cls_name)(
+        **{**models_hf.TINY, "num_experts_per_tok": 2, **extra}
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+    return model.eval()
+
+
+def _hf_dir(tmp_path, case, dtype=torch.float32, shard=None):
+    hf = _make(case).to(dtype)
+    folder = tmp_path / f"hf-{case}"
+    hf.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+    return hf, folder
+
+
+def _same_config(a: Path, b: Path):
+    ca = transformers.AutoConfig.from_pretrained(a).to_dict()
+    cb = transformers.AutoConfig.from_pretrained(b).to_dict()
+    for field in CONFIG_FIELDS:
+        assert ca.get(field) == cb.get(field), field
+
+
+@pytest.mark.parametrize(
+    ("case", "shard"),
+    [
+        ("llama", None),
+        ("qwen2", "40KB"),
+        ("qwen2-tied", None),
+        ("qwen3", "40KB"),
+        ("mistral-window", None),
+        ("mixtral", "40KB"),
+        ("qwen2_moe", None),
+    ],
+)
+def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):
+    hf, src = _hf_dir(tmp_path, case, shard=shard)
+    ours = hf_to_mindspeed(src, tmp_path / "ours")
+    back = mindspeed_to_hf(ours, tmp_path / "back", max_shard_size=parse_size("50KB"))
+
+    expected = dict(hf_io.iter_hf_tensors(src))  # what save_pretrained wrote
+    got = dict(hf_io.iter_hf_tensors(back))
+    assert got.keys() == expected.keys()
+    for name, tensor in got.items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+    assert (back / "model.safetensors.index.json").is_file()  # 50KB shards
+    _same_config(src, back)
+    assert (back / "generation_config.json").is_file()
+
+    ids = tokens()
+    with torch.no_grad():
+        want = hf(ids).logits
+        model, _ = hf_io.load_model(ours)
+        torch.testing.assert_close(model(ids), want, atol=1e-5, rtol=0)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+            back, attn_implementation="eager"
+        )
+        torch.testing.assert_close(reloaded(ids).logits, want, atol=0, rtol=0)
+
+
+def test_bf16_is_kept_and_can_be_changed(tmp_path):
+    hf, src = _hf_dir(tmp_path, "llama", dtype=torch.bfloat16)
+    ours = hf_to_mindspeed(src, tmp_path / "ours")
+    manifest = json.loads((ours / hf_io.MANIFEST_FILE).read_text())
+    assert manifest["dtype"] == "bfloat16" and manifest["layout"] == {"tp": 1, "pp": 1, "ep": 1}
+    stored = checkpoint_io.tensor_metadata(ours / "step_0")
+    assert {d for d, _ in stored.values()} == {torch.bfloat16}
+    back = mindspeed_to_hf(ours, tmp_path / "back")
+    assert (back / "model.safetensors").is_file()
+    for name, tensor in hf_io.iter_hf_tensors(back):
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, hf.state_dict()[name])
+    assert json.loads((back / "config.json").read_text()).get("dtype", "bfloat16") == "bfloat16"
+    fp32 = mindspeed_to_hf(ours, tmp_path / "fp32", dtype=torch.float32)
+    for name, tensor in hf_io.iter_hf_tensors(fp32):
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, hf.state_dict()[name].float())
+
+
+def _tp2_logits(converted: str):
+    from mindspeed_core.parallel import ParallelDims
+    from mindspeed_llm.models import get_model_spec
+
+    folder = Path(converted)
+    config = checkpoint_io.read_checkpoint_config(folder)
+    spec = get_model_spec(config.family)
+    torch.manual_seed(123)  # other weights than the checkpoint's, so the load must work
+    model = spec.parallelize(spec.build(config), ParallelDims(tp=2).build())
+    checkpoint_io.load_model_weights(model, checkpoint_io.resolve_step_dir(folder))
+    with torch.no_grad():
+        return model(tokens())
+
+
+@pytest.mark.slow
+def test_a_converted_checkpoint_loads_under_tp2(tmp_path):
+    hf, src = _hf_dir(tmp_path, "qwen2")
+    ours = hf_to_mindspeed(src, tmp_path / "ours", tp=2)
+    with torch.no_grad():
+        want = hf(tokens()).logits
+    for logits in run_distributed(_tp2_logits, 2, str(ours)):
+        torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+
+
+def _cli(capsys, *args):
+    code = cli(["convert", *map(str, args)])
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def _assert_no_output(tmp_path, name="out"):
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(name)]
+
+
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys):
+    _, src = _hf_dir(tmp_path, "llama")
+    out = tmp_path / "out"
+    cases = []
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases.append(((empty,), ["empty", "config.json"]))
+    cases.append((("some-org/Some-Model",), ["some-org/Some-Model", "local"]))
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(
+        json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
+    cases.append(((gpt2,), ["gpt2", "supported", "llama", "qwen3"]))
+    cases.append(((src, "--tp", "4"), ["--tp=4", "num_kv_heads=2"]))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((src / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes()[:-64])
+    cases.append(((broken,), ["broken/model.safetensors", "truncated"]))
+    capsys.readouterr()
+    for args, fragments in cases:
+        code, err = _cli(
+            capsys, "--input", args[0], "--output", out, "--to", "mindspeed", *args[1:]
+        )
+        assert code == 2, (args, err)
+        assert err.startswith("error:") and "\n" not in err, err
+        for fragment in fragments:
+            assert fragment in err, (fragment, err)
+        _assert_no_output(tmp_path)
+
+
+def test_failure_midway_removes_the_partial_output(tmp_path, capsys, monkeypatch):
+    _, src = _hf_dir(tmp_path, "llama")
+    calls = []
+
+    def failing_read(info, f=None):
+        calls.append(info)
+        if len(calls) == 3:
+            raise hf_io.CheckpointError(f"safetensors file {info.file} is truncated")
+        return original(info, f)
+
+    original = hf_io.read_tensor
+    monkeypatch.setattr(hf_io, "read_tensor", failing_read)  # a test double, not product code
+    capsys.readouterr()
+    code, err = _cli(capsys, "--input", src, "--output", tmp_path / "out", "--to", "mindspeed")
+    assert code == 2 and "truncated" in err
+    _assert_no_output(tmp_path)
+
+
+def test_to_hf_refuses_what_is_not_a_checkpoint_and_an_existing_output(tmp_path, capsys):
+    _, src = _hf_dir(tmp_path, "llama")
+    capsys.readouterr()
+    code, err = _cli(capsys, "--input", src, "--output", tmp_path / "out", "--to", "hf")
+    assert code == 2 and "not a MindSpeed checkpoint" in err
+    ours = tmp_path / "ours"
+    assert _cli(capsys, "--input", src, "--output", ours, "--to", "mindspeed")[0] == 0
+    code, err = _cli(capsys, "--input", src, "--output", ours, "--to", "mindspeed")
+    assert code == 2 and "already exists" in err
+    code, err = _cli(
+        capsys,
+        "--input",
+        ours,
+        "--output",
+        tmp_path / "x",
+        "--to",
+        "hf",
+        "--max-shard-size",
+        "lots",
+    )
+    assert code == 2 and "lots" in err
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("2MiB") == 2 * 2**20
+    assert parse_size("123") == 123
