@@ -1,5 +1,6 @@
 """The indexed dataset: round trips, Megatron compatibility both ways, bad files."""
 
+import os
 import pickle
 import struct
 
@@ -142,6 +143,11 @@ def test_writer_is_all_or_nothing(tmp_path):
     writer.finalize()
     assert dataset_exists(tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.bin", "c.idx", "new.bin", "new.idx"]
+    # the final files get the usual permissions (0644 under umask 022), not 0600
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for name in ("new.bin", "new.idx"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask
 
 
 def test_writer_refuses_ids_that_do_not_fit(tmp_path):

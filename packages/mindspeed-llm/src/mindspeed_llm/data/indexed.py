@@ -197,6 +197,8 @@ class IndexedDatasetWriter:
         # an index (refused on load), never a new .bin next to an old .idx.
         with contextlib.suppress(FileNotFoundError):
             final_idx.unlink()
+        for temporary in (self._bin.name, index_tmp):  # temporary files are 0600
+            os.chmod(temporary, 0o666 & ~_umask())
         os.replace(self._bin.name, final_bin)
         os.replace(index_tmp, final_idx)
 
@@ -240,6 +242,13 @@ class IndexedDatasetWriter:
             self.finalize()
         else:
             self._abort()
+
+
+def _umask() -> int:
+    """The process umask (read by setting it, then put back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _dtype_bounds(dtype: np.dtype) -> tuple[int, int] | None:
