@@ -80,7 +80,7 @@ def files_under(folder):
 # -- pretraining ------------------------------------------------------------------------
 
 
-def test_pretrain_counts_reads_back_and_matches_megatron(sp_model, tmp_path):
+def test_pretrain_counts_and_reads_back(sp_model, tmp_path):
     corpus = write_jsonl(
         tmp_path / "in" / "corpus.jsonl",
         [
@@ -113,12 +113,6 @@ def test_pretrain_counts_reads_back_and_matches_megatron(sp_model, tmp_path):
     ours = IndexedDataset(prefix)
     assert ours.dtype == np.uint16  # Megatron's rule for a vocabulary under 65500
     assert [a.tolist() for a in ours[:]] == expected and ours.num_documents == 3
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexed
-    theirs = MegatronIndexed(str(prefix))
-    assert [theirs[i].tolist() for i in range(len(theirs))] == expected
-    assert theirs.get_document_indices().tolist() == [0, 1, 2, 3]
     assert files_under(tmp_path / "out") == ["c_text_document.bin", "c_text_document.idx"]
     # a folder reads every data file in it: the undecodable line is one more bad record
     summary = run(
@@ -130,6 +124,37 @@ def test_pretrain_counts_reads_back_and_matches_megatron(sp_model, tmp_path):
         tmp_path / "dir" / "c",
     )
     assert (summary.records, summary.skipped, summary.documents) == (10, 5, 3)
+
+
+@pytest.mark.slow  # importing Megatron-Core alone takes ~10 s on a busy CPU
+def test_megatron_reads_the_output(sp_model, hf_folder, tmp_path):
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXTS[:20]])
+    prefix = tmp_path / "out" / "c"
+    run("--input", corpus, "--tokenizer", sp_model, "--output-prefix", prefix, "--append-eod")
+    tok = load_tokenizer(sp_model)
+    expected = [tok.encode(t) + [tok.eod_id] for t in TEXTS[:20]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDataset as MegatronIndexed
+    theirs = MegatronIndexed(f"{prefix}_text_document")
+    assert [theirs[i].tolist() for i in range(len(theirs))] == expected
+    assert theirs.get_document_indices().tolist() == list(range(21))
+    assert theirs[0].dtype == np.uint16
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "alpha?", "output": "beta"}])
+    run(
+        "--input",
+        sft,
+        "--tokenizer",
+        hf_folder,
+        "--handler-name",
+        "alpaca",
+        "--output-prefix",
+        prefix,
+    )
+    labels = MegatronIndexed(f"{prefix}_packed_labels_document")
+    ours = IndexedDataset(f"{prefix}_packed_labels_document")
+    assert labels[0].dtype == np.int32 and labels[0].tolist() == ours[0].tolist()
+    assert labels[0][0] == IGNORE_INDEX and labels[0][-1] != IGNORE_INDEX
 
 
 def test_workers_give_identical_bytes_and_keys_go_to_their_own_files(sp_model, tmp_path):
@@ -331,6 +356,44 @@ def test_pairwise_outputs(hf_folder, tmp_path):
     second = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Pick\n1999"}]
     prompt = encode_text(tok, template.render(second, add_generation_prompt=True))
     assert data["chosen_input_ids"][1][: len(prompt)].tolist() == prompt
+
+
+def test_json_array_map_keys_and_max_samples(hf_folder, tmp_path):
+    records = [{"question": f"q{i}", "answer": f"a{i}", "input": ""} for i in range(5)]
+    (tmp_path / "qa.json").write_text(json.dumps(records, indent=2))
+    summary = run(
+        "--input",
+        tmp_path / "qa.json",
+        "--tokenizer",
+        hf_folder,
+        "--handler-name",
+        "alpaca",
+        "--map-keys",
+        '{"prompt": "question", "response": "answer"}',
+        "--max-samples",
+        3,
+        "--output-prefix",
+        tmp_path / "o" / "qa",
+    )
+    assert (summary.records, summary.documents) == (3, 3)
+    tok = load_tokenizer(hf_folder)
+    labels = IndexedDataset(tmp_path / "o" / "qa_packed_labels_document")
+    assert [x[x != IGNORE_INDEX].tolist() for x in labels[:]] == [
+        encode_text(tok, f"a{i}<|im_end|>\n") for i in range(3)
+    ]
+    (tmp_path / "broken.json").write_text('[{"question": "q", "answer": "a"},\n {"oops"]')
+    with pytest.raises(DataError, match=r"broken.json:2: not a valid JSON array"):
+        run(
+            "--input",
+            tmp_path / "broken.json",
+            "--tokenizer",
+            hf_folder,
+            "--handler-name",
+            "alpaca",
+            "--output-prefix",
+            tmp_path / "b" / "x",
+        )
+    assert not (tmp_path / "b").exists()
 
 
 def test_seq_length_drops_and_pack_fills_rows(hf_folder, tmp_path):
