@@ -376,6 +376,10 @@ def test_json_array_map_keys_and_max_samples(hf_folder, tmp_path):
         tmp_path / "o" / "qa",
     )
     assert (summary.records, summary.documents) == (3, 3)
+    # MindSpeed-LLM flags that change nothing are accepted
+    compat = ["--tokenizer-type", "PretrainedFromHF", "--log-interval", "1000"]
+    compat_cfg = parse_args(["--input", "a", "--tokenizer", "t", "--output-prefix", "o", *compat])
+    assert compat_cfg.handler.name == "pretrain"
     tok = load_tokenizer(hf_folder)
     labels = IndexedDataset(tmp_path / "o" / "qa_packed_labels_document")
     assert [x[x != IGNORE_INDEX].tolist() for x in labels[:]] == [

@@ -72,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     r.add_argument("--strict", action="store_true", help="stop at the first bad record")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # MindSpeed-LLM flags that change nothing here: the tokenizer kind is read from the
+    # files, progress is a bar, and datasets' cache is a temporary folder.
+    for flag in ("--tokenizer-type", "--log-interval", "--cache-dir"):
+        p.add_argument(flag, help=argparse.SUPPRESS)
+    for flag in ("--tokenizer-not-use-fast", "--overwrite-cache"):
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
     return p
 
 
