@@ -22,6 +22,11 @@ class ModelSection:
     """A named size of the family (`debug` fits a CPU); ignored when `hf_config` is set."""
     hf_config: Path | None = None
     """A Hugging Face config.json (or its folder) to take the architecture from."""
+    hf_path: Path | None = None
+    """A Hugging Face model folder (config.json + safetensors) to start from: the
+    architecture comes from its config.json (family, flavor and hf_config are ignored) and
+    its weights are loaded before the model is parallelised; it is also the tokenizer when
+    data.tokenizer is unset."""
     ops_impl: str = "auto"
     """Fused-op backend: auto, reference, cpu, cuda or npu."""
 

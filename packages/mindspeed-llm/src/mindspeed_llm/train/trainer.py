@@ -39,7 +39,8 @@ from mindspeed_core.training import (
     set_seed,
 )
 from mindspeed_llm.data import build_pretrain_datasets, packed_positions
-from mindspeed_llm.models import build_model_config, get_model_spec
+from mindspeed_llm.models import build_model_config, checkpoint_io, get_model_spec
+from mindspeed_llm.models.hf_io import load_hf_weights, read_hf_config
 from mindspeed_llm.tokenizer import load_tokenizer
 from mindspeed_llm.train.config import PretrainConfig
 from mindspeed_llm.train.loader import PretrainLoader
@@ -65,13 +66,7 @@ class Trainer:
         self.accum = _grad_accum_steps(cfg, self.dims.dp)
         tokenizer_path, self.data_paths = _resolve_data(cfg)
         self.tokenizer = load_tokenizer(tokenizer_path)
-        hf_config = cfg.model.hf_config
-        self.model_cfg = build_model_config(
-            cfg.model.family,
-            None if hf_config is not None else cfg.model.flavor,
-            hf_config,
-            ops_impl=cfg.model.ops_impl,
-        )
+        self.model_cfg = _model_config(cfg)
         _check_fits(cfg, self.model_cfg, self.tokenizer, tokenizer_path)
         self._build_data()
         self._build_model()
@@ -104,9 +99,11 @@ class Trainer:
     def _build_model(self) -> None:
         cfg, mcfg = self.cfg, self.model_cfg
         set_seed(cfg.train.seed, self.dims)
-        spec = get_model_spec(cfg.model.family)
+        spec = get_model_spec(mcfg.family)
         with torch.device(self.device):
             model = spec.build(mcfg)
+        if cfg.model.hf_path is not None:  # whole, before any split or sharding
+            load_hf_weights(model, cfg.model.hf_path, mcfg)
         self.flops_per_token = flops_per_token(
             dense_params(model), mcfg.num_layers, mcfg.hidden_size, cfg.data.seq_len
         )
@@ -354,9 +351,12 @@ def _grad_accum_steps(cfg: PretrainConfig, dp: int) -> int:
 def _resolve_data(cfg: PretrainConfig) -> tuple[Path, list[str]]:
     """(tokenizer, dataset paths): the user's, or the embedded demo built on rank 0."""
     if cfg.data.paths:
-        if cfg.data.tokenizer is None:
-            raise ConfigError("data.tokenizer is required when data.paths is set")
-        return Path(cfg.data.tokenizer), list(cfg.data.paths)
+        tokenizer = cfg.data.tokenizer or cfg.model.hf_path
+        if tokenizer is None:
+            raise ConfigError(
+                "data.tokenizer (or model.hf_path) is required when data.paths is set"
+            )
+        return Path(tokenizer), list(cfg.data.paths)
     from mindspeed_llm.demo import cache_root, ensure_demo_data
 
     if is_rank0():
@@ -386,11 +386,27 @@ def _check_fits(cfg: PretrainConfig, model_cfg, tokenizer, tokenizer_path: Path)
 
 
 def _load_from(path: Path, states) -> int | None:
-    """checkpoint.load given as a folder of checkpoints or one step_<N> folder."""
-    if path.name.startswith("step_") and path.name[5:].isdigit():
-        return CheckpointManager(states, path.parent).load(int(path.name[5:]))
-    manager = CheckpointManager(states, path)
-    step = manager.load()
+    """checkpoint.load given as a folder of checkpoints or one step_<N> folder.
+
+    A checkpoint holding only the model (e.g. from `mindspeed convert`) gives the weights;
+    training then starts at step 0 with a fresh optimizer (returns None).
+    """
+    is_step = path.name.startswith("step_") and path.name[5:].isdigit()
+    root = path.parent if is_step else path
+    step = int(path.name[5:]) if is_step else CheckpointManager(states, root).latest_step()
     if step is None:
         raise ConfigError(f"checkpoint.load={path} holds no checkpoint")
-    return step
+    if checkpoint_io.saved_states(root / f"step_{step}") == {"model"}:
+        CheckpointManager({"model": states["model"]}, root).load(step)
+        logger.info("loaded the model weights of %s; training starts at step 0", path)
+        return None
+    return CheckpointManager(states, root).load(step)
+
+
+def _model_config(cfg: PretrainConfig):
+    """The model to build: from model.hf_path's config.json, model.hf_config, or a flavor."""
+    m = cfg.model
+    if m.hf_path is not None:
+        return read_hf_config(m.hf_path, ops_impl=m.ops_impl)
+    flavor = None if m.hf_config is not None else m.flavor
+    return build_model_config(m.family, flavor, m.hf_config, ops_impl=m.ops_impl)
