@@ -167,6 +167,15 @@ def tensor_metadata(step_dir: Path) -> dict[str, tuple[torch.dtype, tuple[int, .
     }
 
 
+def saved_states(step_dir: Path) -> set[str]:
+    """Names of the states a DCP checkpoint holds ("model", "optimizer", ...); empty when
+    `step_dir` is not a complete checkpoint (the caller's own load reports that)."""
+    if not (step_dir / ".metadata").is_file():
+        return set()
+    keys = read_metadata(step_dir).state_dict_metadata
+    return {key.split(".", 1)[0] for key in keys}
+
+
 def read_tensors(step_dir: Path, names: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
     """Load the model tensors `names` (name -> dtype, shape) from a DCP checkpoint, as plain tensors."""
     state = {MODEL_KEY: {n: torch.empty(shape, dtype=dtype) for n, (dtype, shape) in names.items()}}
