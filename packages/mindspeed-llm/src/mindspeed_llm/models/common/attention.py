@@ -29,6 +29,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.sliding_window = config.sliding_window
         self.impl = config.ops_impl
+        # Set by mindspeed_core's `apply_cp`: inputs are this rank's zig-zag sequence shards.
+        self.context_parallel = None
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
         self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
@@ -81,6 +83,10 @@ class Attention(nn.Module):
         k = rotary_embedding(k, cos, sin, position_ids, impl=self.impl)
         if kv_cache is not None:
             out = kv_cache.attend(q, k, v, window=self.sliding_window)
+        elif self.context_parallel is not None:
+            if cu_seqlens is not None:  # packed local documents: (tokens, heads, head_dim)
+                q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+            out = self.context_parallel(q, k, v, window=self.sliding_window, cu_seqlens=cu_seqlens)
         elif cu_seqlens is None:
             out = attention(q, k, v, window=self.sliding_window, impl=self.impl)
         else:  # packed layout: (batch * seq, heads, head_dim)

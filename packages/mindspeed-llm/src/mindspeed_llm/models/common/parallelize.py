@@ -1,4 +1,4 @@
-"""Parallelise a dense `Transformer` from outside: (pipeline split) -> TP -> activation
+"""Parallelise a dense `Transformer` from outside: (pipeline split) -> TP -> CP -> activation
 checkpointing -> FSDP/DDP.
 
 The order is torchtitan's: tensor parallel first (DTensor plans on whole modules), then
@@ -9,6 +9,7 @@ recompute wrappers on each block, then data parallel, which shards whatever para
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -21,12 +22,14 @@ from mindspeed_core.parallel import (
     ParallelDims,
     PipelineParts,
     apply_ac,
+    apply_cp,
     apply_ddp,
     apply_fsdp,
     apply_tp,
     llama_tp_plan,
     split_pipeline,
 )
+from mindspeed_ops import attention
 
 
 def parallelize_decoder(
@@ -38,6 +41,8 @@ def parallelize_decoder(
     reduce_dtype: torch.dtype | None = torch.float32,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    cp_mode: str = "ring",
+    ulysses_degree: int | None = None,
 ) -> nn.Module:
     """Apply the layout `dims` to `model` in place and return it.
 
@@ -51,13 +56,16 @@ def parallelize_decoder(
         sequence_parallel: shard norms and residuals along the sequence (needs tp > 1).
         loss_parallel: leave logits sharded over the vocabulary (tp > 1); compute the loss
             inside `mindspeed_core.parallel.loss_parallel_context(True)`.
+        cp_mode: context parallel attention when cp > 1: "ring", "ulysses" or "hybrid"
+            (`ulysses_degree` ranks inside each ring step); the caller feeds zig-zag
+            sequence shards and global positions (see `mindspeed_core.parallel.apply_cp`).
 
     Raises:
-        ParallelError: a layout these models do not support yet (cp, ep), a whole model
+        ParallelError: a layout these models do not support yet (ep), a whole model
             under pp > 1 (see `pipeline_decoder`), or options that need tensor parallel
             without it.
     """
-    for axis in ("cp", "ep"):
+    for axis in ("ep",):
         if dims.degree(axis) > 1:
             raise ParallelError(f"{axis}={dims.degree(axis)} is not supported by dense models yet")
     if dims.pp > 1 and None not in (model.tok_embeddings, model.output):
@@ -82,6 +90,9 @@ def parallelize_decoder(
         apply_tp(model, dims.mesh("tp"), _owned_entries(plan, model))
         if config.qk_norm:
             _replicate_qk_norms(model, dims.mesh("tp"))
+    attention_fn = functools.partial(attention, impl=config.ops_impl)
+    apply_cp(model, dims.mesh("cp"), mode=cp_mode, ulysses_degree=ulysses_degree,
+             attention_fn=attention_fn)  # fmt: skip
     apply_ac(model, ac_mode)
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.mesh("fsdp"), param_dtype=param_dtype, reduce_dtype=reduce_dtype)
