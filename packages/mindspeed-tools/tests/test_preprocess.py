@@ -294,6 +294,7 @@ def test_instruction_labels_mask_exactly_the_prompt(hf_folder, tmp_path, handler
     for d in sets.values():  # the same document boundaries in all three
         assert d.document_indices.tolist() == list(range(len(good) + 1))
         assert d.sequence_lengths.tolist() == sets["input_ids"].sequence_lengths.tolist()
+    assert summary.tokens == int(sets["input_ids"].sequence_lengths.sum())
     tok = load_tokenizer(hf_folder)
     im_end = tok.token_to_id("<|im_end|>")
     for i, record in enumerate(good):
@@ -322,6 +323,11 @@ def test_pairwise_outputs(hf_folder, tmp_path):
             "system": "Be brief.",
         },
         {"prompt": "no rejected", "chosen": "x"},  # bad
+        {
+            "conversations": [{"from": "human", "value": "gamma?"}],
+            "chosen": {"from": "gpt", "value": "delta"},
+            "rejected": {"from": "gpt", "value": "zeta"},
+        },
     ]
     corpus = write_jsonl(tmp_path / "p.jsonl", records)
     summary = run(
@@ -334,7 +340,7 @@ def test_pairwise_outputs(hf_folder, tmp_path):
         "--output-prefix",
         tmp_path / "o" / "dpo",
     )
-    assert (summary.documents, summary.skipped) == (2, 1)
+    assert (summary.documents, summary.skipped) == (3, 1)
     keys = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
     assert files_under(tmp_path / "o") == sorted(
         f"dpo_packed_{k}_document.{s}" for k in keys for s in ("bin", "idx")
@@ -342,7 +348,11 @@ def test_pairwise_outputs(hf_folder, tmp_path):
     data = {k: IndexedDataset(tmp_path / "o" / f"dpo_packed_{k}_document") for k in keys}
     tok = load_tokenizer(hf_folder)
     template = load_chat_template(hf_folder)
-    for i, (chosen, rejected) in enumerate([("alpha", "beta 🙂"), ("42", "zeta")]):
+    pairs = [("alpha", "beta 🙂"), ("42", "zeta"), ("delta", "zeta")]
+    assert summary.tokens == sum(
+        int(d.sequence_lengths.sum()) for k, d in data.items() if "input_ids" in k
+    )
+    for i, (chosen, rejected) in enumerate(pairs):
         for side, reply in (("chosen", chosen), ("rejected", rejected)):
             ids, labels = data[f"{side}_input_ids"][i], data[f"{side}_labels"][i]
             prompt_len = int((labels == IGNORE_INDEX).sum())
@@ -356,6 +366,9 @@ def test_pairwise_outputs(hf_folder, tmp_path):
     second = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Pick\n1999"}]
     prompt = encode_text(tok, template.render(second, add_generation_prompt=True))
     assert data["chosen_input_ids"][1][: len(prompt)].tolist() == prompt
+    third = [{"role": "user", "content": "gamma?"}]  # sharegpt from/value turns
+    prompt = encode_text(tok, template.render(third, add_generation_prompt=True))
+    assert data["rejected_input_ids"][2][: len(prompt)].tolist() == prompt
 
 
 def test_json_array_map_keys_and_max_samples(hf_folder, tmp_path):

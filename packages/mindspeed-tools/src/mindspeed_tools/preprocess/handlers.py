@@ -10,6 +10,7 @@ names work too) and knows the output keys it writes:
 | `sharegpt` / `SharegptStyleInstructionHandler` | conversations [{from, value}], system     | input_ids, attention_mask, labels |
 | `messages` (OpenAI)                            | messages [{role, content}]                | input_ids, attention_mask, labels |
 | `pairwise` / `AlpacaStylePairwiseHandler`      | prompt (or instruction/input), chosen, rejected | chosen_/rejected_ input_ids, labels |
+| `SharegptStylePairwiseHandler` (the same)      | conversations or messages, chosen, rejected | chosen_/rejected_ input_ids, labels |
 
 Instruction and pairwise records are rendered with the tokenizer folder's chat template
 (`mindspeed_llm.chat_template`); labels are -100 on every token outside the assistant
@@ -44,6 +45,7 @@ _ALIASES = {
     "openai": "messages",
     "pairwise": "pairwise",
     "AlpacaStylePairwiseHandler": "pairwise",
+    "SharegptStylePairwiseHandler": "pairwise",
 }
 HANDLERS = tuple(sorted(_ALIASES))
 SFT_KEYS = ("input_ids", "attention_mask", "labels")
@@ -235,8 +237,9 @@ class Handler:
     def _pairwise(self, record: Mapping) -> dict[str, list[int]]:
         keys = self.map_keys
         prompt = record.get(keys["prompt"])
-        if prompt is None and "instruction" in record:
-            prompt = record["instruction"]
+        for fallback in ("instruction", "conversations", "messages"):  # alpaca, sharegpt, openai
+            if prompt is None:
+                prompt = record.get(fallback)
         if isinstance(prompt, str):
             query = _optional(record, keys.get("query"), str)
             prompt = self._system(record) + [

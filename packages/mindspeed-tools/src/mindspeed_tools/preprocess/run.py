@@ -39,6 +39,8 @@ logger = logging.getLogger("mindspeed.preprocess")
 CHUNK_SIZE = 64
 MAX_REPORTED = 20  # bad records reported one by one; the rest only counted
 IGNORE_INDEX = -100
+# Output keys that shadow another key's tokens: not counted in the summary's tokens.
+_NOT_TOKENS = frozenset({"attention_mask", "labels", "chosen_labels", "rejected_labels"})
 
 
 @dataclass(kw_only=True)
@@ -114,6 +116,8 @@ def preprocess(cfg: PreprocessConfig) -> Summary:
     """Run preprocessing; returns the summary. Raises DataError/ConfigError on bad input."""
     files = find_inputs(cfg.input)
     handler = cfg.handler.build()  # fails early on a bad tokenizer or template
+    if cfg.handler.append_eod and handler.tokenizer.eod_id is None:
+        raise ConfigError(f"--append-eod: tokenizer {handler.tokenizer.path} has no EOS token")
     from mindspeed_llm.data.indexed import IndexedDatasetWriter, best_dtype  # imports torch
 
     if handler.template is not None and handler.template.is_fallback:
@@ -234,7 +238,8 @@ def _consume(cfg, results: Iterator[Result], writers, summary: Summary) -> list[
         for key, ids in payload.items():
             if ids.size:  # an empty json key stays out of its dataset, as in MindSpeed-LLM
                 writers[key].add_document(ids)
-                summary.tokens += int(ids.size)
+                if key not in _NOT_TOKENS:
+                    summary.tokens += int(ids.size)
     return kept
 
 
