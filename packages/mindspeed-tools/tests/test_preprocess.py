@@ -16,6 +16,7 @@ from mindspeed_llm.data.indexed import IndexedDataset
 from mindspeed_llm.tokenizer import load_tokenizer, train_sentencepiece
 from mindspeed_tools.preprocess import parse_args
 from mindspeed_tools.preprocess.run import greedy_knapsack, preprocess
+from mindspeed_tools.preprocess.sources import count_records
 
 WORDS = ["alpha", "beta", "gamma", "delta", "café", "naïve", "你好", "世界", "🙂", "zeta", "42"]
 TEXTS = [" ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(3 + i % 9)) for i in range(120)]
@@ -218,6 +219,8 @@ def test_parquet_csv_text_and_glob_inputs(sp_model, tmp_path):
         assert [a.tolist() for a in data[:]] == [tok.encode(t) for t in texts]
     assert summary.empty == 1
     assert not any(p.name.startswith("mindspeed-hf-") for p in tmp_path.iterdir())
+    assert count_records([tmp_path / "a.parquet", tmp_path / "c.txt"]) == 30 + 11
+    assert count_records([tmp_path / "b.csv"]) is None
 
 
 # -- chat data ------------------------------------------------------------------------
@@ -369,6 +372,13 @@ def test_pairwise_outputs(hf_folder, tmp_path):
     third = [{"role": "user", "content": "gamma?"}]  # sharegpt from/value turns
     prompt = encode_text(tok, template.render(third, add_generation_prompt=True))
     assert data["rejected_input_ids"][2][: len(prompt)].tolist() == prompt
+    # two workers (each loading the tokenizer and template) write the same bytes
+    run(
+        *["--input", corpus, "--tokenizer", hf_folder, "--handler-name", "pairwise"],
+        *["--output-prefix", tmp_path / "w2" / "dpo", "--workers", 2],
+    )
+    for name in files_under(tmp_path / "o"):
+        assert (tmp_path / "w2" / name).read_bytes() == (tmp_path / "o" / name).read_bytes()
 
 
 def test_json_array_map_keys_and_max_samples(hf_folder, tmp_path):

@@ -23,7 +23,7 @@ import numpy as np
 
 from mindspeed_core.errors import ConfigError, DataError
 from mindspeed_tools.preprocess.handlers import output_keys
-from mindspeed_tools.preprocess.sources import find_inputs, read_items
+from mindspeed_tools.preprocess.sources import count_records, find_inputs, read_items
 from mindspeed_tools.preprocess.worker import (
     HandlerSpec,
     Result,
@@ -143,7 +143,10 @@ def preprocess(cfg: PreprocessConfig) -> Summary:
             if cfg.max_samples:
                 items = _take(items, cfg.max_samples)
             results = _results(cfg, handler, items, stack)
-            samples = _consume(cfg, results, writers, summary)
+            total = count_records(files) if _bar_off(cfg) is not True else None
+            if total is not None and cfg.max_samples:
+                total = min(total, cfg.max_samples)
+            samples = _consume(cfg, results, writers, summary, total)
             if cfg.pack:
                 _write_packs(cfg, samples, writers, handler.tokenizer.pad_id or 0)
             if summary.documents == 0:
@@ -206,12 +209,19 @@ def _results(cfg, handler, items, stack: contextlib.ExitStack) -> Iterator[Resul
         yield from pending.popleft().get()
 
 
-def _consume(cfg, results: Iterator[Result], writers, summary: Summary) -> list[dict]:
+def _consume(cfg, results: Iterator[Result], writers, summary: Summary, total=None) -> list[dict]:
     """Write (or, when packing, collect) every usable result; count the rest."""
     from tqdm import tqdm
 
     kept = []
-    bar = tqdm(results, desc="preprocess", unit=" records", disable=_bar_off(cfg), file=sys.stderr)
+    bar = tqdm(
+        results,
+        desc="preprocess",
+        unit=" records",
+        total=total,
+        disable=_bar_off(cfg),
+        file=sys.stderr,
+    )
     for status, where, payload in bar:
         summary.records += 1
         if status == "bad":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from mindspeed_core.errors import DataError
 
-__all__ = ["FORMATS", "BadText", "Item", "find_inputs", "read_items"]
+__all__ = ["FORMATS", "BadText", "Item", "count_records", "find_inputs", "read_items"]
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 
@@ -63,6 +63,38 @@ def read_items(files: list[Path], cache_dir: str) -> Iterator[Item]:
                 )
         else:
             yield from _read_with_datasets(path, fmt, cache_dir)
+
+
+def count_records(files: list[Path]) -> int | None:
+    """How many records `files` hold, for the progress bar; None when it would be costly.
+
+    Lines of JSON Lines and text files (a scan at disk speed), rows of parquet files
+    (their footer); CSV files and JSON arrays are not counted.
+    """
+    total = 0
+    for path in files:
+        fmt = FORMATS[path.suffix.lower()]
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                total += pq.ParquetFile(path).metadata.num_rows
+            except Exception:  # unreadable: reading it will report the error
+                return None
+        elif fmt == "text" or (fmt == "json" and _first_char(path) != "["):
+            total += _count_lines(path)
+        else:
+            return None
+    return total
+
+
+def _count_lines(path: Path) -> int:
+    count, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")  # a last line without a line break
 
 
 def _lines(path: Path) -> Iterator[tuple[str, str]]:
