@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import logging
 import sys
 import tempfile
@@ -118,45 +119,49 @@ def preprocess(cfg: PreprocessConfig) -> Summary:
     handler = cfg.handler.build()  # fails early on a bad tokenizer or template
     if cfg.handler.append_eod and handler.tokenizer.eod_id is None:
         raise ConfigError(f"--append-eod: tokenizer {handler.tokenizer.path} has no EOS token")
-    from mindspeed_llm.data.indexed import IndexedDatasetWriter, best_dtype  # imports torch
-
     if handler.template is not None and handler.template.is_fallback:
         logger.warning(
             "no chat template next to %s; using the built-in ChatML template",
             cfg.handler.chat_template or cfg.handler.tokenizer,
         )
-    if cfg.handler.name == "pretrain":
-        dtype = best_dtype(handler.tokenizer.vocab_size)  # Megatron's rule
-    else:
-        dtype = np.int32  # labels hold -100 (MindSpeed-LLM keeps int32 for all keys)
-    summary = Summary()
     targets = output_prefixes(cfg)
     created = _missing_parents(next(iter(targets.values())))
     try:
-        with contextlib.ExitStack() as stack:
-            writers = {
-                key: stack.enter_context(IndexedDatasetWriter(prefix, dtype))
-                for key, prefix in targets.items()
-            }
-            cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mindspeed-hf-"))
-            items = read_items(files, cache_dir)
-            if cfg.max_samples:
-                items = _take(items, cfg.max_samples)
-            results = _results(cfg, handler, items, stack)
-            total = count_records(files) if _bar_off(cfg) is not True else None
-            if total is not None and cfg.max_samples:
-                total = min(total, cfg.max_samples)
-            samples = _consume(cfg, results, writers, summary, total)
-            if cfg.pack:
-                _write_packs(cfg, samples, writers, handler.tokenizer.pad_id or 0)
-            if summary.documents == 0:
-                raise DataError(f"no usable records in {cfg.input} ({summary.line()})")
+        summary = _write(cfg, files, handler, targets)
     except BaseException:
         for folder in reversed(created):  # only folders this run made, and only if empty
             with contextlib.suppress(OSError):
                 folder.rmdir()
         raise
     summary.outputs = [str(p) for p in targets.values()]
+    return summary
+
+
+def _write(cfg: PreprocessConfig, files: list[Path], handler, targets: dict) -> Summary:
+    """Every dataset in `targets`, all finalized together at the end or none at all."""
+    from mindspeed_llm.data.indexed import IndexedDatasetWriter, best_dtype  # imports torch
+
+    if cfg.handler.name == "pretrain":
+        dtype = best_dtype(handler.tokenizer.vocab_size)  # Megatron's rule
+    else:
+        dtype = np.int32  # labels hold -100 (MindSpeed-LLM keeps int32 for all keys)
+    summary = Summary()
+    with contextlib.ExitStack() as stack:
+        writers = {
+            key: stack.enter_context(IndexedDatasetWriter(prefix, dtype))
+            for key, prefix in targets.items()
+        }
+        cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mindspeed-hf-"))
+        items = itertools.islice(read_items(files, cache_dir), cfg.max_samples)
+        total = count_records(files) if _bar_off(cfg) is not True else None
+        if total is not None and cfg.max_samples:
+            total = min(total, cfg.max_samples)
+        results = _results(cfg, handler, items, stack)
+        samples = _consume(cfg, results, writers, summary, total)
+        if cfg.pack:
+            _write_packs(cfg, samples, writers, handler.tokenizer.pad_id or 0)
+        if summary.documents == 0:
+            raise DataError(f"no usable records in {cfg.input} ({summary.line()})")
     return summary
 
 
@@ -167,13 +172,6 @@ def _missing_parents(prefix: Path) -> list[Path]:
         missing.append(folder)
         folder = folder.parent
     return missing[::-1]
-
-
-def _take(items: Iterator, count: int) -> Iterator:
-    for i, item in enumerate(items):
-        if i >= count:
-            return
-        yield item
 
 
 def _chunks(items: Iterable, size: int) -> Iterator[list]:
