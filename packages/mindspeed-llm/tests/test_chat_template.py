@@ -72,6 +72,26 @@ MISTRAL = """{{ bos_token -}}
 {% endfor %}
 """
 
+# Features from Llama-3.1/SmolLM/Qwen3 templates: namespace, loop controls, strftime_now,
+# tojson(indent), the {% generation %} tag, tools, extra variables (enable_thinking).
+FEATURES = """{%- set ns = namespace(last_user=-1, n=0) %}
+{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}
+{{- bos_token + 'Today: ' + strftime_now('%d %b %Y') + '\\n' }}
+{%- if tools %}{{- tools | tojson(indent=4) + '\\n' }}{% endif %}
+{%- for m in messages %}
+    {%- if m.role == 'system' %}{% continue %}{% endif %}
+    {%- set ns.n = ns.n + 1 %}
+    {%- if m.role == 'assistant' %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n' }}
+        {%- generation %}{{ m.content | trim }}{% if loop.index0 > ns.last_user and not enable_thinking | default(true) %} (no think){% endif %}<|eot_id|>{% endgeneration %}
+    {%- else %}
+        {{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n' + m.content + '<|eot_id|>' }}
+    {%- endif %}
+    {%- if ns.n > 3 %}{% break %}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n' }}{% endif %}
+"""
+
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>"]
 SPECIALS += ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 TEXTS = [
@@ -159,6 +179,21 @@ def test_render_matches_transformers(tmp_path, template, as_jinja, bos):
         assert '"description": "a+b <é>"' in expected  # tojson: no HTML escaping, no ascii
     # loading through a tokenizer file in the folder finds the same template
     assert load_chat_template(folder / "tokenizer.json").source == template
+
+
+def test_template_features_match_transformers(tmp_path):
+    folder = make_folder(tmp_path / "f", FEATURES, as_jinja=True, bos="<|begin_of_text|>")
+    ours = load_chat_template(folder)
+    long_chat = CHATS[1] + [
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "x"},
+    ]
+    for chat in (CHATS[1], long_chat):
+        for extra in ({}, {"enable_thinking": False}, {"tools": TOOLS}):
+            for gen in (False, True):
+                expected = hf_render(folder, chat, add_generation_prompt=gen, **extra)
+                assert ours.render(chat, add_generation_prompt=gen, **extra) == expected
+    assert "(no think)" in ours.render(CHATS[1], enable_thinking=False)
 
 
 def test_raise_exception_and_bad_templates(tmp_path):
