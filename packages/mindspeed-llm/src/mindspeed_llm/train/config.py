@@ -59,7 +59,20 @@ class ParallelSection:
     tp: int = 1
     """Tensor parallel degree."""
     pp: int = 1
-    """Pipeline parallel degree (not built yet: must be 1)."""
+    """Pipeline parallel degree: the model's layers split over this many ranks."""
+    pp_schedule: Literal[
+        "1F1B", "GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = "1F1B"
+    """torch.distributed.pipelining schedule; Interleaved* take virtual_stages >= 2,
+    ZBVZeroBubble and DualPipeV exactly 2."""
+    virtual_stages: int = 1
+    """Pipeline stages per rank (pp x virtual_stages stages in all)."""
+    layers_per_stage: list[int] = field(default_factory=list)
+    """Layers of each of the pp x virtual_stages stages, e.g. [3, 1]; empty: an even split
+    (when it does not divide, the first stages take one layer more)."""
+    pp_microbatches: int | None = None
+    """Microbatches per pipeline step; default: the gradient-accumulation steps (one
+    train.micro_batch each). It must divide the samples a rank takes per step."""
     cp: int = 1
     """Context parallel degree (not built yet: must be 1)."""
     ep: int = 1
@@ -74,12 +87,16 @@ class ParallelSection:
     """Keep logits vocab-sharded for the loss when tp > 1."""
 
     def __post_init__(self):
-        for name in ("pp", "cp", "ep"):
+        for name in ("cp", "ep"):
             if getattr(self, name) != 1:
                 raise ConfigError(
                     f"parallel.{name}={getattr(self, name)}: {name} > 1 is not built yet "
                     "(issue P1); use tp, dp_shard and dp_replicate"
                 )
+        if self.virtual_stages < 1:
+            raise ConfigError(f"parallel.virtual_stages={self.virtual_stages} must be >= 1")
+        if self.pp_microbatches is not None and self.pp_microbatches < 1:
+            raise ConfigError(f"parallel.pp_microbatches={self.pp_microbatches} must be >= 1")
 
 
 @dataclass(kw_only=True)

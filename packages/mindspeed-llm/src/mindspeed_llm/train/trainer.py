@@ -23,14 +23,19 @@ from mindspeed_core import device as dev
 from mindspeed_core.checkpoint import CheckpointManager, ModelState, RNGState, TrainState
 from mindspeed_core.config import dump_yaml
 from mindspeed_core.distributed import DistributedInfo, is_rank0
-from mindspeed_core.errors import ConfigError, MindSpeedError
+from mindspeed_core.errors import ConfigError, MindSpeedError, ParallelError
 from mindspeed_core.optim import (
     DynamicLossScaler,
     build_lr_schedulers,
     build_optimizers,
     clip_grad_norm_,
 )
-from mindspeed_core.parallel import ParallelDims, loss_parallel_context
+from mindspeed_core.parallel import (
+    ParallelDims,
+    build_pipeline_schedule,
+    check_pipeline,
+    loss_parallel_context,
+)
 from mindspeed_core.training import (
     MetricsWriter,
     ThroughputMeter,
@@ -62,12 +67,15 @@ class Trainer:
             dp_replicate=cfg.parallel.dp_replicate,
             dp_shard=cfg.parallel.dp_shard,
             tp=cfg.parallel.tp,
-        ).build(self.device.type)
+            pp=cfg.parallel.pp,
+        )
         self.accum = _grad_accum_steps(cfg, self.dims.dp)
         tokenizer_path, self.data_paths = _resolve_data(cfg)
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.model_cfg = _model_config(cfg)
         _check_fits(cfg, self.model_cfg, self.tokenizer, tokenizer_path)
+        self.pp_microbatches = _check_pipeline(cfg, self.model_cfg, self.accum)
+        self.dims.build(self.device.type)  # the first process groups: after every check
         self._build_data()
         self._build_model()
         self._build_optimizer()
@@ -98,7 +106,9 @@ class Trainer:
 
     def _build_model(self) -> None:
         cfg, mcfg = self.cfg, self.model_cfg
-        set_seed(cfg.train.seed, self.dims)
+        # The same seed on every pipeline stage: each builds the whole model, then keeps
+        # its own layers, so every layout starts from one process's weights.
+        set_seed(cfg.train.seed, self.dims, vary_along=())
         spec = get_model_spec(mcfg.family)
         with torch.device(self.device):
             model = spec.build(mcfg)
@@ -111,20 +121,43 @@ class Trainer:
         sharded = self.dims.fsdp_enabled or self.dims.dp_replicate > 1
         self.autocast = dtype != torch.float32 and not sharded
         self.loss_parallel = self.dims.tp > 1 and cfg.parallel.loss_parallel
-        self.model = spec.parallelize(
+        options = {
+            "ac_mode": cfg.train.ac,
+            "param_dtype": dtype if dtype != torch.float32 else None,
+            "sequence_parallel": self.dims.tp > 1 and cfg.parallel.sequence_parallel,
+            "loss_parallel": self.loss_parallel,
+        }
+        self.pipeline = self.schedule = None
+        if self.dims.pp > 1:
+            self._build_pipeline(spec, model, options)
+        else:
+            self.model = spec.parallelize(model, self.dims, **options)
+            self.model_parts = [self.model]
+        self.scaler = DynamicLossScaler() if cfg.train.precision == "fp16" else None
+
+    def _build_pipeline(self, spec, model, options: dict) -> None:
+        """This rank's stages (TP/AC/FSDP inside each) and the schedule that runs them."""
+        p = self.cfg.parallel
+        if spec.pipeline is None:
+            raise ConfigError(f"model.family={spec.name} does not support parallel.pp > 1")
+        self.pipeline = spec.pipeline(
             model,
             self.dims,
-            ac_mode=cfg.train.ac,
-            param_dtype=dtype if dtype != torch.float32 else None,
-            sequence_parallel=self.dims.tp > 1 and cfg.parallel.sequence_parallel,
-            loss_parallel=self.loss_parallel,
+            device=self.device,
+            schedule=p.pp_schedule,
+            stages_per_rank=p.virtual_stages,
+            layers_per_stage=p.layers_per_stage or None,
+            **options,
         )
-        self.scaler = DynamicLossScaler() if cfg.train.precision == "fp16" else None
+        self.model, self.model_parts = None, self.pipeline.model_parts
+        self.schedule = build_pipeline_schedule(
+            self.pipeline.stages, self.pp_microbatches, self._pipeline_loss, p.pp_schedule
+        )
 
     def _build_optimizer(self) -> None:
         o, steps = self.cfg.optim, self.cfg.train.steps
         self.optimizer = build_optimizers(
-            self.model,
+            self.model_parts,
             lr=o.lr,
             weight_decay=o.weight_decay,
             betas=tuple(o.betas),
@@ -144,7 +177,7 @@ class Trainer:
         c = self.cfg.checkpoint
         self.state = TrainState()
         states = {
-            "model": ModelState(self.model),
+            "model": ModelState(self.model_parts),
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
             "train": self.state,
@@ -245,13 +278,10 @@ class Trainer:
 
     def _train_step(self) -> tuple[float, float]:
         self.optimizer.zero_grad()
-        total = torch.zeros((), device=self.device)
-        for _ in range(self.accum):
-            batch = self.loader.next_micro_batch().to(self.device)
-            with self._compute_context():
-                loss = self._loss(batch) / self.accum
-                (self.scaler.scale_loss(loss) if self.scaler else loss).backward()
-            total += _plain(loss).detach()
+        if self.schedule is not None:
+            total = self._pipeline_step(self.loader, train=True)
+        else:
+            total = self._forward_backward()
         loss = self._mean_over_data(total)
         if not math.isfinite(loss):
             return self._skip_step(loss)
@@ -264,7 +294,7 @@ class Trainer:
                 self.optimizer.zero_grad()
                 self.scheduler.step()
                 return loss, float("nan")
-        grad_norm = clip_grad_norm_(params, self.cfg.optim.clip_grad)
+        grad_norm = clip_grad_norm_(params, self.cfg.optim.clip_grad, pp_mesh=self.dims.mesh("pp"))
         self.optimizer.step()
         self.scheduler.step()
         return loss, float(grad_norm)
@@ -292,15 +322,71 @@ class Trainer:
         stack.enter_context(loss_parallel_context(self.loss_parallel))
         return stack
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        tokens, labels = batch[:, :-1], batch[:, 1:]
+    def _forward_backward(self) -> torch.Tensor:
+        """Gradient accumulation over this step's micro-batches; the local mean loss."""
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.accum):
+            batch = self.loader.next_micro_batch().to(self.device)
+            with self._compute_context():
+                loss = self._loss(batch) / self.accum
+                aux = self._router_aux_loss()
+                objective = loss if aux is None else loss + aux / self.accum
+                (self.scaler.scale_loss(objective) if self.scaler else objective).backward()
+            total += _plain(loss).detach()
+        return total
+
+    def _pipeline_step(self, loader: PretrainLoader, *, train: bool) -> torch.Tensor:
+        """One schedule step (or forward-only pass) over a step's worth of samples.
+
+        Every pipeline rank reads the same samples: the first stage takes the tokens,
+        the last the labels, and every stage the positions and document boundaries
+        (torch's schedules pass `kwarg_mbs` to each stage's forward). Returns the mean
+        loss, on every pipeline rank (the last stage's value, summed over the pp group).
+        """
+        batch = torch.cat([loader.next_micro_batch() for _ in range(self.accum)])
+        args, kwargs, targets = [], [], []
+        for mb in batch.to(self.device).chunk(self.pp_microbatches):
+            tokens, positions, cu_seqlens = self._inputs(mb)
+            args.append((tokens,))
+            kwargs.append({"position_ids": positions, "cu_seqlens": cu_seqlens})
+            targets.append(mb[:, 1:])
+        losses: list[torch.Tensor] = []  # filled on the last stage, one per microbatch
+        with self._compute_context():
+            run = self.schedule.step if train else self.schedule.eval
+            run(arg_mbs=args, kwarg_mbs=kwargs, target_mbs=targets, losses=losses)
+        total = torch.zeros((), device=self.device)
+        if losses:
+            scale = self.scaler.scale if self.scaler else 1.0
+            total += torch.stack([_plain(x).detach() for x in losses]).mean() / scale
+        dist.all_reduce(total, group=self.dims.mesh("pp").get_group())
+        return total
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn: mean loss of one microbatch (scaled for fp16).
+
+        torch also calls it once on placeholder tensors to infer gradient shapes, so
+        the losses to report come from the schedule's `losses` list, not from here.
+        """
+        loss = self._cross_entropy(logits, labels)
+        return self.scaler.scale_loss(loss) if self.scaler else loss
+
+    def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens, position_ids, cu_seqlens) of a (batch, seq + 1) sample block."""
+        tokens = batch[:, :-1]
         positions, cu_seqlens = packed_positions(
             tokens,
             -1 if self.tokenizer.eod_id is None else self.tokenizer.eod_id,
             reset_position_ids=self.cfg.data.reset_position_ids,
             reset_attention_mask=self.cfg.data.reset_attention_mask,
         )
+        return tokens, positions, cu_seqlens
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        tokens, positions, cu_seqlens = self._inputs(batch)
         logits = self.model(tokens, position_ids=positions, cu_seqlens=cu_seqlens)
+        return self._cross_entropy(logits, batch[:, 1:])
+
+    def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.loss_parallel:  # vocab-sharded DTensor logits: torch's loss-parallel kernel
             return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         return mindspeed_ops.cross_entropy(
@@ -319,6 +405,10 @@ class Trainer:
     def _evaluate(self) -> float:
         loader = PretrainLoader(self.valid, **self.valid_args)  # the same samples every time
         total = torch.zeros((), device=self.device)
+        if self.schedule is not None:  # forward only through the schedule, a step at a time
+            for _ in range(self.cfg.train.eval_batches):
+                total += self._pipeline_step(loader, train=False)
+            return self._mean_over_data(total / self.cfg.train.eval_batches)
         micro_batches = self.cfg.train.eval_batches * self.accum  # whole global batches
         for _ in range(micro_batches):
             with self._compute_context():
@@ -346,6 +436,44 @@ def _grad_accum_steps(cfg: PretrainConfig, dp: int) -> int:
             f"({cfg.train.micro_batch}) x data-parallel size ({dp}) = {per_step}"
         )
     return cfg.train.global_batch // per_step
+
+
+def _check_pipeline(cfg: PretrainConfig, model_cfg, accum: int) -> int:
+    """Pipeline settings against the model and the batch; microbatches per schedule step."""
+    p = cfg.parallel
+    if p.pp == 1:
+        for name, value, default in (
+            ("virtual_stages", p.virtual_stages, 1),
+            ("layers_per_stage", p.layers_per_stage, []),
+            ("pp_microbatches", p.pp_microbatches, None),
+        ):
+            if value != default:
+                raise ConfigError(f"parallel.{name}={value} needs parallel.pp > 1")
+        return accum
+    samples = accum * cfg.train.micro_batch  # this rank's samples per step
+    n_microbatches = p.pp_microbatches or accum
+    if samples % n_microbatches:
+        raise ConfigError(
+            f"parallel.pp_microbatches={n_microbatches} must divide the {samples} samples a "
+            f"rank takes per step (train.global_batch / data-parallel size)"
+        )
+    if model_cfg.tie_word_embeddings:
+        raise ConfigError(
+            "parallel.pp > 1 with a model that ties its input and output embeddings is not "
+            "supported: they would sit on different stages"
+        )
+    try:
+        check_pipeline(
+            num_layers=model_cfg.num_layers,
+            pp=p.pp,
+            stages_per_rank=p.virtual_stages,
+            schedule=p.pp_schedule,
+            layers_per_stage=p.layers_per_stage or None,
+            n_microbatches=n_microbatches,
+        )
+    except ParallelError as err:
+        raise ConfigError(f"parallel.pp={p.pp}: {err}") from None
+    return n_microbatches
 
 
 def _resolve_data(cfg: PretrainConfig) -> tuple[Path, list[str]]:
