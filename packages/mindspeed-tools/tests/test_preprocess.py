@@ -518,7 +518,9 @@ def test_strict_stops_at_the_bad_line_and_leaves_nothing(sp_model, tmp_path):
 
 def test_cli_mistakes_are_one_line_exit_2(sp_model, tmp_path, capsys):
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "alpha"}])
+    (tmp_path / "bad.parquet").write_text("not parquet")
     cases = [
+        (["--input", tmp_path / "bad.parquet"], "cannot read parquet file"),
         (["--input", tmp_path / "missing.jsonl"], "input does not exist"),
         (
             ["--input", corpus, "--handler-name", "AlpacaStyleHandler"],

@@ -139,12 +139,22 @@ def main(argv: list[str]) -> int:
         _parser().print_help()
         return 0
     cfg = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _log_to_stderr()
     summary = preprocess(cfg)
     print(f"preprocess: {summary.line()}")
     for path in summary.outputs:
         print(f"  wrote {path}.bin / .idx")
     return 0
+
+
+def _log_to_stderr() -> None:
+    """Our warnings (skipped records, fallback template) on stderr; other libraries stay quiet."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s] %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("mindspeed")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
 
 
 command = Command(help="tokenize raw data into Megatron indexed datasets", run=main)

@@ -145,6 +145,7 @@ def _read_with_datasets(path: Path, fmt: str, cache_dir: str) -> Iterator[Item]:
     import datasets
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # we report read errors ourselves
     try:
         rows = datasets.load_dataset(
             fmt, data_files=[str(path)], split="train", streaming=True, cache_dir=cache_dir
