@@ -522,6 +522,7 @@ def test_cli_mistakes_are_one_line_exit_2(sp_model, tmp_path, capsys):
     cases = [
         (["--input", tmp_path / "bad.parquet"], "cannot read parquet file"),
         (["--input", tmp_path / "missing.jsonl"], "input does not exist"),
+        (["--input", "tatsu-lab/alpaca"], "does not download at run time"),
         (
             ["--input", corpus, "--handler-name", "AlpacaStyleHandler"],
             "unknown --handler-name 'AlpacaStyleHandler'; did you mean",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from mindspeed_core.errors import DataError
 __all__ = ["FORMATS", "BadText", "Item", "count_records", "find_inputs", "read_items"]
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 Item = tuple[str, str | None, object]
 """(where, raw JSON text to parse or None, parsed record or None)."""
@@ -40,6 +43,12 @@ def find_inputs(spec: str) -> list[Path]:
         candidates = sorted(p for p in path.iterdir() if p.is_file())
     elif glob.has_magic(spec):
         candidates = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+    elif _HUB_NAME.match(spec):
+        raise DataError(
+            f"input does not exist: {spec}; MindSpeed does not download at run time. If it is "
+            f"a Hugging Face dataset, fetch it first (`huggingface-cli download {spec} "
+            "--repo-type dataset --local-dir DIR`) and pass the local folder"
+        )
     else:
         raise DataError(f"input does not exist: {spec}")
     files = [p for p in candidates if p.suffix.lower() in FORMATS and not p.name.startswith(".")]
