@@ -38,9 +38,10 @@ def total_grad_norm(
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()  # reduces the partial norms over the shard mesh
         norms.append(norm)
-    if not norms:
-        return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    if norms:
+        total = torch.nn.utils.get_total_norm(norms, norm_type)
+    else:  # a rank without gradients still joins the pipeline reduction below
+        total = torch.zeros((), device=_device_of(pp_mesh))
     if pp_mesh is not None:
         total = _reduce_over(total, norm_type, pp_mesh)
     return total
@@ -77,6 +78,14 @@ def clip_grad_norm_(
         if grads:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm
+
+
+def _device_of(mesh: DeviceMesh | None) -> torch.device:
+    if mesh is None or mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(
+        mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,9 @@ from mindspeed_core.parallel.pipeline import (
     PipelineParts,
     build_pipeline_schedule,
     check_pipeline,
+    split_model,
     split_pipeline,
+    stage_ids_this_rank,
     stage_layer_counts,
 )
 from mindspeed_core.parallel.tp import (
@@ -59,7 +61,9 @@ __all__ = [
     "loss_parallel_context",
     "packed_shard_index",
     "shard_sequence",
+    "split_model",
     "split_pipeline",
+    "stage_ids_this_rank",
     "stage_layer_counts",
     "unshard_packed",
     "unshard_sequence",

@@ -209,23 +209,43 @@ def split_pipeline(
         schedule=schedule,
         layers_per_stage=layers_per_stage,
     )
-    _check_no_shared_params(model, first, last)
-    names = list(layers.keys())
-    bounds = [0, *(sum(counts[: i + 1]) for i in range(len(counts)))]
-    num_stages = len(counts)
     ids = stage_ids_this_rank(pp_mesh.get_local_rank(), pp, stages_per_rank, schedule)
-    parts, stages = [], []
-    for stage_id in ids:
+    parts = split_model(model, ids, counts, layer_prefix=layer_prefix, first=first, last=last)
+    device = torch.device(device)
+    stages = [
+        PipelineStage(part, i, len(counts), device, group=pp_mesh.get_group())
+        for part, i in zip(parts, ids, strict=True)
+    ]
+    return PipelineParts(stages, parts, ids, len(counts))
+
+
+def split_model(
+    model: nn.Module,
+    stage_ids: Sequence[int],
+    layer_counts: Sequence[int],
+    *,
+    layer_prefix: str = "layers",
+    first: Sequence[str] = ("tok_embeddings",),
+    last: Sequence[str] = ("norm", "output"),
+) -> list[nn.Module]:
+    """The modules of stages `stage_ids` when stage i holds `layer_counts[i]` layers.
+
+    No process group needed: `split_pipeline` is this plus torch's `PipelineStage`s.
+
+    Raises:
+        ParallelError: a parameter shared between parts on different stages.
+    """
+    _check_no_shared_params(model, first, last)
+    names = list(getattr(model, layer_prefix).keys())
+    assert sum(layer_counts) == len(names), (layer_counts, len(names))
+    bounds = [sum(layer_counts[:i]) for i in range(len(layer_counts) + 1)]
+    num_stages = len(layer_counts)
+    parts = []
+    for stage_id in stage_ids:
         keep = names[bounds[stage_id] : bounds[stage_id + 1]]
         drop = [*(first if stage_id > 0 else ()), *(last if stage_id < num_stages - 1 else ())]
-        part = _copy_owned(model, layer_prefix, keep, drop)
-        parts.append(part)
-        stages.append(
-            PipelineStage(
-                part, stage_id, num_stages, torch.device(device), group=pp_mesh.get_group()
-            )
-        )
-    return PipelineParts(stages, parts, ids, num_stages)
+        parts.append(_copy_owned(model, layer_prefix, keep, drop))
+    return parts
 
 
 def _copy_owned(model: nn.Module, prefix: str, keep: list[str], drop: list[str]) -> nn.Module:
