@@ -191,20 +191,28 @@ def _results(cfg, handler, items, stack: contextlib.ExitStack) -> Iterator[Resul
         yield from (process_item(handler, item) for item in items)
         return
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
-    # spawn: workers start clean (no forked tokenizer threads) and import no torch
-    pool = stack.enter_context(
-        multiprocessing.get_context("spawn").Pool(
-            cfg.workers, initializer=init_worker, initargs=(cfg.handler,)
-        )
+    # spawn: workers start clean (no forked tokenizer threads) and import no torch.
+    # A worker that dies (e.g. killed for memory) fails the run instead of hanging it.
+    pool = ProcessPoolExecutor(
+        cfg.workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=init_worker,
+        initargs=(cfg.handler,),
     )
+    stack.callback(pool.shutdown, wait=True, cancel_futures=True)
     pending: collections.deque = collections.deque()
-    for chunk in _chunks(items, CHUNK_SIZE):
-        pending.append(pool.apply_async(process_chunk, (chunk,)))
-        if len(pending) >= 4 * cfg.workers:  # bounded: never read the whole input ahead
-            yield from pending.popleft().get()
-    while pending:
-        yield from pending.popleft().get()
+    try:
+        for chunk in _chunks(items, CHUNK_SIZE):
+            pending.append(pool.submit(process_chunk, chunk))
+            if len(pending) >= 4 * cfg.workers:  # bounded: never read the whole input ahead
+                yield from pending.popleft().result()
+        while pending:
+            yield from pending.popleft().result()
+    except BrokenProcessPool as err:
+        raise DataError(f"a preprocessing worker died ({err}); try fewer --workers") from None
 
 
 def _consume(cfg, results: Iterator[Result], writers, summary: Summary, total=None) -> list[dict]:
