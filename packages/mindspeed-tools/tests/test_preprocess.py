@@ -315,6 +315,48 @@ def test_instruction_labels_mask_exactly_the_prompt(hf_folder, tmp_path, handler
         )
 
 
+def test_tools_reach_the_template(hf_folder, tmp_path):
+    template = tmp_path / "tools.jinja"
+    template.write_text(
+        "{% if tools %}{{ 'TOOLS ' + tools | tojson + '\\n' }}{% endif %}"
+        "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    tools = [{"name": "add", "parameters": {"a": "int"}}]
+    chat = [{"role": "user", "content": "1999 42"}, {"role": "assistant", "content": "2041"}]
+    records = [
+        {"messages": chat, "tools": tools},
+        {
+            "conversations": [{"from": "human", "value": "1999"}, {"from": "gpt", "value": "42"}],
+            "tools": json.dumps(tools),
+        },  # LLaMA-Factory stores them as a JSON string
+        {"messages": chat, "tools": "{not json", "bad": True},
+    ]
+    for handler in ("messages", "sharegpt"):
+        subset = [
+            r for r in records if r.get("bad") or (handler == "messages") == ("messages" in r)
+        ]
+        corpus = write_jsonl(tmp_path / f"{handler}.jsonl", subset)
+        summary = run(
+            "--input",
+            corpus,
+            "--tokenizer",
+            hf_folder,
+            "--handler-name",
+            handler,
+            "--chat-template",
+            template,
+            "--output-prefix",
+            tmp_path / handler / "t",
+        )
+        assert (summary.documents, summary.skipped) == (1, 1)
+        tok = load_tokenizer(hf_folder)
+        ids = IndexedDataset(tmp_path / handler / "t_packed_input_ids_document")[0]
+        assert tok.decode(ids.tolist()).startswith(
+            'TOOLS [{"name": "add", "parameters": {"a": "int"}}]'
+        )
+
+
 def test_pairwise_outputs(hf_folder, tmp_path):
     records = [
         {"prompt": "alpha or beta?", "chosen": "alpha", "rejected": "beta 🙂"},

@@ -7,8 +7,8 @@ names work too) and knows the output keys it writes:
 |------------------------------------------------|-------------------------------------------|-----------------------------|
 | `pretrain` / `GeneralPretrainHandler`          | `--json-keys` text fields (default text)  | one per json key            |
 | `alpaca` / `AlpacaStyleInstructionHandler`     | instruction, input, output, system, history | input_ids, attention_mask, labels |
-| `sharegpt` / `SharegptStyleInstructionHandler` | conversations [{from, value}], system     | input_ids, attention_mask, labels |
-| `messages` (OpenAI)                            | messages [{role, content}]                | input_ids, attention_mask, labels |
+| `sharegpt` / `SharegptStyleInstructionHandler` | conversations [{from, value}], system, tools | input_ids, attention_mask, labels |
+| `messages` (OpenAI)                            | messages [{role, content}], tools         | input_ids, attention_mask, labels |
 | `pairwise` / `AlpacaStylePairwiseHandler`      | prompt (or instruction/input), chosen, rejected | chosen_/rejected_ input_ids, labels |
 | `SharegptStylePairwiseHandler` (the same)      | conversations or messages, chosen, rejected | chosen_/rejected_ input_ids, labels |
 
@@ -20,6 +20,7 @@ raise `RecordError` for a record they cannot use.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ DEFAULT_MAP_KEYS: dict[str, dict[str, Any]] = {
     "sharegpt": {
         "messages": "conversations",
         "system": "system",
+        "tools": "tools",
         "tags": {
             "role_tag": "from",
             "content_tag": "value",
@@ -76,6 +78,7 @@ DEFAULT_MAP_KEYS: dict[str, dict[str, Any]] = {
     "messages": {
         "messages": "messages",
         "system": "system",
+        "tools": "tools",
         "tags": {
             "role_tag": "role",
             "content_tag": "content",
@@ -148,7 +151,7 @@ class Handler:
         if self.name == "pairwise":
             return self._pairwise(record)
         messages = self._alpaca(record) if self.name == "alpaca" else self._conversation(record)
-        ids, labels = self._encode(messages)
+        ids, labels = self._encode(messages, self._tools(record))
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
     # -- pretraining ------------------------------------------------------------------
@@ -222,11 +225,27 @@ class Handler:
             messages.append(_msg(roles[role], content))
         return messages
 
-    def _encode(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    def _tools(self, record: Mapping) -> list | None:
+        """Function schemas: a list, or a JSON string of one (LLaMA-Factory's sharegpt)."""
+        key = self.map_keys.get("tools")
+        tools = record.get(key) if key else None
+        if isinstance(tools, str) and tools.strip():
+            try:
+                tools = json.loads(tools)
+            except ValueError:
+                raise RecordError(f"key {key!r} holds a string that is not JSON") from None
+        if tools in (None, "", []):
+            return None
+        if not isinstance(tools, list):
+            raise RecordError(f"key {key!r} must be a list of function schemas")
+        return tools
+
+    def _encode(self, messages: list[dict[str, str]], tools: list | None = None):
+        """(ids, labels); `tools` (function schemas) reach the template as `tools`."""
         if not any(m["role"] == "assistant" for m in messages):
             raise RecordError("the conversation has no assistant reply to train on")
         try:
-            return encode_chat(self.template, self.tokenizer, messages)
+            return encode_chat(self.template, self.tokenizer, messages, tools=tools)
         except RecordError:
             raise
         except DataError as err:
