@@ -194,6 +194,14 @@ def test_template_features_match_transformers(tmp_path):
                 expected = hf_render(folder, chat, add_generation_prompt=gen, **extra)
                 assert ours.render(chat, add_generation_prompt=gen, **extra) == expected
     assert "(no think)" in ours.render(CHATS[1], enable_thinking=False)
+    # reasoning under any of its names reaches templates reading either name
+    reads = "{% for m in messages %}{{ m.reasoning_content }}|{{ m.thinking }};{% endfor %}"
+    folder = make_folder(tmp_path / "r", reads)
+    chat = [
+        {"role": "assistant", "content": "a", "reasoning": "why"},
+        {"role": "assistant", "content": "b", "thinking": "how", "reasoning_content": None},
+    ]
+    assert load_chat_template(folder).render(chat) == hf_render(folder, chat) == "why|why;how|how;"
 
 
 def test_raise_exception_and_bad_templates(tmp_path):

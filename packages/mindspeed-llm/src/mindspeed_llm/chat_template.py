@@ -88,7 +88,8 @@ class ChatTemplate:
         """The prompt text of `messages`, as `apply_chat_template(tokenize=False)` renders it.
 
         Keys whose value is None are dropped from each message first (transformers does
-        too: many templates print "None" otherwise). Extra `variables` (e.g.
+        too: many templates print "None" otherwise), and a reply's reasoning is passed
+        under both names templates read (`reasoning_content`, `thinking`). Extra `variables` (e.g.
         `enable_thinking=False`) reach the template and win over the special tokens.
 
         Raises:
@@ -103,7 +104,7 @@ class ChatTemplate:
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping):
                 raise DataError(f"chat message {i} must be a dict, got {message!r:.80}")
-            chat.append({k: v for k, v in message.items() if v is not None})
+            chat.append(_alias_reasoning({k: v for k, v in message.items() if v is not None}))
         context = {**self.special_tokens, **variables}
         try:
             return _compile(self.source).render(
@@ -117,6 +118,17 @@ class ChatTemplate:
             raise DataError(f"chat template {self.origin}: {err}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as err:
             raise DataError(f"chat template {self.origin} failed: {err!r}") from None
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict) -> dict:
+    """Fill `reasoning_content` and `thinking` from any reasoning field, as transformers does."""
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 @lru_cache(maxsize=16)
