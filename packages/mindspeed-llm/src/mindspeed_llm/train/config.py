@@ -74,7 +74,13 @@ class ParallelSection:
     """Microbatches per pipeline step; default: the gradient-accumulation steps (one
     train.micro_batch each). It must divide the samples a rank takes per step."""
     cp: int = 1
-    """Context parallel degree (not built yet: must be 1)."""
+    """Context parallel degree: every sequence split over this many ranks (zig-zag, so
+    data.seq_len must be a multiple of 2 x cp)."""
+    cp_mode: Literal["ring", "ulysses", "hybrid"] = "ring"
+    """Context parallel attention: ring (K/V passed round), ulysses (all-to-all over heads)
+    or hybrid (ulysses_degree ranks of Ulysses inside each ring step)."""
+    ulysses_degree: int | None = None
+    """cp_mode=hybrid: Ulysses ranks per ring step; must divide cp."""
     ep: int = 1
     """Expert parallel degree (not built yet: must be 1)."""
     dp_shard: int = -1
@@ -87,7 +93,13 @@ class ParallelSection:
     """Keep logits vocab-sharded for the loss when tp > 1."""
 
     def __post_init__(self):
-        for name in ("cp", "ep"):
+        hybrid_ok = isinstance(self.ulysses_degree, int) and self.ulysses_degree >= 1
+        if self.cp_mode == "hybrid" and not (hybrid_ok and self.cp % self.ulysses_degree == 0):
+            raise ConfigError(
+                f"parallel.cp_mode=hybrid needs parallel.ulysses_degree dividing "
+                f"parallel.cp={self.cp}, got {self.ulysses_degree}"
+            )
+        for name in ("ep",):
             if getattr(self, name) != 1:
                 raise ConfigError(
                     f"parallel.{name}={getattr(self, name)}: {name} > 1 is not built yet "

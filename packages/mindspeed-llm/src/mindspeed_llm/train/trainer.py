@@ -34,8 +34,12 @@ from mindspeed_core.parallel import (
     ParallelDims,
     build_pipeline_schedule,
     check_pipeline,
+    cp_degrees,
+    gather_tokens,
     loss_parallel_context,
+    packed_shard_index,
 )
+from mindspeed_core.parallel.context_parallel import check_cp_heads
 from mindspeed_core.training import (
     MetricsWriter,
     ThroughputMeter,
@@ -63,11 +67,13 @@ class Trainer:
     def __init__(self, cfg: PretrainConfig, info: DistributedInfo):
         self.cfg = cfg
         self.device = info.device
+        _check_context_parallel(cfg, _model_config(cfg))  # before the world-size checks
         self.dims = ParallelDims(
             dp_replicate=cfg.parallel.dp_replicate,
             dp_shard=cfg.parallel.dp_shard,
             tp=cfg.parallel.tp,
             pp=cfg.parallel.pp,
+            cp=cfg.parallel.cp,
         )
         self.accum = _grad_accum_steps(cfg, self.dims.dp)
         tokenizer_path, self.data_paths = _resolve_data(cfg)
@@ -127,6 +133,8 @@ class Trainer:
             "sequence_parallel": self.dims.tp > 1 and cfg.parallel.sequence_parallel,
             "loss_parallel": self.loss_parallel,
         }
+        if self.dims.cp > 1:
+            options.update(cp_mode=cfg.parallel.cp_mode, ulysses_degree=cfg.parallel.ulysses_degree)
         self.pipeline = self.schedule = None
         if self.dims.pp > 1:
             self._build_pipeline(spec, model, options)
@@ -383,14 +391,37 @@ class Trainer:
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         tokens, positions, cu_seqlens = self._inputs(batch)
+        if self.dims.cp > 1:
+            return self._cp_loss(tokens, batch[:, 1:], positions, cu_seqlens)
         logits = self.model(tokens, position_ids=positions, cu_seqlens=cu_seqlens)
         return self._cross_entropy(logits, batch[:, 1:])
 
-    def _cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _cp_loss(self, tokens, labels, positions, cu_seqlens) -> torch.Tensor:
+        """Context parallel: the model sees this rank's zig-zag share of every document
+        (padding labelled -100) at global positions. The loss is the local token sum /
+        the micro-batch's token count x cp: FSDP over dp_shard x cp averages gradients
+        over the cp ranks too, and the mean over the loss mesh is then the true mean."""
+        cp = self.dims.cp
+        index, local_cu = packed_shard_index(cu_seqlens, self.dims.rank("cp"), cp)
+        local = [
+            gather_tokens(t.flatten(), index, pad)[None]
+            for t, pad in ((tokens, 0), (labels, -100), (positions, 0))
+        ]
+        logits = self.model(local[0], position_ids=local[2], cu_seqlens=local_cu)
+        return self._cross_entropy(logits, local[1], reduction="sum") * cp / labels.numel()
+
+    def _cross_entropy(
+        self, logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"
+    ) -> torch.Tensor:
         if self.loss_parallel:  # vocab-sharded DTensor logits: torch's loss-parallel kernel
-            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            return F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction
+            )
         return mindspeed_ops.cross_entropy(
-            logits.flatten(0, 1), labels.flatten(), impl=self.cfg.model.ops_impl
+            logits.flatten(0, 1),
+            labels.flatten(),
+            reduction=reduction,
+            impl=self.cfg.model.ops_impl,
         )
 
     def _mean_over_data(self, value: torch.Tensor) -> float:
@@ -510,6 +541,31 @@ def _check_fits(cfg: PretrainConfig, model_cfg, tokenizer, tokenizer_path: Path)
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
             f"{model_cfg.max_position_embeddings}"
+        )
+
+
+def _check_context_parallel(cfg: PretrainConfig, model_cfg) -> None:
+    """Context parallel layouts the model and data allow (before any process group)."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return
+    if p.pp > 1:
+        raise ConfigError(f"parallel.cp={p.cp} with parallel.pp={p.pp} is not supported yet")
+    if cfg.data.seq_len % (2 * p.cp):
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is not divisible by 2 x parallel.cp = {2 * p.cp}: "
+            "context parallel cuts every sequence into 2 x cp zig-zag chunks"
+        )
+    ring, ulysses = cp_degrees(p.cp, p.cp_mode, p.ulysses_degree)
+    heads, kv_heads = model_cfg.num_heads // p.tp, max(model_cfg.num_kv_heads // p.tp, 1)
+    try:
+        check_cp_heads(heads, kv_heads, ulysses)
+    except ParallelError as err:
+        raise ConfigError(f"parallel.cp_mode={p.cp_mode} with parallel.cp={p.cp}: {err}") from None
+    if ring > 1 and model_cfg.sliding_window is not None:
+        raise ConfigError(
+            f"the model's sliding_window={model_cfg.sliding_window} needs "
+            f"parallel.cp_mode=ulysses (ring attention has no windows), got {p.cp_mode}"
         )
 
 

@@ -1,0 +1,59 @@
+"""`mindspeed pretrain` under context parallel: ring and Ulysses over 2 processes give the
+losses of one process (packed demo documents, zig-zag per document), and bad layouts are
+one line naming the values, before any process group."""
+
+import pytest
+
+from mindspeed_core.testing import import_sibling
+
+pretrain = import_sibling(__file__, "test_pretrain")
+pytestmark = pytest.mark.distributed
+STEPS = 6
+SHORT = [f"--train.steps={STEPS}", "--train.eval_interval=3"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("mindspeed-cache")
+
+
+@pytest.fixture(scope="module")
+def one_process(cache, tmp_path_factory):
+    return pretrain._torchrun(cache, 1, tmp_path_factory.mktemp("one"), *SHORT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_cp2_gives_the_losses_of_one_process(one_process, cache, tmp_path, mode):
+    records = pretrain._torchrun(
+        cache, 2, tmp_path / "run", *SHORT, "--parallel.cp=2", f"--parallel.cp_mode={mode}"
+    )
+    want = pretrain._losses(one_process)
+    assert sorted(want) == list(range(1, STEPS + 1))
+    pretrain._assert_close(pretrain._losses(records), want, range(1, STEPS + 1))
+    valid = pretrain._losses(one_process, "valid_loss")
+    pretrain._assert_close(pretrain._losses(records, "valid_loss"), valid, (3, 6))
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--parallel.cp=2", "--data.seq_len=62"], ["data.seq_len=62", "2 x parallel.cp = 4"]),
+        (
+            ["--parallel.cp=8", "--parallel.cp_mode=ulysses"],
+            ["parallel.cp=8", "num_heads divisible by 8, got num_heads=4"],
+        ),
+        (
+            ["--parallel.cp=4", "--parallel.cp_mode=hybrid", "--parallel.ulysses_degree=3"],
+            ["parallel.ulysses_degree dividing parallel.cp=4, got 3"],
+        ),
+        (
+            ["--parallel.cp=2", "--model.family=mistral"],
+            ["sliding_window=16", "parallel.cp_mode=ulysses"],
+        ),
+    ],
+    ids=["seq_len", "heads", "ulysses_degree", "window"],
+)
+def test_bad_context_parallel_layouts_are_one_line(cache, tmp_path, args, fragments):
+    done = pretrain._cli(cache, tmp_path, *args)
+    pretrain._assert_user_error(done, *fragments, tmp_path=tmp_path)
