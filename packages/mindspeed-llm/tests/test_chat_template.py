@@ -210,7 +210,7 @@ def test_raise_exception_and_bad_templates(tmp_path):
     bad = [{"role": "assistant", "content": "x"}]
     with pytest.raises(DataError, match=r"tokenizer_config.json:chat_template: Conversation roles"):
         template.render(bad)
-    with pytest.raises(DataError, match="syntax error at line 1"):
+    with pytest.raises(DataError, match=r"chat template <string> has a syntax error at line 1"):
         ChatTemplate("{% for %}").render([])
     with pytest.raises(DataError, match="message 0 must be a dict"):
         template.render(["hello"])

@@ -114,6 +114,10 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **context,
             )
+        except jinja2.TemplateSyntaxError as err:
+            raise DataError(
+                f"chat template {self.origin} has a syntax error at line {err.lineno}: {err}"
+            ) from None
         except jinja2.TemplateError as err:
             raise DataError(f"chat template {self.origin}: {err}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as err:
@@ -173,10 +177,7 @@ def _compile(source: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as err:
-        raise DataError(f"chat template has a syntax error at line {err.lineno}: {err}") from None
+    return env.from_string(source)
 
 
 def load_chat_template(
