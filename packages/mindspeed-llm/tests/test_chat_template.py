@@ -211,7 +211,10 @@ def test_raise_exception_and_bad_templates(tmp_path):
     with pytest.raises(DataError, match=r"tokenizer_config.json:chat_template: Conversation roles"):
         template.render(bad)
     with pytest.raises(DataError, match=r"chat template <string> has a syntax error at line 1"):
-        ChatTemplate("{% for %}").render([])
+        ChatTemplate("{% for %}")
+    (tmp_path / "bad.jinja").write_text("{{ messages }\n")
+    with pytest.raises(DataError, match=r"bad.jinja has a syntax error at line 1"):
+        load_chat_template(tmp_path / "bad.jinja")
     with pytest.raises(DataError, match="message 0 must be a dict"):
         template.render(["hello"])
 

@@ -77,6 +77,16 @@ class ChatTemplate:
     origin: str = "<string>"
     is_fallback: bool = False
 
+    def __post_init__(self):
+        import jinja2
+
+        try:  # a broken template fails here, once, not at every conversation
+            _compile(self.source)
+        except jinja2.TemplateSyntaxError as err:
+            raise DataError(
+                f"chat template {self.origin} has a syntax error at line {err.lineno}: {err}"
+            ) from None
+
     def render(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -114,10 +124,6 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **context,
             )
-        except jinja2.TemplateSyntaxError as err:
-            raise DataError(
-                f"chat template {self.origin} has a syntax error at line {err.lineno}: {err}"
-            ) from None
         except jinja2.TemplateError as err:
             raise DataError(f"chat template {self.origin}: {err}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as err:
