@@ -72,6 +72,56 @@ MISTRAL = """{{ bos_token -}}
 {% endfor %}
 """
 
+# Qwen3's template (tool calls left out): past replies lose their think block.
+QWEN3 = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
 # Features from Llama-3.1/SmolLM/Qwen3 templates: namespace, loop controls, strftime_now,
 # tojson(indent), the {% generation %} tag, tools, extra variables (enable_thinking).
 FEATURES = """{%- set ns = namespace(last_user=-1, n=0) %}
@@ -259,6 +309,26 @@ def test_encode_chat_masks_everything_but_replies(tmp_path):
     assert text == "  4  \nHallo.\n"
     with pytest.raises(DataError, match="no assistant message"):
         encode_chat(template, tok, CHATS[0])
+
+
+def test_qwen3_trains_only_replies_rendered_as_generated(tmp_path):
+    folder = make_folder(tmp_path / "q3", QWEN3)
+    template, tok = load_chat_template(folder), load_tokenizer(folder)
+    thinking = [*CHATS[1][:4], {"role": "assistant", "content": "Hallo.", "reasoning": "why"}]
+    for chat in (CHATS[1], thinking):
+        for extra in ({}, {"enable_thinking": False}):
+            for gen in (False, True):
+                expected = hf_render(folder, chat, add_generation_prompt=gen, **extra)
+                assert template.render(chat, add_generation_prompt=gen, **extra) == expected
+    # the past reply ("  4  ") is rendered without the think block the model would
+    # generate before it: it stays prompt; the last reply (with its think block) is trained
+    ids, labels = encode_chat(template, tok, thinking)
+    trained = [i for i in labels if i != IGNORE_INDEX]
+    assert tok.decode(trained) == "<think>\nwhy\n</think>\n\nHallo.\n"  # <|im_end|> is special
+    assert trained.count(tok.token_to_id("<|im_end|>")) == 1
+    assert tok.decode(ids) == tok.decode(encode_text(tok, template.render(thinking)))
+    single = encode_chat(template, tok, CHATS[1][1:3])[1]
+    assert tok.decode([i for i in single if i != IGNORE_INDEX]) == "<think>\n\n</think>\n\n  4  \n"
 
 
 def test_encode_text_maps_special_pieces_for_sentencepiece(tmp_path):

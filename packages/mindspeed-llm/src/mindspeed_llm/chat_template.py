@@ -338,27 +338,34 @@ def encode_chat(
     ends where it stops. Prompt and reply texts are tokenized apart (as MindSpeed-LLM and
     LLaMA-Factory do), so a label mask never cuts a token in two.
 
+    A reply is trained only where the whole conversation shows it exactly as the model
+    would generate it after its prompt. Templates that render past turns differently
+    (Qwen3 drops past reasoning and think tags; some Mistral templates move the system
+    prompt into the last user turn) thus train the turns they keep as generated (the
+    last one, usually); the others stay in the prompt.
+
     Raises:
-        DataError: the conversation has no reply to learn from, or the template renders
-            an earlier turn differently once later turns follow (e.g. templates that drop
-            the reasoning of past turns), so spans cannot be cut out of the text.
+        DataError: the conversation has no reply to learn from.
     """
     full = template.render(messages, **variables)
     cuts: list[tuple[int, int]] = []
+    replies = 0
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or message.get("role") not in train_roles:
             continue
+        replies += 1
         before = template.render(messages[:i], add_generation_prompt=True, **variables)
         through = template.render(messages[: i + 1], **variables)
-        start = cuts[-1][1] if cuts else 0
-        if not (through.startswith(before) and full.startswith(through) and len(before) >= start):
-            raise DataError(
-                f"chat template {template.origin} renders turn {i} differently once later "
-                "turns follow; cannot mask its prompt"
-            )
-        cuts.append((len(before), len(through)))
+        done = cuts[-1][1] if cuts else 0
+        if through.startswith(before) and full.startswith(through) and len(before) >= done:
+            cuts.append((len(before), len(through)))
     if not cuts:
-        raise DataError(f"conversation has no {'/'.join(train_roles)} message to train on")
+        raise DataError(
+            f"conversation has no {'/'.join(train_roles)} message to train on"
+            if not replies
+            else f"chat template {template.origin} renders no reply as generated; "
+            "nothing to train on"
+        )
     ids: list[int] = []
     labels: list[int] = []
     position = 0
