@@ -21,6 +21,7 @@ __all__ = ["FORMATS", "BadText", "Item", "count_records", "find_inputs", "read_i
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 
+COUNT_LIMIT = 4 << 30  # beyond this, counting lines for the progress bar costs too much
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 Item = tuple[str, str | None, object]
@@ -78,8 +79,12 @@ def count_records(files: list[Path]) -> int | None:
     """How many records `files` hold, for the progress bar; None when it would be costly.
 
     Lines of JSON Lines and text files (a scan at disk speed), rows of parquet files
-    (their footer); CSV files and JSON arrays are not counted.
+    (their footer); CSV files, JSON arrays and inputs over `COUNT_LIMIT` bytes of text
+    are not counted.
     """
+    text_bytes = sum(p.stat().st_size for p in files if FORMATS[p.suffix.lower()] != "parquet")
+    if text_bytes > COUNT_LIMIT:
+        return None
     total = 0
     for path in files:
         fmt = FORMATS[path.suffix.lower()]
