@@ -21,6 +21,12 @@ from mindspeed_core.parallel.context_parallel import (
 )
 from mindspeed_core.parallel.data_parallel import apply_ddp, apply_fsdp
 from mindspeed_core.parallel.dims import MESH_NAMES, ParallelDims
+from mindspeed_core.parallel.expert_parallel import (
+    ExpertParallel,
+    all_to_all,
+    apply_ep,
+    apply_expert_fsdp,
+)
 from mindspeed_core.parallel.pipeline import (
     SCHEDULES,
     PipelineParts,
@@ -49,7 +55,11 @@ __all__ = [
     "SCHEDULES",
     "apply_ac",
     "apply_cp",
+    "ExpertParallel",
+    "all_to_all",
     "apply_ddp",
+    "apply_ep",
+    "apply_expert_fsdp",
     "apply_fsdp",
     "apply_tp",
     "cp_degrees",

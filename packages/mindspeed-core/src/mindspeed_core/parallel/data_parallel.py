@@ -33,6 +33,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     blocks: Iterable[nn.Module] | str | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard `module` over `dp_mesh` with FSDP2 (a 2-D mesh gives HSDP); None is a no-op.
 
@@ -46,6 +47,8 @@ def apply_fsdp(
         cpu_offload: keep sharded parameters, gradients and optimizer state in host
             memory (for models on an accelerator).
         blocks: see `find_blocks`.
+        ignored_params: parameters FSDP leaves alone (expert-parallel experts whose
+            gradients are handled by `apply_expert_fsdp`).
 
     Raises:
         ParallelError: a mesh of the wrong rank, or cpu_offload for a model already
@@ -65,6 +68,7 @@ def apply_fsdp(
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         "reshard_after_forward": reshard_after_forward,
+        "ignored_params": ignored_params or None,
     }
     for block in find_blocks(module, blocks):
         fully_shard(block, **options)

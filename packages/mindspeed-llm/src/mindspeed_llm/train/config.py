@@ -17,7 +17,8 @@ from mindspeed_core.errors import ConfigError
 @dataclass(kw_only=True)
 class ModelSection:
     family: str = "llama"
-    """Model family in the registry: llama, qwen2, qwen3, mistral."""
+    """Model family in the registry: llama, qwen2, qwen3, mistral, mixtral, qwen2_moe,
+    qwen3_moe."""
     flavor: str | None = "debug"
     """A named size of the family (`debug` fits a CPU); ignored when `hf_config` is set."""
     hf_config: Path | None = None
@@ -82,7 +83,8 @@ class ParallelSection:
     ulysses_degree: int | None = None
     """cp_mode=hybrid: Ulysses ranks per ring step; must divide cp."""
     ep: int = 1
-    """Expert parallel degree (not built yet: must be 1)."""
+    """Expert parallel degree (MoE models): experts spread over this many of the
+    dp_shard x cp ranks; must divide both that product and the model's num_experts."""
     dp_shard: int = -1
     """FSDP degree; -1 takes the processes the other degrees leave."""
     dp_replicate: int = 1
@@ -99,12 +101,6 @@ class ParallelSection:
                 f"parallel.cp_mode=hybrid needs parallel.ulysses_degree dividing "
                 f"parallel.cp={self.cp}, got {self.ulysses_degree}"
             )
-        for name in ("ep",):
-            if getattr(self, name) != 1:
-                raise ConfigError(
-                    f"parallel.{name}={getattr(self, name)}: {name} > 1 is not built yet "
-                    "(issue P1); use tp, dp_shard and dp_replicate"
-                )
         if self.virtual_stages < 1:
             raise ConfigError(f"parallel.virtual_stages={self.virtual_stages} must be >= 1")
         if self.pp_microbatches is not None and self.pp_microbatches < 1:

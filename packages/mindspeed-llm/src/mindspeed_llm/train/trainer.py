@@ -43,12 +43,12 @@ from mindspeed_core.parallel.context_parallel import check_cp_heads
 from mindspeed_core.training import (
     MetricsWriter,
     ThroughputMeter,
-    dense_params,
     flops_per_token,
     set_seed,
 )
 from mindspeed_llm.data import build_pretrain_datasets, packed_positions
 from mindspeed_llm.models import build_model_config, checkpoint_io, get_model_spec
+from mindspeed_llm.models.common.moe import LoadTracker, active_params, moe_aux_loss
 from mindspeed_llm.models.hf_io import load_hf_weights, read_hf_config
 from mindspeed_llm.tokenizer import load_tokenizer
 from mindspeed_llm.train.config import PretrainConfig
@@ -72,6 +72,7 @@ class Trainer:
             dp_replicate=cfg.parallel.dp_replicate,
             dp_shard=cfg.parallel.dp_shard,
             tp=cfg.parallel.tp,
+            ep=cfg.parallel.ep,
             pp=cfg.parallel.pp,
             cp=cfg.parallel.cp,
         )
@@ -80,6 +81,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.model_cfg = _model_config(cfg)
         _check_fits(cfg, self.model_cfg, self.tokenizer, tokenizer_path)
+        _check_experts(cfg, self.model_cfg)
         self.pp_microbatches = _check_pipeline(cfg, self.model_cfg, self.accum)
         self.dims.build(self.device.type)  # the first process groups: after every check
         self._build_data()
@@ -120,8 +122,8 @@ class Trainer:
             model = spec.build(mcfg)
         if cfg.model.hf_path is not None:  # whole, before any split or sharding
             load_hf_weights(model, cfg.model.hf_path, mcfg)
-        self.flops_per_token = flops_per_token(
-            dense_params(model), mcfg.num_layers, mcfg.hidden_size, cfg.data.seq_len
+        self.flops_per_token = flops_per_token(  # MoE: only the top_k experts a token uses
+            active_params(model), mcfg.num_layers, mcfg.hidden_size, cfg.data.seq_len
         )
         dtype = _DTYPES[cfg.train.precision]
         sharded = self.dims.fsdp_enabled or self.dims.dp_replicate > 1
@@ -142,6 +144,9 @@ class Trainer:
             self.model = spec.parallelize(model, self.dims, **options)
             self.model_parts = [self.model]
         self.scaler = DynamicLossScaler() if cfg.train.precision == "fp16" else None
+        self.load_tracker = (
+            LoadTracker(self.model, mcfg.router_bias_update_rate) if mcfg.num_experts else None
+        )
 
     def _build_pipeline(self, spec, model, options: dict) -> None:
         """This rank's stages (TP/AC/FSDP inside each) and the schedule that runs them."""
@@ -252,6 +257,7 @@ class Trainer:
             steps_since_log += 1
             bar.update(1)
             record = {"loss": loss, "lr": self.scheduler.get_last_lr(), "grad_norm": grad_norm}
+            record.update(self._router_step())
             if self._eval_due():
                 record["valid_loss"] = self._evaluate()
             if self._log_due() or "valid_loss" in record:
@@ -424,6 +430,23 @@ class Trainer:
             impl=self.cfg.model.ops_impl,
         )
 
+    def _router_aux_loss(self) -> torch.Tensor | None:
+        """MoE: the router losses of the forward just run (added to the loss, not
+        reported in it), after noting its expert loads."""
+        if self.load_tracker is None:
+            return None
+        aux = moe_aux_loss(self.model, self.model_cfg)
+        self.load_tracker.observe(aux)
+        return aux
+
+    def _router_step(self) -> dict:
+        """MoE: expert-load metrics of the step over every data rank; updates the
+        aux-loss-free router biases."""
+        if self.load_tracker is None:
+            return {}
+        mesh = self.dims.mesh("loss")
+        return self.load_tracker.step(None if mesh is None else mesh.get_group())
+
     def _mean_over_data(self, value: torch.Tensor) -> float:
         mesh = self.dims.mesh("loss")
         if mesh is not None:
@@ -566,6 +589,26 @@ def _check_context_parallel(cfg: PretrainConfig, model_cfg) -> None:
         raise ConfigError(
             f"the model's sliding_window={model_cfg.sliding_window} needs "
             f"parallel.cp_mode=ulysses (ring attention has no windows), got {p.cp_mode}"
+        )
+
+
+def _check_experts(cfg: PretrainConfig, model_cfg) -> None:
+    """MoE layouts we build, checked before any process group exists."""
+    p, num_experts = cfg.parallel, model_cfg.num_experts
+    if p.ep > 1 and not num_experts:
+        raise ConfigError(
+            f"parallel.ep={p.ep} needs a MoE model; model.family={cfg.model.family} has no experts"
+        )
+    if num_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide the model's num_experts={num_experts}")
+    if num_experts and (p.tp > 1 or p.pp > 1):
+        raise ConfigError(
+            f"parallel.tp={p.tp}, parallel.pp={p.pp}: MoE models support only tp=1 and pp=1 "
+            "yet (use parallel.ep and dp_shard)"
+        )
+    if p.ep > 1 and p.dp_replicate > 1:
+        raise ConfigError(
+            f"parallel.ep={p.ep} with parallel.dp_replicate={p.dp_replicate} is not supported yet"
         )
 
 

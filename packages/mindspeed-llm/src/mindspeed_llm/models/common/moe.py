@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from mindspeed_core.training import dense_params, moe_active_params
 from mindspeed_llm.models.common.feed_forward import FeedForward
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import grouped_matmul, swiglu
@@ -112,7 +113,9 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w2, std=out_std)
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        # Under expert parallel without FSDP of the experts nothing casts their weights
+        # to the compute dtype (bf16 runs), so do it here; a no-op otherwise.
+        w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         counts = num_tokens_per_expert
         gate = grouped_matmul(x, w1, counts, impl=self.impl)
         up = grouped_matmul(x, w3, counts, impl=self.impl)
@@ -220,34 +223,43 @@ def moe_aux_loss(model: nn.Module, config: TransformerConfig) -> Tensor | None:
 class LoadTracker:
     """Expert loads over a training step: metrics, and the aux-loss-free bias update.
 
-    Call `observe()` after every forward (micro-batch), `step(group)` after the
+    Call `observe(aux_loss)` after every forward (micro-batch), `step(group)` after the
     optimizer step: it sums the loads over `group` (all data-parallel ranks, so every
-    rank applies the same bias update), updates the router biases and returns metrics.
+    rank applies the same bias update), updates the router biases and returns metrics:
+    the load of each layer's experts as fractions of its assignments (`moe_load`), the
+    highest and lowest load relative to a balanced one (1.0), dropped assignments, and
+    the mean aux loss.
     """
 
     def __init__(self, model: nn.Module, bias_update_rate: float = 0.0):
         self.layers = moe_layers(model)
         self.bias_update_rate = bias_update_rate
         self._loads: Tensor | None = None
-        self._dropped = 0
+        self._dropped = self._observed = 0
+        self._aux = 0.0
 
-    def observe(self) -> None:
+    def observe(self, aux_loss: Tensor | None = None) -> None:
         stats = [m.last_stats for m in self.layers.values()]
         if not stats or any(s is None for s in stats):
             return
         loads = torch.stack([s.tokens_per_expert for s in stats])  # (layers, experts)
         self._loads = loads if self._loads is None else self._loads + loads
         self._dropped += sum(s.num_dropped for s in stats)
+        self._observed += 1
+        if aux_loss is not None:
+            self._aux = self._aux + aux_loss.detach().float()
 
     def step(self, group: dist.ProcessGroup | None = None) -> dict[str, float | list]:
         """Reduce, update biases, reset; the metrics of the step (empty if nothing seen)."""
         if self._loads is None:
             return {}
-        loads = torch.cat([self._loads.flatten(), self._loads.new_tensor([self._dropped])])
+        counters = self._loads.new_tensor([self._dropped, self._observed, float(self._aux)])
+        loads = torch.cat([self._loads.flatten(), counters])
         if group is not None:
             dist.all_reduce(loads, group=group)
-        dropped, loads = int(loads[-1]), loads[:-1].view_as(self._loads)
-        self._loads, self._dropped = None, 0
+        dropped, observed, aux = loads[-3:].tolist()
+        loads = loads[:-3].view_as(self._loads)
+        self._loads, self._dropped, self._observed, self._aux = None, 0, 0, 0.0
         if self.bias_update_rate:
             for layer, load in zip(self.layers.values(), loads, strict=True):
                 layer.router.update_bias(load, self.bias_update_rate)
@@ -256,9 +268,22 @@ class LoadTracker:
         return {
             "moe_max_load": float(relative.max()),
             "moe_min_load": float(relative.min()),
-            "moe_dropped_tokens": dropped,
+            "moe_dropped_tokens": int(dropped),
+            "moe_aux_loss": aux / observed,
             "moe_load": [[round(float(v), 4) for v in row] for row in fractions],
         }
+
+
+def active_params(model: nn.Module) -> int:
+    """Matmul parameters one token uses: all but the embedding, with only top_k of each
+    MoE layer's routed experts (for FLOPs and MFU)."""
+    total = dense_params(model)
+    layers = moe_layers(model).values()
+    if not layers:
+        return total
+    first = next(iter(layers))
+    experts = sum(p.numel() for m in layers for p in m.experts.parameters())
+    return moe_active_params(total, experts, first.num_experts, first.top_k)
 
 
 def _local(t: Tensor) -> Tensor:

@@ -24,11 +24,14 @@ from mindspeed_core.parallel import (
     apply_ac,
     apply_cp,
     apply_ddp,
+    apply_ep,
+    apply_expert_fsdp,
     apply_fsdp,
     apply_tp,
     llama_tp_plan,
     split_pipeline,
 )
+from mindspeed_llm.models.common.moe import MoE
 from mindspeed_ops import attention
 
 
@@ -61,13 +64,11 @@ def parallelize_decoder(
             sequence shards and global positions (see `mindspeed_core.parallel.apply_cp`).
 
     Raises:
-        ParallelError: a layout these models do not support yet (ep), a whole model
+        ParallelError: a layout these models do not support yet (ep without experts or
+            with tp/dp_replicate, tp with experts), a whole model
             under pp > 1 (see `pipeline_decoder`), or options that need tensor parallel
             without it.
     """
-    for axis in ("ep",):
-        if dims.degree(axis) > 1:
-            raise ParallelError(f"{axis}={dims.degree(axis)} is not supported by dense models yet")
     if dims.pp > 1 and None not in (model.tok_embeddings, model.output):
         raise ParallelError(
             f"pp={dims.pp}: split the model into stages with pipeline_decoder, not parallelize_decoder"
@@ -76,6 +77,8 @@ def parallelize_decoder(
         raise ParallelError("sequence_parallel and loss_parallel need tp > 1")
     config = model.config
     if dims.tp > 1:
+        if config.num_experts:
+            raise ParallelError(f"tp={dims.tp} for MoE models is not supported yet; use ep")
         if config.tie_word_embeddings:
             raise ParallelError(
                 "tensor parallel with tie_word_embeddings=true is not supported yet"
@@ -90,12 +93,19 @@ def parallelize_decoder(
         apply_tp(model, dims.mesh("tp"), _owned_entries(plan, model))
         if config.qk_norm:
             _replicate_qk_norms(model, dims.mesh("tp"))
+    experts_ignored_by_fsdp = _expert_parallel(model, dims, param_dtype, reduce_dtype)
     attention_fn = functools.partial(attention, impl=config.ops_impl)
     apply_cp(model, dims.mesh("cp"), mode=cp_mode, ulysses_degree=ulysses_degree,
              attention_fn=attention_fn)  # fmt: skip
     apply_ac(model, ac_mode)
     if dims.fsdp_enabled:
-        apply_fsdp(model, dims.mesh("fsdp"), param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        apply_fsdp(
+            model,
+            dims.mesh("fsdp"),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            ignored_params=experts_ignored_by_fsdp,
+        )
     else:
         apply_ddp(
             model, dims.mesh("dp_replicate"), param_dtype=param_dtype, reduce_dtype=reduce_dtype
@@ -148,6 +158,31 @@ def _owned_entries(plan: dict, model: nn.Module) -> dict:
     """The plan entries naming submodules `model` has (a pipeline stage lacks some)."""
     names = [n for n, _ in model.named_modules() if n]
     return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
+
+
+def _expert_parallel(
+    model: nn.Module, dims: ParallelDims, param_dtype, reduce_dtype
+) -> set[nn.Parameter]:
+    """Experts over `ep` (all-to-all), their own FSDP over `dp_shard_mod_ep`; returns the
+    expert parameters the model-wide FSDP must leave alone."""
+    experts = [m.experts for m in model.modules() if isinstance(m, MoE)]
+    if dims.ep == 1:
+        return set()
+    if not experts:
+        raise ParallelError(f"ep={dims.ep} needs a MoE model (num_experts > 0)")
+    if dims.dp_replicate > 1 or dims.tp > 1:
+        raise ParallelError(
+            f"ep={dims.ep} with dp_replicate={dims.dp_replicate} or tp={dims.tp} > 1 is not "
+            "supported yet; use dp_shard (and cp)"
+        )
+    apply_ep(experts, dims.mesh("ep"))
+    return apply_expert_fsdp(
+        experts,
+        dims.mesh("dp_shard_mod_ep"),
+        grad_divide_factor=dims.degree("dp_shard_cp"),
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+    )
 
 
 def _replicate_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:

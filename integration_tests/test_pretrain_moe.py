@@ -1,0 +1,48 @@
+"""`mindspeed pretrain` of a MoE model: expert parallel over 2 processes gives the losses of
+one process, router statistics reach metrics.jsonl, and a bad ep is one line."""
+
+import pytest
+
+from mindspeed_core.testing import import_sibling
+
+pretrain = import_sibling(__file__, "test_pretrain")
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+STEPS = 6
+MIXTRAL = [
+    "--model.family=mixtral",
+    "--model.flavor=debug",
+    f"--train.steps={STEPS}",
+    "--train.eval_interval=3",
+]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("mindspeed-cache")
+
+
+def test_ep2_gives_the_losses_of_one_process_and_logs_router_statistics(cache, tmp_path):
+    one = pretrain._torchrun(cache, 1, tmp_path / "one", *MIXTRAL)
+    ep2 = pretrain._torchrun(cache, 2, tmp_path / "ep2", *MIXTRAL, "--parallel.ep=2")
+    losses = pretrain._losses(one)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    pretrain._assert_close(pretrain._losses(ep2), losses, range(1, STEPS + 1))
+    valid = pretrain._losses(one, "valid_loss")
+    pretrain._assert_close(pretrain._losses(ep2, "valid_loss"), valid, (3, 6))
+    pretrain._assert_close(
+        pretrain._losses(ep2, "moe_aux_loss"),
+        pretrain._losses(one, "moe_aux_loss"),
+        range(1, STEPS + 1),
+    )
+    for record in ep2:
+        load = record["moe_load"]  # (layers, experts) fractions of the step's assignments
+        assert len(load) == 2 and all(len(row) == 4 for row in load)
+        assert all(sum(row) == pytest.approx(1.0, abs=1e-3) for row in load)
+        assert record["moe_max_load"] >= 1.0 >= record["moe_min_load"] >= 0.0
+        assert record["moe_aux_loss"] > 0 and record["moe_dropped_tokens"] == 0
+    assert [r["moe_load"] for r in ep2] == [r["moe_load"] for r in one]
+
+
+def test_ep_not_dividing_the_data_ranks_is_one_line(cache, tmp_path):
+    done = pretrain._cli(cache, tmp_path, *MIXTRAL, "--parallel.ep=2")
+    pretrain._assert_user_error(done, "ep=2 must divide dp_shard x cp = 1", tmp_path=tmp_path)

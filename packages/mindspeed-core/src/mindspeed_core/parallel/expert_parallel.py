@@ -1,0 +1,150 @@
+"""Expert parallel: experts spread over the `ep` mesh, tokens exchanged by all-to-all.
+
+An *experts module* is any module whose parameters stack the experts on dim 0 and whose
+forward is ``forward(x, num_tokens_per_expert)`` with the rows of `x` sorted by expert
+(mindspeed_llm's `GroupedExperts`). `apply_ep` shards those parameters on dim 0 over
+`ep` (DTensor `Shard(0)`: rank r holds experts [r * E / ep, (r + 1) * E / ep)) and wraps
+the forward, as torchtitan does, with two hooks:
+
+- dispatch (before): exchange the token counts, then send each rank the rows of its
+  experts (`all_to_all_single`), and sort the received rows by local expert;
+- combine (after): undo the sort and send every row back to the rank it came from.
+
+Both all-to-alls are differentiable (`all_to_all` below), so backward runs the reverse
+exchanges. Data parallel of the experts is `apply_expert_fsdp`: FSDP over
+`dp_shard_mod_ep` (the data-parallel ranks that hold the same experts), gradients divided
+by the whole data-parallel size, since every rank's loss reached every expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+from mindspeed_core.errors import ParallelError
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _AllToAll.apply(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def all_to_all(
+    x: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
+) -> Tensor:
+    """Rows `input_splits[r]` of `x` go to rank r; returns the rows received (autograd)."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+class ExpertParallel:
+    """The dispatch/combine hooks of one experts module over `ep_mesh`."""
+
+    def __init__(self, ep_mesh: DeviceMesh):
+        self.mesh = ep_mesh
+        self.group = ep_mesh.get_group()
+        self._pending: tuple[Tensor, list[int], list[int]] | None = None
+
+    def apply(self, module: nn.Module) -> nn.Module:
+        return distribute_module(module, self.mesh, self._partition, self._dispatch, self._combine)
+
+    @staticmethod
+    def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]))
+            module.register_parameter(param_name, sharded)
+
+    def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x, counts = inputs  # rows sorted by global expert; counts (num_experts,)
+        ep = mesh.size()
+        num_local = counts.numel() // ep
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        received = received.view(ep, num_local)  # [source rank, local expert]
+        input_splits = counts.view(ep, num_local).sum(dim=1).tolist()
+        output_splits = received.sum(dim=1).tolist()
+        x = all_to_all(x, output_splits, input_splits, self.group)
+        # Received rows come in (source, local expert) blocks; group them by expert.
+        expert_of_row = torch.arange(num_local, device=x.device).repeat(ep)
+        expert_of_row = expert_of_row.repeat_interleave(received.flatten())
+        order = torch.argsort(expert_of_row, stable=True)
+        self._pending = (order, input_splits, output_splits)
+        return x[order], received.sum(dim=0)
+
+    def _combine(self, module: nn.Module, y: Tensor, mesh: DeviceMesh) -> Tensor:
+        assert self._pending is not None, "combine without dispatch"
+        order, input_splits, output_splits = self._pending
+        self._pending = None
+        y = y[torch.argsort(order)]  # back to (source, local expert) blocks
+        return all_to_all(y, input_splits, output_splits, self.group)
+
+
+def apply_ep(experts: Iterable[nn.Module], ep_mesh: DeviceMesh | None) -> None:
+    """Shard each experts module over `ep_mesh` and route its tokens by all-to-all.
+
+    Apply after tensor parallel and before activation checkpointing and FSDP. None (ep=1)
+    is a no-op.
+
+    Raises:
+        ParallelError: the number of experts is not divisible by the ep degree.
+    """
+    if ep_mesh is None:
+        return
+    for module in experts:
+        for name, param in module.named_parameters(recurse=False):
+            if param.shape[0] % ep_mesh.size():
+                raise ParallelError(
+                    f"ep={ep_mesh.size()} must divide the number of experts "
+                    f"({param.shape[0]}, dim 0 of {name})"
+                )
+        ExpertParallel(ep_mesh).apply(module)
+
+
+def apply_expert_fsdp(
+    experts: Iterable[nn.Module],
+    dp_mesh: DeviceMesh | None,
+    *,
+    grad_divide_factor: int,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+) -> set[nn.Parameter]:
+    """Data parallel of expert-parallel experts; returns parameters the outer FSDP must ignore.
+
+    Args:
+        dp_mesh: ``dims.mesh("dp_shard_mod_ep")``: ranks holding the same experts; None
+            when every rank of the data-parallel group holds different experts.
+        grad_divide_factor: the data-parallel size the dense gradients are averaged over
+            (``dims.degree("dp_shard_cp")``): an expert's gradient sums every rank's loss.
+
+    Without `dp_mesh` the experts are left out of FSDP (the returned set) and their
+    gradients are divided by `grad_divide_factor` in a hook.
+    """
+    ignored: set[nn.Parameter] = set()
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module in experts:
+        if dp_mesh is not None:
+            fully_shard(module, mesh=dp_mesh, mp_policy=policy)
+            module.set_gradient_divide_factor(float(grad_divide_factor))
+            # A custom factor otherwise needs ReduceOp.PREMUL_SUM, which gloo lacks.
+            module.set_force_sum_reduction_for_comms(True)
+            continue
+        for param in module.parameters():
+            param.register_hook(lambda grad, f=grad_divide_factor: grad / f)
+            ignored.add(param)
+    return ignored
