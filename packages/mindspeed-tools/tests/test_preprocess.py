@@ -558,13 +558,14 @@ def test_strict_stops_at_the_bad_line_and_leaves_nothing(sp_model, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-def test_cli_mistakes_are_one_line_exit_2(sp_model, tmp_path, capsys):
+def test_cli_mistakes_are_one_line_exit_2(sp_model, hf_folder, tmp_path, capsys):
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": "alpha"}])
     (tmp_path / "bad.parquet").write_text("not parquet")
     cases = [
         (["--input", tmp_path / "bad.parquet"], "cannot read parquet file"),
         (["--input", tmp_path / "missing.jsonl"], "input does not exist"),
         (["--input", "tatsu-lab/alpaca"], "does not download at run time"),
+        (["--input", corpus, "--tokenizer", hf_folder, "--add-bos"], "has no BOS token"),
         (
             ["--input", corpus, "--handler-name", "AlpacaStyleHandler"],
             "unknown --handler-name 'AlpacaStyleHandler'; did you mean",

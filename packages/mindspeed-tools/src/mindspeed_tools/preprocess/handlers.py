@@ -143,7 +143,7 @@ class Handler:
         self.map_keys = merged
 
     def __call__(self, record: Any) -> dict[str, list[int]]:
-        """`{key: ids}`; a missing key means an empty document there. Raises RecordError."""
+        """`{key: ids}` (an empty list: nothing for that key). Raises RecordError."""
         if not isinstance(record, Mapping):
             raise RecordError(f"a record must be a JSON object, got {type(record).__name__}")
         if self.name == "pretrain":

@@ -119,6 +119,8 @@ def preprocess(cfg: PreprocessConfig) -> Summary:
     handler = cfg.handler.build()  # fails early on a bad tokenizer or template
     if cfg.handler.append_eod and handler.tokenizer.eod_id is None:
         raise ConfigError(f"--append-eod: tokenizer {handler.tokenizer.path} has no EOS token")
+    if cfg.handler.add_bos and handler.tokenizer.bos_id is None:
+        raise ConfigError(f"--add-bos: tokenizer {handler.tokenizer.path} has no BOS token")
     if handler.template is not None and handler.template.is_fallback:
         logger.warning(
             "no chat template next to %s; using the built-in ChatML template",
