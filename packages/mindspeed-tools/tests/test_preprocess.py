@@ -425,7 +425,7 @@ def test_pairwise_outputs(hf_folder, tmp_path):
 
 def test_json_array_map_keys_and_max_samples(hf_folder, tmp_path):
     records = [{"question": f"q{i}", "answer": f"a{i}", "input": ""} for i in range(5)]
-    (tmp_path / "qa.json").write_text(json.dumps(records, indent=2))
+    (tmp_path / "qa.json").write_text(json.dumps(records, indent=2), encoding="utf-8-sig")
     summary = run(
         "--input",
         tmp_path / "qa.json",

@@ -135,8 +135,8 @@ def _read_json(path: Path) -> Iterator[Item]:
     """A JSON Lines file line by line, or a file holding one JSON array of records."""
     if _first_char(path) == "[":
         try:
-            records = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as err:
+            records = json.loads(path.read_text(encoding="utf-8-sig"))
+        except (ValueError, OSError) as err:  # UnicodeDecodeError is a ValueError
             line = f":{err.lineno}" if isinstance(err, json.JSONDecodeError) else ""
             raise DataError(f"{path}{line}: not a valid JSON array: {err}") from None
         for number, record in enumerate(records, start=1):
