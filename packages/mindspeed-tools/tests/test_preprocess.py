@@ -203,21 +203,27 @@ def test_parquet_csv_text_and_glob_inputs(sp_model, tmp_path):
         f.write("id,text\n" + "".join(f'{i},"{t}"\n' for i, t in enumerate(TEXTS[30:50])))
     (tmp_path / "c.txt").write_text("\n".join(TEXTS[50:60]) + "\n\n", encoding="utf-8")
     (tmp_path / "notes.md").write_text("ignored")
+    arrow = tmp_path / "arrow" / "d.arrow"  # an Arrow stream, as datasets saves it
+    arrow.parent.mkdir()
+    table = pa.table({"text": TEXTS[60:70]})
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
     tok = load_tokenizer(sp_model)
     for pattern, texts in [
         ("a.parquet", TEXTS[:30]),
         ("b.csv", TEXTS[30:50]),
         ("*.[pc]*", TEXTS[:50]),  # a glob: a.parquet then b.csv
         ("", TEXTS[:60]),  # the folder: parquet, csv and txt (its blank line is empty)
+        ("arrow/d.arrow", TEXTS[60:70]),
     ]:
         out = tmp_path / "out" / (pattern.replace("*", "s") or "all")
         summary = run(
             "--input", tmp_path / pattern, "--tokenizer", sp_model, "--output-prefix", out
         )
+        assert summary.empty == (pattern == "")
         assert summary.documents == len(texts) and summary.skipped == 0
         data = IndexedDataset(f"{out}_text_document")
         assert [a.tolist() for a in data[:]] == [tok.encode(t) for t in texts]
-    assert summary.empty == 1
     assert not any(p.name.startswith("mindspeed-hf-") for p in tmp_path.iterdir())
     assert count_records([tmp_path / "a.parquet", tmp_path / "c.txt"]) == 30 + 11
     assert count_records([tmp_path / "b.csv"]) is None

@@ -2,8 +2,9 @@
 
 Every record comes with where it was found (`file:line` or `file: row N`) so a bad one
 can be reported. JSON Lines and text files are read line by line here: Hugging Face
-`datasets` fails a whole json file on one broken line and forgets line numbers. Parquet
-and CSV go through `datasets` (streamed, offline, cache in a temporary folder).
+`datasets` fails a whole json file on one broken line and forgets line numbers. Parquet,
+Arrow (streams, as `datasets` saves them) and CSV go through `datasets` (streamed,
+offline, cache in a temporary folder).
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ from mindspeed_core.errors import DataError
 
 __all__ = ["FORMATS", "BadText", "Item", "count_records", "find_inputs", "read_items"]
 
-FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+FORMATS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".csv": "csv",
+    ".txt": "text",
+}
 
 COUNT_LIMIT = 4 << 30  # beyond this, counting lines for the progress bar costs too much
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
