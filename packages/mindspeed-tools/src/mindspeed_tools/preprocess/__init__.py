@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = _Parser(
         prog="mindspeed preprocess",
-        description="Tokenize json/jsonl/parquet/csv/txt data into Megatron indexed datasets.",
+        description="Tokenize json/jsonl/parquet/arrow/csv/txt data into Megatron indexed datasets.",
     )
     io = p.add_argument_group("input and output")
     io.add_argument("--input", required=True, help="a data file, a folder of them, or a glob")
