@@ -67,7 +67,9 @@ class Trainer:
     def __init__(self, cfg: PretrainConfig, info: DistributedInfo):
         self.cfg = cfg
         self.device = info.device
-        _check_context_parallel(cfg, _model_config(cfg))  # before the world-size checks
+        self.model_cfg = _model_config(cfg)
+        _check_pipeline(cfg, self.model_cfg)  # pp against the layers, before the world size
+        _check_context_parallel(cfg, self.model_cfg)  # likewise
         self.dims = ParallelDims(
             dp_replicate=cfg.parallel.dp_replicate,
             dp_shard=cfg.parallel.dp_shard,
@@ -79,7 +81,6 @@ class Trainer:
         self.accum = _grad_accum_steps(cfg, self.dims.dp)
         tokenizer_path, self.data_paths = _resolve_data(cfg)
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.model_cfg = _model_config(cfg)
         _check_fits(cfg, self.model_cfg, self.tokenizer, tokenizer_path)
         _check_experts(cfg, self.model_cfg)
         self.pp_microbatches = _check_pipeline(cfg, self.model_cfg, self.accum)
@@ -492,8 +493,9 @@ def _grad_accum_steps(cfg: PretrainConfig, dp: int) -> int:
     return cfg.train.global_batch // per_step
 
 
-def _check_pipeline(cfg: PretrainConfig, model_cfg, accum: int) -> int:
-    """Pipeline settings against the model and the batch; microbatches per schedule step."""
+def _check_pipeline(cfg: PretrainConfig, model_cfg, accum: int | None = None) -> int | None:
+    """Pipeline settings against the model and (given `accum`) the batch; returns the
+    microbatches per schedule step."""
     p = cfg.parallel
     if p.pp == 1:
         for name, value, default in (
@@ -504,9 +506,9 @@ def _check_pipeline(cfg: PretrainConfig, model_cfg, accum: int) -> int:
             if value != default:
                 raise ConfigError(f"parallel.{name}={value} needs parallel.pp > 1")
         return accum
-    samples = accum * cfg.train.micro_batch  # this rank's samples per step
-    n_microbatches = p.pp_microbatches or accum
-    if samples % n_microbatches:
+    n_microbatches = None if accum is None else p.pp_microbatches or accum
+    if accum is not None and (accum * cfg.train.micro_batch) % n_microbatches:
+        samples = accum * cfg.train.micro_batch  # this rank's samples per step
         raise ConfigError(
             f"parallel.pp_microbatches={n_microbatches} must divide the {samples} samples a "
             f"rank takes per step (train.global_batch / data-parallel size)"

@@ -1,0 +1,113 @@
+"""`mindspeed pretrain` with pipeline parallel: the losses of one process, resume into
+another layout, and bad pipeline settings as one line.
+
+Same flow as test_pretrain.py (torchrun on CPU, losses read from metrics.jsonl), with a
+shorter run: 6 steps of 4 micro-batches, validation at steps 3 and 6.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mindspeed_core.testing import import_sibling
+from mindspeed_core.training import read_metrics
+
+pretrain = import_sibling(__file__, "test_pretrain")
+pytestmark = pytest.mark.distributed
+STEPS = 6
+ARGS = [
+    f"--train.steps={STEPS}",
+    "--train.micro_batch=2",
+    "--train.global_batch=8",
+    "--data.seq_len=64",
+    "--optim.warmup_steps=2",
+    "--train.eval_interval=3",
+    "--train.eval_batches=2",
+    "--logging.log_interval=1",
+    "--logging.progress=false",
+    "--logging.tensorboard=false",
+    "--checkpoint.interval=0",
+]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("mindspeed-cache")
+
+
+def _torchrun(cache: Path, nproc: int, run_dir: Path, *args: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={nproc}", "-m", "mindspeed_llm.pretrain"]
+    cmd += [*ARGS, f"--logging.run_dir={run_dir}", *args]
+    done = subprocess.run(
+        cmd, env=pretrain._env(cache), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.fixture(scope="module")
+def straight(cache, tmp_path_factory):
+    """One process, uninterrupted: the reference."""
+    return _torchrun(cache, 1, tmp_path_factory.mktemp("straight"))
+
+
+def _assert_same_run(records, reference, steps=range(1, STEPS + 1)):
+    losses, want = pretrain._losses(records), pretrain._losses(reference)
+    assert sorted(losses) == list(steps)
+    pretrain._assert_close(losses, want, steps)
+    valid = [s for s in (3, 6) if s in steps]
+    pretrain._assert_close(
+        pretrain._losses(records, "valid_loss"), pretrain._losses(reference, "valid_loss"), valid
+    )
+
+
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [
+        (2, ["--parallel.pp=2"]),
+        # 8 microbatches of 1 sample instead of 4 of 2: the schedule re-splits a step
+        (2, ["--parallel.pp=2", "--parallel.pp_schedule=GPipe", "--parallel.pp_microbatches=8"]),
+        pytest.param(4, ["--parallel.pp=2", "--parallel.dp_shard=2"], marks=pytest.mark.slow),
+    ],
+    ids=["pp2_1f1b", "pp2_gpipe_8_microbatches", "pp2_dp_shard2"],
+)
+def test_pipeline_gives_the_losses_of_one_process(straight, cache, tmp_path, nproc, layout):
+    _assert_same_run(_torchrun(cache, nproc, tmp_path / "run", *layout), straight)
+
+
+def test_a_pp2_checkpoint_resumes_in_one_process(straight, cache, tmp_path):
+    run = tmp_path / "pp2"
+    first = _torchrun(cache, 2, run, "--parallel.pp=2", "--train.exit_at_step=3")
+    _assert_same_run(first, straight, range(1, 4))
+    resumed = _torchrun(
+        cache, 1, tmp_path / "one", f"--checkpoint.load={run / 'checkpoints' / 'step_3'}"
+    )
+    _assert_same_run(resumed, straight, range(4, STEPS + 1))
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--parallel.pp=4"], ["parallel.pp=4", "4 pipeline stages", "only 2 layers"]),
+        (
+            ["--parallel.pp=2", "--parallel.layers_per_stage=[2,1]"],
+            ["layers_per_stage=[2, 1]", "sum to the model's 2 layers"],
+        ),
+        (
+            ["--parallel.pp=2", "--parallel.virtual_stages=2"],
+            ["1F1B runs one stage per rank", "Interleaved1F1B"],
+        ),
+        (["--parallel.virtual_stages=2"], ["parallel.virtual_stages=2 needs parallel.pp > 1"]),
+    ],
+    ids=["pp_over_layers", "layers_per_stage_sum", "virtual_stages_with_1f1b", "no_pp"],
+)
+def test_bad_pipeline_settings_are_one_line(cache, tmp_path, args, fragments):
+    exe = Path(sys.executable).with_name("mindspeed")
+    cmd = [str(exe), "pretrain", *ARGS, f"--logging.run_dir={tmp_path / 'run'}", *args]
+    done = subprocess.run(
+        cmd, env=pretrain._env(cache), capture_output=True, text=True, timeout=300
+    )
+    pretrain._assert_user_error(done, *fragments, tmp_path=tmp_path)
