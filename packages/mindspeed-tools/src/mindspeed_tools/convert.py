@@ -166,7 +166,7 @@ def mindspeed_to_hf(
     meta = {n: torch.empty(shape, dtype=d, device="meta") for n, (d, shape) in stored.items()}
     hf_shapes, renamed = hf_io.to_hf_plan(config, meta)
     entries = [(hf, dtype or d, shape) for hf, (d, shape) in hf_shapes.items()]
-    shards = _plan_shards(entries, max_shard_size)
+    shards = plan_shards(entries, max_shard_size)
     prefix = ckpt.MODEL_KEY + "."
     computed = len(renamed) < len(hf_shapes)  # e.g. per-expert weights from stacked experts
     sources = set(renamed.values()) | (set(stored) if computed else set())
@@ -205,7 +205,7 @@ def mindspeed_to_hf(
     return Path(output)
 
 
-def _plan_shards(
+def plan_shards(
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int
 ) -> dict[str, list[str]]:
     """File name -> tensor names, in order, each file at most `max_shard_size` (or one tensor)."""

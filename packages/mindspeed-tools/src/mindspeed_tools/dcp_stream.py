@@ -11,6 +11,7 @@ which carry the shape and dtype DCP needs.
 from __future__ import annotations
 
 import contextlib
+import io
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -91,19 +92,82 @@ def save_streaming(folder: Path, shapes: Shapes, read: Callable[[str], torch.Ten
 
 def load_streaming(folder: Path, shapes: Shapes, done: Callable[[str, torch.Tensor], None]) -> None:
     """Read the tensors `shapes` (fqn -> dtype, global shape) of a DCP checkpoint, calling
-    `done(fqn, tensor)` for each as soon as it is whole."""
+    `done(fqn, tensor)` for each as soon as it is whole.
+
+    A tensor stored whole (as `mindspeed convert` and unsharded runs write them) is read
+    straight from its file: one copy in memory. One stored in shards (FSDP/TP runs) goes
+    through DCP, which assembles it in a buffer: that buffer plus one shard.
+    """
+    reader = dcp.FileSystemReader(str(folder))
+    metadata = reader.read_metadata()
+    sharded = {}
+    for fqn, (dtype, shape) in shapes.items():
+        info = _whole_tensor_storage(metadata, fqn, shape)
+        if info is None:
+            sharded[fqn] = (dtype, shape)
+            continue
+        with open(folder / info.relative_path, "rb") as f:
+            tensor = torch.load(_FileSlice(f, info.offset, info.length), weights_only=True)
+        assert tensor.dtype == dtype and tuple(tensor.shape) == shape, fqn
+        done(fqn, tensor)
+        del tensor
+    if not sharded:
+        return
     # Placeholders for planning: the right shape over one element of memory (DCP would
     # materialise meta tensors); the planner allocates the real tensor when it reads.
-    state = {
-        fqn: torch.empty((), dtype=dtype).expand(shape) for fqn, (dtype, shape) in shapes.items()
-    }
+    state = {fqn: torch.empty((), dtype=d).expand(s) for fqn, (d, s) in sharded.items()}
     with _single_process():
         dcp.load(
             state,
             storage_reader=dcp.FileSystemReader(str(folder)),
-            planner=_StreamingLoadPlanner(shapes, done),
+            planner=_StreamingLoadPlanner(sharded, done),
             no_dist=True,
         )
+
+
+def _whole_tensor_storage(metadata, fqn: str, shape: tuple[int, ...]):
+    """DCP's storage record of `fqn` when it is saved as one chunk with no transforms."""
+    meta = metadata.state_dict_metadata.get(fqn)
+    chunks = getattr(meta, "chunks", None)
+    if not chunks or len(chunks) != 1 or tuple(chunks[0].sizes) != tuple(shape):
+        return None
+    info = metadata.storage_data.get(MetadataIndex(fqn, chunks[0].offsets))
+    if info is None or getattr(info, "transform_descriptors", None):
+        return None
+    return info
+
+
+class _FileSlice(io.RawIOBase):
+    """Bytes [offset, offset + length) of an open file, as a seekable file of their own
+    (what `torch.load` needs to read one record of a DCP file)."""
+
+    def __init__(self, f, offset: int, length: int):
+        super().__init__()
+        self._f, self._start, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(view[:n])
+        self._pos += got
+        return got
 
 
 @contextlib.contextmanager
