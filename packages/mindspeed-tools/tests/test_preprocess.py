@@ -581,7 +581,7 @@ def test_cli_mistakes_are_one_line_exit_2(sp_model, hf_folder, tmp_path, capsys)
         (["--input", corpus, "--seq-length", "8"], "--seq-length and --pack apply"),
         (["--input", corpus, "--bogus"], "unrecognized arguments: --bogus"),
         (["--input", tmp_path / "c.jsonl", "--json-keys", "body"], "no usable records"),
-        (["--input", tmp_path / "nothing*.jsonl"], "no .csv/.json"),
+        (["--input", tmp_path / "nothing*.jsonl"], "no .arrow/.csv/.json"),
     ]
     for args, message in cases:
         argv = ["preprocess", "--tokenizer", sp_model, "--output-prefix", tmp_path / "o" / "x"]
