@@ -1,5 +1,6 @@
 """`mindspeed pretrain` of a MoE model: expert parallel over 2 processes gives the losses of
-one process, router statistics reach metrics.jsonl, and a bad ep is one line."""
+one process, router statistics reach metrics.jsonl, a checkpoint saved with ep=2 resumes
+in one process exactly, and a bad ep is one line."""
 
 import pytest
 
@@ -21,8 +22,13 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("mindspeed-cache")
 
 
-def test_ep2_gives_the_losses_of_one_process_and_logs_router_statistics(cache, tmp_path):
-    one = pretrain._torchrun(cache, 1, tmp_path / "one", *MIXTRAL)
+@pytest.fixture(scope="module")
+def one(cache, tmp_path_factory):
+    """One process, no interruption: the reference."""
+    return pretrain._torchrun(cache, 1, tmp_path_factory.mktemp("one"), *MIXTRAL)
+
+
+def test_ep2_gives_the_losses_of_one_process_and_logs_router_statistics(cache, tmp_path, one):
     ep2 = pretrain._torchrun(cache, 2, tmp_path / "ep2", *MIXTRAL, "--parallel.ep=2")
     losses = pretrain._losses(one)
     assert sorted(losses) == list(range(1, STEPS + 1))
@@ -41,6 +47,18 @@ def test_ep2_gives_the_losses_of_one_process_and_logs_router_statistics(cache, t
         assert record["moe_max_load"] >= 1.0 >= record["moe_min_load"] >= 0.0
         assert record["moe_aux_loss"] > 0 and record["moe_dropped_tokens"] == 0
     assert [r["moe_load"] for r in ep2] == [r["moe_load"] for r in one]
+
+
+def test_an_ep2_checkpoint_resumes_in_one_process(cache, tmp_path, one):
+    run = tmp_path / "ep2"
+    first = pretrain._torchrun(cache, 2, run, *MIXTRAL, "--parallel.ep=2", "--train.exit_at_step=3")
+    assert max(pretrain._losses(first)) == 3
+    step_3 = run / "checkpoints" / "step_3"
+    resumed = pretrain._torchrun(
+        cache, 1, tmp_path / "one", *MIXTRAL, f"--checkpoint.load={step_3}"
+    )
+    assert min(pretrain._losses(resumed)) == 4
+    pretrain._assert_close(pretrain._losses(resumed), pretrain._losses(one), range(4, STEPS + 1))
 
 
 def test_ep_not_dividing_the_data_ranks_is_one_line(cache, tmp_path):

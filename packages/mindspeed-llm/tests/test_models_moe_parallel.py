@@ -9,12 +9,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
-from mindspeed_core.errors import ParallelError
+from mindspeed_core.errors import ConfigError, ParallelError
 from mindspeed_core.optim import build_optimizers, clip_grad_norm_
 from mindspeed_core.parallel import ParallelDims
 from mindspeed_core.testing import run_distributed
 from mindspeed_llm.models import build_model_config, get_model_spec
-from mindspeed_llm.models.common.moe import moe_aux_loss
+from mindspeed_llm.models.common.moe import active_params, moe_aux_loss
 
 RTOL = 1e-4
 STEPS = 3
@@ -107,3 +107,34 @@ def test_bad_ep_layouts_refused_before_any_group():
     assert not dist.is_initialized()
     with pytest.raises(ParallelError, match=r"ep=3 must divide dp_shard x cp = 4"):
         ParallelDims(dp_shard=4, ep=3, world_size=4)
+
+
+@pytest.mark.parametrize(
+    ("family", "parallel", "message"),
+    [
+        ("mixtral", {"ep": 3}, "parallel.ep=3 must divide the model's num_experts=4"),
+        ("llama", {"ep": 2}, "parallel.ep=2 needs a MoE model"),
+        ("mixtral", {"tp": 2}, "MoE models support only tp=1 and pp=1"),
+        ("mixtral", {"ep": 2, "dp_replicate": 2}, "parallel.dp_replicate=2 is not supported"),
+    ],
+)
+def test_pretrain_refuses_moe_layouts_it_does_not_build(family, parallel, message):
+    from mindspeed_llm.train.config import ParallelSection, PretrainConfig
+    from mindspeed_llm.train.trainer import _check_experts
+
+    cfg = PretrainConfig(parallel=ParallelSection(**parallel))
+    cfg.model.family = family
+    with pytest.raises(ConfigError, match=message):
+        _check_experts(cfg, build_model_config(family, flavor="debug"))
+    assert not dist.is_initialized()
+
+
+def test_flops_count_only_the_experts_a_token_uses():
+    spec = get_model_spec("mixtral")
+    with torch.device("meta"):
+        model = spec.build(spec.flavors["mixtral-8x7b"])
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.tok_embeddings.weight.numel()
+    # Mixtral-8x7B: 46.7B parameters, 12.9B used per token (embedding included)
+    assert active_params(model) + embedding == pytest.approx(12.88e9, rel=2e-3)
+    assert active_params(model) < total - embedding
