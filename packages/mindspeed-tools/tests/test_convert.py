@@ -102,8 +102,9 @@ def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, s
     ids = tokens()
     with torch.no_grad():
         want = hf(ids).logits
-        model, _ = hf_io.load_model(ours)
-        torch.testing.assert_close(model(ids), want, atol=1e-5, rtol=0)
+        for source in (ours, src):  # the converted checkpoint, and the HF folder itself
+            model, _ = hf_io.load_model(source, dtype=torch.float32)
+            torch.testing.assert_close(model(ids), want, atol=1e-5, rtol=0)
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(
             back, attn_implementation="eager"
         )

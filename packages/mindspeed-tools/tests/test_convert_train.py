@@ -87,3 +87,25 @@ def test_a_converted_checkpoint_starts_a_fresh_run(tmp_path, monkeypatch, hf_fol
     )
     assert loss == pytest.approx(_hf_loss(hf, batch), abs=1e-4)
     assert (tmp_path / "b" / "run" / "checkpoints" / "step_1").is_dir()
+
+
+def test_a_run_without_hf_source_converts_to_transformers(tmp_path, monkeypatch):
+    """A flavor-built run (no HF config anywhere): config.json is written from our config."""
+    import transformers
+
+    from mindspeed_llm.demo import cache_root, ensure_demo_data
+    from mindspeed_llm.models.hf_io import load_model
+    from mindspeed_tools.convert import mindspeed_to_hf
+
+    monkeypatch.setenv("MINDSPEED_CACHE", str(tmp_path.parent / "cache"))
+    tokenizer = ensure_demo_data(cache_root()).tokenizer
+    _first_loss(tmp_path, monkeypatch, "--model.family=qwen3", f"--data.tokenizer={tokenizer}")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    back = mindspeed_to_hf(checkpoints, tmp_path / "back", dtype=torch.float32)
+    assert (back / "generation_config.json").is_file()
+    assert {p.name for p in back.glob("tokenizer.*")} == {f"tokenizer{Path(tokenizer).suffix}"}
+    trained, _ = load_model(checkpoints)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager")
+    ids = models_hf.tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, trained(ids), atol=1e-5, rtol=0)

@@ -38,8 +38,7 @@ from mindspeed_tools.dcp_stream import load_streaming, save_streaming
 
 logger = logging.getLogger("mindspeed.convert")
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-HF_EXTRA_FILES = (
-    "generation_config.json",
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "tokenizer.model",
@@ -50,6 +49,7 @@ HF_EXTRA_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+HF_EXTRA_FILES = ("generation_config.json", *TOKENIZER_FILES)
 STEP = "step_0"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -246,11 +246,27 @@ def _write_hf_config(folder: Path, config: TransformerConfig, tmp: Path, entries
         key = "dtype" if "dtype" in hf_config else "torch_dtype"
         hf_config[key] = dtypes.pop()
     (tmp / hf_io.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+    tokenizer = ckpt.run_tokenizer(folder)
+    if tokenizer is not None and not any((tmp / n).is_file() for n in TOKENIZER_FILES):
+        _copy_tokenizer(tokenizer, tmp)
     if not (tmp / "generation_config.json").is_file():
         generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config}
         (tmp / "generation_config.json").write_text(
             json.dumps({"_from_model_config": True, **generation}, indent=2) + "\n"
         )
+
+
+def _copy_tokenizer(tokenizer: Path, dest: Path) -> None:
+    """The run's tokenizer: a folder's tokenizer files, a tokenizer.json, or a sentencepiece
+    .model (saved as tokenizer.model)."""
+    if tokenizer.is_dir():
+        for name in TOKENIZER_FILES:
+            if (tokenizer / name).is_file():
+                shutil.copy2(tokenizer / name, dest / name)
+    elif tokenizer.suffix == ".json":
+        shutil.copy2(tokenizer, dest / "tokenizer.json")
+    elif tokenizer.suffix == ".model":
+        shutil.copy2(tokenizer, dest / "tokenizer.model")
 
 
 # -- shared -------------------------------------------------------------------------------

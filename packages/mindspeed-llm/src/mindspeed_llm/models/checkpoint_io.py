@@ -153,6 +153,18 @@ def hf_source_dir(folder: Path) -> Path | None:
     return None
 
 
+def run_tokenizer(folder: Path) -> Path | None:
+    """The tokenizer (file or folder) the trainer run of `folder` trained with, if it named one."""
+    config_yaml = run_config_path(folder)
+    if config_yaml is None:
+        return None
+    from mindspeed_core.config import read_yaml
+
+    data = read_yaml(config_yaml)[0]
+    path = (data.get("data") or {}).get("tokenizer") or (data.get("model") or {}).get("hf_path")
+    return Path(path) if path and Path(path).exists() else None
+
+
 def tensor_metadata(step_dir: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Our name -> (dtype, global shape) of every model tensor in a DCP checkpoint."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
