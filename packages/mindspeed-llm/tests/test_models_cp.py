@@ -1,6 +1,7 @@
-"""Context parallel dense models give one process's loss and gradients (fp32, gloo): ring and
-Ulysses at cp=2, hybrid 2 x 2 at cp=4, and dp_shard=2 x cp=2; rows sharded zig-zag with
-`shard_sequence` and packed documents with `packed_shard_index`, RoPE at global positions.
+"""Context parallel dense models give one process's loss and gradients (fp32, gloo): ring
+and Ulysses at cp=2 (Ulysses with a binding sliding window), hybrid 2 x 2 at cp=4,
+dp_shard=2 x cp=2 and tp=2 x cp=2; rows sharded zig-zag with `shard_sequence` and packed
+documents with `packed_shard_index`, RoPE at global positions.
 
 Each rank's loss is its token sum / the data-parallel rank's token count x cp: FSDP over
 dp_shard x cp averages gradients over the cp ranks too, and the sum over cp ranks of the
@@ -36,7 +37,8 @@ def _batch():
 def _model(family):
     torch.manual_seed(0)
     spec = get_model_spec(family)
-    return spec, spec.build(build_model_config(family, flavor="debug"))
+    overrides = {"sliding_window": 6} if family == "mistral" else {}  # binding at seq 16
+    return spec, spec.build(build_model_config(family, flavor="debug", **overrides))
 
 
 def _reference(family, packed):
@@ -95,7 +97,7 @@ def _layouts(cases):
 
 CASES_2 = {
     "ring": ("llama", {"cp": 2}, {"cp_mode": "ring"}, False),
-    "ring_packed": ("llama", {"cp": 2}, {"cp_mode": "ring"}, True),
+    "ring_packed_full_ac": ("llama", {"cp": 2}, {"cp_mode": "ring", "ac_mode": "full"}, True),
     "ulysses_packed_qwen3": ("qwen3", {"cp": 2}, {"cp_mode": "ulysses"}, True),
     "ulysses_mistral_window": ("mistral", {"cp": 2}, {"cp_mode": "ulysses"}, False),
 }
@@ -103,6 +105,7 @@ CASES_4 = {
     "hybrid_2x2_packed": ("llama", {"cp": 4}, {"cp_mode": "hybrid", "ulysses_degree": 2}, True),
     "dp_shard2_cp2_ring_packed": ("llama", {"dp_shard": 2, "cp": 2}, {}, True),
     "dp_shard2_cp2_ulysses": ("qwen2", {"dp_shard": 2, "cp": 2}, {"cp_mode": "ulysses"}, False),
+    "tp2_cp2_ring_packed": ("llama", {"tp": 2, "cp": 2}, {}, True),
 }
 
 
