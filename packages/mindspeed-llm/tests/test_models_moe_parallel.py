@@ -37,14 +37,14 @@ def _loss(model, batch):
     return loss + moe_aux_loss(model, model.config)
 
 
-def _train(world, degrees, rank):
+def _train(world, degrees, rank, family, changes, options):
     """Losses, grads and final weights; degrees None: one process over all ranks' batches."""
-    spec = get_model_spec("mixtral")
-    config = build_model_config("mixtral", flavor="debug", router_z_loss_coef=1e-3)
+    spec = get_model_spec(family)
+    config = build_model_config(family, flavor="debug", router_z_loss_coef=1e-3, **changes)
     torch.manual_seed(0)
     model = spec.build(config)
     if degrees is not None:
-        model = spec.parallelize(model, ParallelDims(**degrees).build())
+        model = spec.parallelize(model, ParallelDims(**degrees).build(), **options)
     opt = build_optimizers(model, lr=1e-3, implementation="for-loop")
     losses, grads = [], []
     for step_batches in _batches(world):
@@ -68,10 +68,10 @@ def _train(world, degrees, rank):
     return losses, grads, weights, isinstance(experts, DTensor) and experts.placements
 
 
-def _compare(world, degrees):
-    rank = dist.get_rank()
-    ref_losses, ref_grads, ref_weights, _ = _train(world, None, rank)
-    losses, grads, weights, placements = _train(world, degrees, rank)
+def _compare(world, degrees, family="mixtral", changes=None, options=None):
+    rank, changes, options = dist.get_rank(), changes or {}, options or {}
+    ref_losses, ref_grads, ref_weights, _ = _train(world, None, rank, family, changes, options)
+    losses, grads, weights, placements = _train(world, degrees, rank, family, changes, options)
     assert Shard(0) in placements
     torch.testing.assert_close(losses, ref_losses, rtol=RTOL, atol=0)
     for step in range(STEPS):
@@ -101,6 +101,21 @@ def test_ep2_over_dp_shard2_matches_one_process():
 @pytest.mark.slow
 def test_ep2_inside_dp_shard4_matches_one_process():
     run_distributed(_compare, 4, 4, {"dp_shard": 4, "ep": 2}, timeout=300)
+
+
+@pytest.mark.slow
+def test_qwen2_moe_ep2_with_capacity_and_full_recompute_matches_one_process():
+    """The shared expert, token dropping and the all-to-alls re-run in backward."""
+    run_distributed(
+        _compare,
+        2,
+        2,
+        {"dp_shard": 2, "ep": 2},
+        "qwen2_moe",
+        {"capacity_factor": 1.0},
+        {"ac_mode": "full"},
+        timeout=300,
+    )
 
 
 def test_bad_ep_layouts_refused_before_any_group():
