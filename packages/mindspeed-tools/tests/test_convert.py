@@ -177,6 +177,8 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys):
     )
     cases.append(((gpt2,), ["gpt2", "supported", "llama", "qwen3"]))
     cases.append(((src, "--tp", "4"), ["--tp=4", "num_kv_heads=2"]))
+    cases.append(((src, "--pp", "3"), ["--pp=3", "2 layers"]))
+    cases.append(((src, "--ep", "2"), ["--ep=2", "no experts"]))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((src / "config.json").read_text())

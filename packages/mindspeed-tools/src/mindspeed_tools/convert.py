@@ -116,8 +116,17 @@ def check_layout(config: TransformerConfig, *, tp: int, pp: int, ep: int) -> Non
     for name, degree in (("tp", tp), ("pp", pp), ("ep", ep)):
         if degree < 1:
             raise ParallelError(f"--{name}={degree} must be >= 1")
+    num_experts = getattr(config, "num_experts", 0)
     if tp > 1:
-        for field in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+        fields = ["num_heads", "num_kv_heads", "vocab_size"]
+        moe_layers = [
+            bool(num_experts) and config.is_moe_layer(i) for i in range(config.num_layers)
+        ]
+        if not all(moe_layers):  # some dense feed-forward (all, for a dense model)
+            fields.append("intermediate_size")
+        if any(moe_layers):
+            fields.append("moe_intermediate_size")
+        for field in fields:
             if getattr(config, field) % tp:
                 raise ParallelError(
                     f"--tp={tp} does not divide {field}={getattr(config, field)} of this model"
@@ -128,7 +137,6 @@ def check_layout(config: TransformerConfig, *, tp: int, pp: int, ep: int) -> Non
         raise ParallelError(f"--pp={pp} exceeds the model's {config.num_layers} layers")
     if pp > 1 and config.tie_word_embeddings:
         raise ParallelError(f"--pp={pp}: pipeline parallel with tied embeddings is not supported")
-    num_experts = getattr(config, "num_experts", None)
     if ep > 1 and not num_experts:
         raise ParallelError(f"--ep={ep}: this {config.family} model has no experts")
     if num_experts and num_experts % ep:
