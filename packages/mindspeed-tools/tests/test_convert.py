@@ -235,6 +235,11 @@ def test_to_hf_refuses_what_is_not_a_checkpoint_and_an_existing_output(tmp_path,
         "lots",
     )
     assert code == 2 and "lots" in err
+    shard = max((ours / "step_0").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[:-5])
+    code, err = _cli(capsys, "--input", ours, "--output", tmp_path / "y", "--to", "hf")
+    assert code == 2 and "truncated" in err and shard.name in err, err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(("x", "y"))]
 
 
 def test_parse_size():

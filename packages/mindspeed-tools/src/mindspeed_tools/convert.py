@@ -22,11 +22,13 @@ import logging
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from mindspeed_core.checkpoint import LATEST
 from mindspeed_core.cli import Command
@@ -83,11 +85,14 @@ def hf_to_mindspeed(
     prefix = ckpt.MODEL_KEY + "."
     shapes = {prefix + n: (dtype or d, shape) for n, (d, shape) in weights.shapes.items()}
 
+    bar = _progress(len(shapes), "hf -> mindspeed")
+
     def read(fqn: str) -> torch.Tensor:
         tensor = weights.get(fqn[len(prefix) :])
+        bar.update(1)
         return tensor if dtype is None else tensor.to(dtype)
 
-    with _staging(output) as tmp:
+    with _staging(output) as tmp, bar:
         save_streaming(tmp / STEP, shapes, read)
         (tmp / LATEST).write_text(STEP + "\n")
         copied = _copy_hf_files(Path(source), tmp)
@@ -195,6 +200,7 @@ def mindspeed_to_hf(
             writers[where[hf]].write(hf, tensor if dtype is None else tensor.to(dtype))
 
         def done(fqn: str, tensor: torch.Tensor) -> None:
+            bar.update(1)
             for hf in hf_names.get(fqn, ()):
                 write(hf, tensor)
             if computed and fqn not in hf_names:
@@ -202,10 +208,14 @@ def mindspeed_to_hf(
                     write(hf, made)
 
         try:
-            load_streaming(step_dir, wanted, done)
-        finally:
+            with _progress(len(wanted), "mindspeed -> hf") as bar:
+                load_streaming(step_dir, wanted, done)
+        except BaseException:
             for writer in writers.values():
-                writer.close()
+                writer.close(check=False)
+            raise
+        for writer in writers.values():
+            writer.close()
         if len(shards) > 1:
             _write_index(tmp, writers, where)
         _write_hf_config(folder, config, tmp, entries)
@@ -278,6 +288,11 @@ def _copy_tokenizer(tokenizer: Path, dest: Path) -> None:
 
 
 # -- shared -------------------------------------------------------------------------------
+
+
+def _progress(total: int, desc: str) -> tqdm:
+    """A tensor-count progress bar on an interactive terminal (silent in logs and tests)."""
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not sys.stderr.isatty())
 
 
 def _copy_hf_files(source: Path, dest: Path) -> list[str]:
@@ -355,7 +370,6 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--tp/--pp/--ep apply to --to mindspeed only")
         size = parse_size(args.max_shard_size)
         mindspeed_to_hf(args.input, args.output, max_shard_size=size, dtype=dtype)
-    print(f"wrote {args.output}")
     return 0
 
 
