@@ -101,8 +101,23 @@ def test_a_pp2_checkpoint_resumes_in_one_process(straight, cache, tmp_path):
             ["1F1B runs one stage per rank", "Interleaved1F1B"],
         ),
         (["--parallel.virtual_stages=2"], ["parallel.virtual_stages=2 needs parallel.pp > 1"]),
+        (
+            [
+                "--parallel.pp=2",
+                "--parallel.pp_schedule=ZBVZeroBubble",
+                "--parallel.virtual_stages=2",
+            ]
+            + ["--train.ac=full"],
+            ["ZBVZeroBubble computes weight gradients", "activation checkpointing"],
+        ),
     ],
-    ids=["pp_over_layers", "layers_per_stage_sum", "virtual_stages_with_1f1b", "no_pp"],
+    ids=[
+        "pp_over_layers",
+        "layers_per_stage_sum",
+        "virtual_stages_with_1f1b",
+        "no_pp",
+        "zero_bubble_with_recompute",
+    ],
 )
 def test_bad_pipeline_settings_are_one_line(cache, tmp_path, args, fragments):
     exe = Path(sys.executable).with_name("mindspeed")

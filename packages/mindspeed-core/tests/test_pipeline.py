@@ -73,6 +73,16 @@ def test_layer_counts(num_layers, num_stages, given, expected):
             {
                 "num_layers": 8,
                 "pp": 2,
+                "schedule": "DualPipeV",
+                "stages_per_rank": 2,
+                "recompute": True,
+            },
+            "activation checkpointing breaks",
+        ),
+        (
+            {
+                "num_layers": 8,
+                "pp": 2,
                 "schedule": "Interleaved1F1B",
                 "stages_per_rank": 2,
                 "n_microbatches": 5,

@@ -1,7 +1,7 @@
 """Pipeline layouts of the dense decoder train like one process (fp32, 4 layers, 3 AdamW
 steps of 4 microbatches): losses, grad norms, clipped gradients and updated parameters,
-for each schedule torch offers, uneven splits, packed documents, TP and FSDP inside the
-stages; and checkpoints move between pp=2 and pp=1 in both directions."""
+for each schedule torch offers, uneven splits, packed documents, TP (with recompute),
+FSDP and DDP inside the stages; and checkpoints move between pp=2 and pp=1 in both directions."""
 
 import pytest
 import torch
@@ -28,11 +28,13 @@ WORLD2 = {
     "pp2_packed": {"pp": 2},
 }
 WORLD4 = {
+    "pp2_dp_replicate2": {"pp": 2, "dp_replicate": 2, "dp_shard": 1},
     "tp2_pp2_sp_loss_parallel": {
         "pp": 2,
         "tp": 2,
         "sequence_parallel": True,
         "loss_parallel": True,
+        "ac_mode": "full",
     },
     "pp2_dp_shard2_interleaved": {
         "pp": 2,
@@ -111,7 +113,7 @@ def test_pipeline_with_tp_and_fsdp_matches_one_process(references):
     _assert_layouts(results, WORLD4, references)
 
 
-def test_whole_model_and_tied_embeddings_are_refused_under_pp():
+def test_whole_model_tied_embeddings_and_recompute_with_zero_bubble_are_refused():
     spec, model = loop.make_model()
     with pytest.raises(ParallelError, match="pipeline_decoder"):
         spec.parallelize(model, ParallelDims(pp=2, world_size=2))
@@ -120,3 +122,12 @@ def test_whole_model_and_tied_embeddings_are_refused_under_pp():
     tied = spec.build(build_model_config("llama", flavor="debug", tie_word_embeddings=True))
     with pytest.raises(ParallelError, match="tie_word_embeddings"):
         spec.pipeline(tied, ParallelDims(pp=2, world_size=2), device="cpu")
+    with pytest.raises(ParallelError, match="InterleavedZeroBubble computes weight gradients"):
+        spec.pipeline(
+            model,
+            ParallelDims(pp=2, world_size=2),
+            device="cpu",
+            schedule="InterleavedZeroBubble",
+            stages_per_rank=2,
+            ac_mode="full",
+        )

@@ -55,6 +55,8 @@ SCHEDULES = {
 }
 _SINGLE_STAGE = ("GPipe", "1F1B")  # one stage per rank
 _V_STYLE = ("ZBVZeroBubble", "DualPipeV")  # exactly two stages per rank, V order
+# Backward split into input-gradient and (later) weight-gradient steps.
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def stage_layer_counts(
@@ -110,14 +112,25 @@ def check_pipeline(
     schedule: str = "1F1B",
     layers_per_stage: Sequence[int] | None = None,
     n_microbatches: int | None = None,
+    recompute: bool = False,
 ) -> list[int]:
     """Validate a pipeline layout before any process group exists; returns layer counts.
 
+    Args:
+        recompute: the stages use activation checkpointing.
+
     Raises:
         ParallelError: an unknown schedule, a stage count the schedule cannot run,
-            too few or badly divisible microbatches, or a bad layer split.
+            too few or badly divisible microbatches, a bad layer split, or recompute
+            under a zero-bubble schedule.
     """
     _check_schedule_kind(schedule, stages_per_rank)
+    if recompute and schedule in SPLIT_BACKWARD:
+        raise ParallelError(
+            f"schedule {schedule} computes weight gradients in a separate step, which "
+            "activation checkpointing breaks (its recompute runs once); turn recompute off "
+            "or use 1F1B / Interleaved1F1B"
+        )
     num_stages = pp * stages_per_rank
     counts = stage_layer_counts(num_layers, num_stages, layers_per_stage)
     if n_microbatches is not None:

@@ -526,6 +526,7 @@ def _check_pipeline(cfg: PretrainConfig, model_cfg, accum: int | None = None) ->
             schedule=p.pp_schedule,
             layers_per_stage=p.layers_per_stage or None,
             n_microbatches=n_microbatches,
+            recompute=cfg.train.ac != "none",
         )
     except ParallelError as err:
         raise ConfigError(f"parallel.pp={p.pp}: {err}") from None

@@ -28,6 +28,7 @@ from mindspeed_core.parallel import (
     apply_expert_fsdp,
     apply_fsdp,
     apply_tp,
+    check_pipeline,
     llama_tp_plan,
     split_pipeline,
 )
@@ -131,8 +132,8 @@ def pipeline_decoder(
     the run's seed) and a pipelined run starts from one process's weights.
 
     Raises:
-        ParallelError: pp=1, tied embeddings (they would sit on two stages), or a split
-            `split_pipeline` refuses.
+        ParallelError: pp=1, tied embeddings (they would sit on two stages), or a layout
+            `check_pipeline` refuses (recompute under zero-bubble schedules included).
     """
     if dims.pp == 1:
         raise ParallelError("pipeline_decoder needs pp > 1; use parallelize_decoder")
@@ -141,6 +142,14 @@ def pipeline_decoder(
             "pipeline parallel with tie_word_embeddings=true is not supported: the embedding "
             "and the output projection would sit on different stages"
         )
+    check_pipeline(
+        num_layers=len(model.layers),
+        pp=dims.pp,
+        stages_per_rank=stages_per_rank,
+        schedule=schedule,
+        layers_per_stage=layers_per_stage,
+        recompute=options.get("ac_mode", "none") != "none",
+    )
     parts = split_pipeline(
         model,
         dims.mesh("pp"),
