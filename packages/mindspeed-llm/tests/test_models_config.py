@@ -133,7 +133,10 @@ def test_config_errors_name_the_field(changes, field):
 @pytest.mark.parametrize(
     ("hf", "message"),
     [
-        (_v4("gpt2"), "model_type='gpt2' is not supported; known: llama, mistral, qwen2, qwen3"),
+        (
+            _v4("gpt2"),
+            "model_type='gpt2' is not supported; known: llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe",
+        ),
         (_v4(num_key_value_heads=3), "num_kv_heads=3 must divide num_heads=4"),
         (_v4(hidden_act="gelu"), "hidden_act='gelu'"),
         (_v4(attention_bias=True), "attention_bias"),
@@ -150,7 +153,15 @@ def test_from_hf_refuses_what_we_do_not_build(hf, message):
 
 
 def test_registry():
-    assert model_families() == ["llama", "mistral", "qwen2", "qwen3"]
+    assert model_families() == [
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+    ]
     with pytest.raises(ConfigError, match="unknown model family 'gpt'; known: llama, mistral"):
         get_model_spec("gpt")
     spec = get_model_spec("llama")
@@ -176,6 +187,9 @@ PUBLISHED = {
     ("qwen2", "qwen2.5-7b"): 7.616,
     ("qwen3", "qwen3-8b"): 8.191,
     ("mistral", "mistral-7b"): 7.242,
+    ("mixtral", "mixtral-8x7b"): 46.703,
+    ("qwen2_moe", "qwen1.5-moe-a2.7b"): 14.316,
+    ("qwen3_moe", "qwen3-30b-a3b"): 30.532,
 }
 
 
