@@ -16,9 +16,9 @@ Modes, with cp = ring x ulysses (ulysses ranks are neighbours on the cp axis):
 - ``hybrid``: Ulysses inside groups of neighbours, then ring across the groups.
 
 The attention kernel is injected (`attention_fn`, the mindspeed_ops.attention signature
-with ``return_lse=True``), so mindspeed-core needs no kernels of its own; backward is
-autograd through the kernel's own backward (which takes the LSE gradient) and the
-differentiable collectives of `cp_comm`.
+with ``return_lse=True``), so mindspeed-core needs no kernels of its own. Backward: the
+Ulysses all-to-alls are differentiable (`cp_comm`); the ring is one autograd Function
+(`ring_attention`) that keeps only local tensors and sends dK/dV round the ring.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from mindspeed_core.errors import ParallelError
-from mindspeed_core.parallel.cp_comm import HeadsToSeq, RingShift, SeqToHeads
+from mindspeed_core.parallel.cp_comm import HeadsToSeq, SeqToHeads
+from mindspeed_core.parallel.ring_attention import RingAttention
 
 CP_MODES = ("ring", "ulysses", "hybrid")
 AttentionFn = Callable[..., tuple[Tensor, Tensor]]
@@ -175,52 +176,6 @@ def reference_attention(
     return torch.cat(outs), torch.cat(lses, 1)
 
 
-def _merge(out: Tensor, lse: Tensor, rows: Tensor, part: Tensor, part_lse: Tensor):
-    """Fold a partial result for `rows` into the fp32 accumulators (out, lse)."""
-    old, old_lse = out[rows], lse[:, rows]
-    new_lse = torch.logaddexp(old_lse, part_lse)
-    merged = old * (old_lse - new_lse).exp().T[..., None]
-    merged = merged + part.float() * (part_lse - new_lse).exp().T[..., None]
-    return out.index_copy(0, rows, merged), lse.index_copy(1, rows, new_lse)
-
-
-def _halves(cu: list[int], device) -> tuple[Tensor, Tensor, Tensor]:
-    """Token indices of the first and second half of every local document, and the
-    boundaries of the halves (each half is one zig-zag chunk)."""
-    first, second, bounds = [], [], [0]
-    for a, b in pairwise(cu):
-        half = (b - a) // 2
-        first.append(torch.arange(a, a + half))
-        second.append(torch.arange(a + half, b))
-        bounds.append(bounds[-1] + half)
-    as_tensor = torch.tensor(bounds, dtype=torch.int32, device=device)
-    return torch.cat(first).to(device), torch.cat(second).to(device), as_tensor
-
-
-def _ring_attention(q, k, v, cu, group, attention_fn, scale):
-    """Zig-zag ring attention of packed local documents `cu` over `group`."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    first, second, cu_half = _halves(cu, q.device)
-    cu_local = torch.tensor(cu, dtype=torch.int32, device=q.device)
-    out, lse = attention_fn(q, k, v, causal=True, cu_seqlens=cu_local, scale=scale, return_lse=True)
-    out = out.float()
-    kv = torch.stack([k, v])  # one message per step
-    for step in range(1, size):
-        kv = RingShift.apply(kv, group)
-        source = (rank - step) % size
-        block = {"cu_seqlens": cu_half, "scale": scale, "causal": False, "return_lse": True}
-        if source < rank:  # its first chunk precedes both of ours; its second follows both
-            k_first, v_first = kv[0][first], kv[1][first]
-            for rows in (first, second):
-                part = attention_fn(q[rows], k_first, v_first, **block)
-                out, lse = _merge(out, lse, rows, *part)
-        else:  # both its chunks lie between ours: only our second chunk sees them
-            for cols in (first, second):
-                part = attention_fn(q[second], kv[0][cols], kv[1][cols], **block)
-                out, lse = _merge(out, lse, second, *part)
-    return out.to(q.dtype)
-
-
 def _ulysses_order(cu: list[int], size: int, device) -> Tensor:
     """After the all-to-all the tokens are [rank 0's, rank 1's, ...]; this index puts each
     document in the group's zig-zag order: first chunks ascending, second descending."""
@@ -295,7 +250,7 @@ class ContextParallel:
                     f"sliding window={window} is not supported by ring context parallel; "
                     "use cp_mode=ulysses"
                 )
-            out = _ring_attention(q, k, v, cu, self.ring_group, self.attention_fn, scale)
+            out = RingAttention.apply(q, k, v, cu, self.ring_group, self.attention_fn, scale)
         else:
             cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
             out, _ = self.attention_fn(

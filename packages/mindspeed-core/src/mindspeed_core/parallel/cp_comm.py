@@ -1,8 +1,8 @@
-"""Differentiable collectives of context parallel: Ulysses all-to-all and the ring shift.
+"""Collectives of context parallel: Ulysses all-to-all (differentiable) and the ring shift.
 
-Each is an autograd Function whose backward is the transposed communication: the inverse
-all-to-all, or the shift the other way round the ring (so dK/dV travel back to the rank
-that owns K/V). Plain torch.distributed calls, so they run on gloo, NCCL and HCCL alike.
+The all-to-alls are autograd Functions whose backward is the inverse all-to-all; the ring
+shift is used inside the ring attention Function, whose backward sends dK/dV round the ring
+itself. Plain torch.distributed calls, so they run on gloo, NCCL and HCCL alike.
 """
 
 from __future__ import annotations
@@ -59,27 +59,21 @@ class HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad.contiguous(), ctx.group), None
 
 
-def _shift(x: Tensor, group: ProcessGroup, step: int) -> Tensor:
-    """Send x to the rank `step` places on, receive from the rank `step` places back."""
+def start_shift(x: Tensor, group: ProcessGroup, step: int = 1) -> tuple[Tensor, list]:
+    """Start sending x to the rank `step` places on and receiving from the rank `step`
+    places back; returns the receive buffer and the requests to wait on."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    recv = torch.empty_like(x)
+    x, recv = x.contiguous(), torch.empty_like(x)
     ops = [
         dist.P2POp(dist.isend, x, dist.get_global_rank(group, (rank + step) % size), group),
         dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - step) % size), group),
     ]
-    for request in dist.batch_isend_irecv(ops):
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def shift(x: Tensor, group: ProcessGroup, step: int = 1) -> Tensor:
+    """`start_shift` and wait for it."""
+    recv, requests = start_shift(x, group, step)
+    for request in requests:
         request.wait()
     return recv
-
-
-class RingShift(torch.autograd.Function):
-    """Pass a tensor to the next rank of the ring; its gradient goes to the previous one."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
-        ctx.group = group
-        return _shift(x.contiguous(), group, 1)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _shift(grad.contiguous(), ctx.group, -1), None
