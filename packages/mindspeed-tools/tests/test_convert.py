@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from mindspeed_core.checkpoint.verify import read_metadata
 from mindspeed_core.cli import run as cli
 from mindspeed_core.testing import import_sibling, run_distributed
 from mindspeed_llm.models import checkpoint_io, hf_io
@@ -128,7 +129,9 @@ def test_bf16_is_kept_and_can_be_changed(tmp_path):
         assert tensor.dtype == torch.float32 and torch.equal(tensor, hf.state_dict()[name].float())
 
 
-def _tp2_logits(converted: str):
+def _tp2_logits(converted: str, resaved: str):
+    """Load the converted checkpoint under tp=2, run it, and save it again (in shards)."""
+    from mindspeed_core.checkpoint import CheckpointManager, ModelState
     from mindspeed_core.parallel import ParallelDims
     from mindspeed_llm.models import get_model_spec
 
@@ -138,18 +141,31 @@ def _tp2_logits(converted: str):
     torch.manual_seed(123)  # other weights than the checkpoint's, so the load must work
     model = spec.parallelize(spec.build(config), ParallelDims(tp=2).build())
     checkpoint_io.load_model_weights(model, checkpoint_io.resolve_step_dir(folder))
+    CheckpointManager({"model": ModelState(model)}, resaved).save(0, force=True)
     with torch.no_grad():
         return model(tokens())
 
 
 @pytest.mark.slow
-def test_a_converted_checkpoint_loads_under_tp2(tmp_path):
+def test_a_converted_checkpoint_loads_under_tp2_and_its_shards_convert_back(tmp_path):
     hf, src = _hf_dir(tmp_path, "qwen2")
     ours = hf_to_mindspeed(src, tmp_path / "ours", tp=2)
+    resaved = tmp_path / "resaved"
     with torch.no_grad():
         want = hf(tokens()).logits
-    for logits in run_distributed(_tp2_logits, 2, str(ours)):
+    for logits in run_distributed(_tp2_logits, 2, str(ours), str(resaved)):
         torch.testing.assert_close(logits, want, atol=1e-5, rtol=0)
+    # The tp=2 save holds the sharded weights in two chunks each: assembled tensor by tensor.
+    saved = read_metadata(resaved / "step_0").state_dict_metadata.values()
+    assert any(len(getattr(meta, "chunks", ())) == 2 for meta in saved)
+    for name in (hf_io.MANIFEST_FILE, "config.json"):
+        (resaved / name).write_text((ours / name).read_text())
+    back = mindspeed_to_hf(resaved, tmp_path / "back")
+    expected = dict(hf_io.iter_hf_tensors(src))
+    got = dict(hf_io.iter_hf_tensors(back))
+    assert got.keys() == expected.keys()
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name
 
 
 def _cli(capsys, *args):
