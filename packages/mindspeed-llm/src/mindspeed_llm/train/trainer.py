@@ -604,10 +604,10 @@ def _check_experts(cfg: PretrainConfig, model_cfg) -> None:
         )
     if num_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the model's num_experts={num_experts}")
-    if num_experts and (p.tp > 1 or p.pp > 1):
+    if num_experts and (p.tp > 1 or p.pp > 1 or p.cp > 1):
         raise ConfigError(
-            f"parallel.tp={p.tp}, parallel.pp={p.pp}: MoE models support only tp=1 and pp=1 "
-            "yet (use parallel.ep and dp_shard)"
+            f"parallel.tp={p.tp}, parallel.pp={p.pp}, parallel.cp={p.cp}: MoE models support "
+            "only tp=1, pp=1 and cp=1 yet (use parallel.ep and dp_shard)"
         )
     if p.ep > 1 and p.dp_replicate > 1:
         raise ConfigError(
