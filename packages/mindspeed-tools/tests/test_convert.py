@@ -258,6 +258,11 @@ def test_to_hf_refuses_what_is_not_a_checkpoint_and_an_existing_output(tmp_path,
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(("x", "y"))]
 
 
+def test_missing_options_are_one_line(capsys):
+    code, err = _cli(capsys, "--input", "x")
+    assert code == 2 and "\n" not in err and "--output" in err and "--to" in err
+
+
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9
     assert parse_size("2MiB") == 2 * 2**20

@@ -342,8 +342,15 @@ def parse_size(text: str) -> int:
 # -- command line -------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are ConfigErrors (one line, exit 2), not usage dumps."""
+
+    def error(self, message):
+        raise ConfigError(f"{self.prog}: {message} (see --help)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="mindspeed convert",
         description="Convert Hugging Face safetensors <-> MindSpeed (DCP) checkpoints, "
         "tensor by tensor. One MindSpeed checkpoint loads under any tp/pp/ep layout.",
