@@ -225,7 +225,8 @@ def test_failure_midway_removes_the_partial_output(tmp_path, capsys, monkeypatch
     original = hf_io.read_tensor
     monkeypatch.setattr(hf_io, "read_tensor", failing_read)  # a test double, not product code
     capsys.readouterr()
-    code, err = _cli(capsys, "--input", src, "--output", tmp_path / "out", "--to", "mindspeed")
+    out = tmp_path / "out" / "nested"  # the folders convert creates go too
+    code, err = _cli(capsys, "--input", src, "--output", out, "--to", "mindspeed")
     assert code == 2 and "truncated" in err
     _assert_no_output(tmp_path)
 

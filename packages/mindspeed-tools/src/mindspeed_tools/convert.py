@@ -312,6 +312,7 @@ def _staging(output: str | Path) -> Iterator[Path]:
     out = Path(output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"output {out} already exists; remove it or choose another path")
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
     try:
@@ -321,6 +322,9 @@ def _staging(output: str | Path) -> Iterator[Path]:
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in made:  # innermost first: the folders this call created
+            with contextlib.suppress(OSError):
+                parent.rmdir()
         raise
 
 
