@@ -226,6 +226,10 @@ def test_generator_stop_strings_and_streaming(pairs, tmp_path):
     assert "".join(chunks) == full
     assert all(not c.endswith(f" {words[4]}") for c in chunks)  # never released alone
     assert gen.generate([prompt, "w7"], stop_strings=[stop])[0] == full[:cut]
+    done = gen.complete([prompt, [0, 10, 20, 30]], stop_strings=[stop])
+    assert done[0] == done[1] and done[0].text == full[:cut] and done[0].finish_reason == "stop"
+    assert gen.complete([prompt])[0].finish_reason == "length"
+    assert gen.tokenizer.decode(done[0].token_ids).startswith(full[:cut] + stop)
 
 
 def test_generation_config_from_file(tmp_path):
@@ -288,5 +292,7 @@ def test_training_forward_is_unchanged(pairs):
         cache = KVCache.for_model(ours, 2, 16)
         cache.reset()
         cached = ours(tokens, position_ids=torch.arange(10).expand(2, 10), kv_cache=cache)
+        last = ours(tokens, logits_to_keep=1)
     assert cache.offset == 10
     torch.testing.assert_close(cached, plain, atol=1e-5, rtol=0)
+    torch.testing.assert_close(last, plain[:, -1:], atol=1e-5, rtol=0)

@@ -12,9 +12,10 @@ from mindspeed_llm.generation.config import GenerationConfig, load_generation_co
 from mindspeed_llm.generation.engine import TokenSteps, generate
 from mindspeed_llm.generation.kv_cache import KVCache
 from mindspeed_llm.generation.sampling import next_tokens, process_logits
-from mindspeed_llm.generation.text import Generator, TextStream
+from mindspeed_llm.generation.text import Completion, Generator, TextStream
 
 __all__ = [
+    "Completion",
     "GenerationConfig",
     "Generator",
     "KVCache",

@@ -131,7 +131,8 @@ class TokenSteps:
         )
         self._cache.reset(pads)
         self._positions = torch.tensor(lengths, device=self.device)[:, None]
-        return self._last_logits(self.model(tokens, position_ids=positions, kv_cache=self._cache))
+        logits = self.model(tokens, position_ids=positions, kv_cache=self._cache, logits_to_keep=1)
+        return self._last_logits(logits)
 
     def _decode(self, tokens: Tensor) -> Tensor:
         logits = self.model(tokens[:, None], position_ids=self._positions, kv_cache=self._cache)

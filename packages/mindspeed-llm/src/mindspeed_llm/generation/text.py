@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -18,6 +19,20 @@ from mindspeed_llm.generation.engine import TokenSteps
 from mindspeed_llm.tokenizer import Tokenizer
 
 _INCOMPLETE = "\ufffd"
+Prompt = str | Sequence[int]
+"""A prompt: text, or token ids used as they are."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What one prompt produced."""
+
+    text: str
+    """The new text, without a stop string or stop token."""
+    token_ids: list[int]
+    """The new tokens, up to the one that completed a stop string, or the stop token."""
+    finish_reason: str
+    """"stop" (a stop token or stop string) or "length" (max_new_tokens or the context)."""
 
 
 class TextStream:
@@ -72,12 +87,10 @@ class TextStream:
 
 
 class Generator:
-    """A model and its tokenizer: `generate(texts)` and `stream(text)`.
+    """A model and its tokenizer: `generate(prompts)`, `complete(prompts)`, `stream(prompt)`.
 
-    Prompts get the tokenizer's BOS when it has one and the text does not already begin
-    with it (as transformers' tokenizers do); special-token pieces in the text (as chat
-    templates write them) become their ids. Generation stops at `config.stop_token_ids`,
-    or at the tokenizer's EOS when the config names none.
+    Text prompts go through `encode`; token-id prompts are used as they are. Generation
+    stops at `config.stop_token_ids`, or at the tokenizer's EOS when the config names none.
     """
 
     def __init__(
@@ -88,32 +101,44 @@ class Generator:
         specials = sorted(tokenizer.special_tokens, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
 
-    def encode(self, text: str) -> list[int]:
-        """The prompt's token ids."""
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
+        """Token ids of `text`: special-token pieces in it (as chat templates write them)
+        become their ids, and with `add_bos` the tokenizer's BOS, if it has one, comes
+        first unless the text already begins with it (as transformers' tokenizers do)."""
         tok, ids, pos = self.tokenizer, [], 0
         for match in self._special_re.finditer(text) if self._special_re else ():
             ids += tok.encode(text[pos : match.start()]) if match.start() > pos else []
             ids.append(tok.special_tokens[match.group()])
             pos = match.end()
         ids += tok.encode(text[pos:]) if pos < len(text) or not ids else []
-        if tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+        if add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
             ids.insert(0, tok.bos_id)
         return ids
 
     def generate(
-        self, texts: Sequence[str], config: GenerationConfig | None = None, **overrides: Any
+        self, prompts: Sequence[Prompt], config: GenerationConfig | None = None, **overrides: Any
     ) -> list[str]:
-        """The completion of each prompt (a stop string and stop token left out)."""
-        pieces = [[] for _ in texts]
-        for row, chunk in self._chunks(texts, config, overrides):
-            pieces[row].append(chunk)
-        return ["".join(p) for p in pieces]
+        """The new text of each prompt (a stop string and stop token left out).
+
+        `config` (default: this generator's) and `overrides` of its fields choose how.
+        """
+        return [c.text for c in self.complete(prompts, config, **overrides)]
+
+    def complete(
+        self, prompts: Sequence[Prompt], config: GenerationConfig | None = None, **overrides: Any
+    ) -> list[Completion]:
+        """Like `generate`, with the new tokens and why each row ended."""
+        run = _Run(self, prompts, self.resolved_config(config, **overrides))
+        for _ in run.chunks():
+            pass
+        return run.completions()
 
     def stream(
-        self, text: str, config: GenerationConfig | None = None, **overrides: Any
+        self, prompt: Prompt, config: GenerationConfig | None = None, **overrides: Any
     ) -> Iterator[str]:
-        """The completion of one prompt, piece by piece as it is generated."""
-        for _, chunk in self._chunks([text], config, overrides):
+        """The new text of one prompt, piece by piece as it is generated."""
+        run = _Run(self, [prompt], self.resolved_config(config, **overrides))
+        for _, chunk in run.chunks():
             yield chunk
 
     def resolved_config(
@@ -125,22 +150,37 @@ class Generator:
             config = config.replace(stop_token_ids=(self.tokenizer.eos_id,))
         return config
 
-    def _chunks(self, texts, config, overrides) -> Iterator[tuple[int, str]]:
-        config = self.resolved_config(config, **overrides)
-        if isinstance(texts, str):
-            raise TypeError("texts must be a sequence of strings; use stream() for one")
-        steps = TokenSteps(self.model, [self.encode(t) for t in texts], config)
-        streams = [TextStream(self.tokenizer.decode, config.stop_strings) for _ in texts]
-        stop_ids = set(config.stop_token_ids)
-        for new in steps:
+
+class _Run:
+    """One call of a `Generator`: the token steps and a `TextStream` per row."""
+
+    def __init__(self, generator: Generator, prompts: Sequence[Prompt], config: GenerationConfig):
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a sequence of prompts; use stream() for one")
+        ids = [generator.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        self.steps = TokenSteps(generator.model, ids, config)
+        decode = generator.tokenizer.decode
+        self.streams = [TextStream(decode, config.stop_strings) for _ in prompts]
+        self.stop_ids = frozenset(config.stop_token_ids)
+
+    def chunks(self) -> Iterator[tuple[int, str]]:
+        """(row, text) as it is released; the held-back rest comes last."""
+        for new in self.steps:
             for row, token in new:
-                if token in stop_ids:
+                if token in self.stop_ids:
                     continue
-                chunk = streams[row].push(token)
-                if streams[row].stopped:
-                    steps.finish(row)
+                chunk = self.streams[row].push(token)
+                if self.streams[row].stopped:
+                    self.steps.finish(row)
                 if chunk:
                     yield row, chunk
-        for row, stream in enumerate(streams):
+        for row, stream in enumerate(self.streams):
             if chunk := stream.flush():
                 yield row, chunk
+
+    def completions(self) -> list[Completion]:
+        done = []
+        for tokens, stream in zip(self.steps.outputs, self.streams, strict=True):
+            stopped = stream.stopped or bool(tokens and tokens[-1] in self.stop_ids)
+            done.append(Completion(stream.text, list(tokens), "stop" if stopped else "length"))
+        return done

@@ -126,6 +126,7 @@ class Transformer(nn.Module):
         cu_seqlens: Tensor | None = None,
         *,
         kv_cache: KVCache | None = None,
+        logits_to_keep: int = 0,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -139,6 +140,8 @@ class Transformer(nn.Module):
             kv_cache: generation only (`mindspeed_llm.generation`): keys and values of
                 earlier positions; `tokens` continue them at the cache's offset, which
                 then moves on by seq. Give `position_ids` with it.
+            logits_to_keep: n > 0: logits of the last n positions only (a prompt's
+                prefill needs one, not seq x vocab); 0: every position.
 
         Returns:
             (batch, seq, vocab_size) logits (vocab-sharded DTensor under loss parallel).
@@ -166,4 +169,6 @@ class Transformer(nn.Module):
             kv_cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
         return h if self.output is None else self.output(h)  # (batch, seq, vocab)
