@@ -1,0 +1,167 @@
+"""Decode speed of our generation engine against transformers' `generate`, same weights.
+
+    python benchmarks/generate.py [--configs headline,small] [--batches 1,8] [--threads N]
+
+One process builds a random Llama in transformers, copies its weights into ours, and
+times greedy generation of both from the same 32-token prompts, fp32: ours is
+`mindspeed_llm.generation.generate` (preallocated KV cache), theirs is the documented
+`model.generate(do_sample=False)` (SDPA attention, its default dynamic cache). Configs:
+"headline" (vocab 32000, hidden 512, intermediate 1376, 4 layers, 8 heads, 4 kv heads:
+on CPU a decode step is bound by reading the fp32 weights) and "small" (the tests' tiny
+Llama, vocab 512, hidden 64, 2 layers: bound by per-step overhead).
+
+Decode tokens/s = batch * (N - 1) / (time for N new tokens - time for 1 new token), so
+the prefill is left out; each time is the median of `--repeats` runs after a warm-up,
+measured as wall-clock time and as this process's CPU time (steadier on a shared machine).
+Both sides must produce the same tokens. Prints one JSON line per config and batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+CONFIGS = {}
+CONFIGS["headline"] = HEADLINE = {
+    "vocab_size": 32000,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 1024,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+CONFIGS["small"] = {
+    **HEADLINE,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+PROMPT_LEN = 32
+
+
+def _models(device, hf_config: dict):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mindspeed_llm.models import Transformer, TransformerConfig
+    from mindspeed_llm.models.common import hf_adapter
+
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM(LlamaConfig(**hf_config)).to(device).eval()
+    config = TransformerConfig.from_hf(theirs.config.to_dict())
+    ours = Transformer(config).to(device).eval()
+    ours.load_state_dict(hf_adapter.from_hf(theirs.state_dict(), config))
+    return ours, theirs
+
+
+def _timed(fn, device, repeats):
+    from mindspeed_core import device as dev
+
+    out = fn()  # warm-up
+    wall, cpu = [], []
+    for _ in range(repeats):
+        dev.synchronize(device)
+        start, start_cpu = time.perf_counter(), time.process_time()
+        fn()
+        dev.synchronize(device)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu), out
+
+
+def _sides(ours, theirs, prompts, new_tokens):
+    import torch
+
+    from mindspeed_llm.generation import GenerationConfig, generate
+
+    def mine(n):
+        return lambda: generate(ours, prompts.tolist(), GenerationConfig(max_new_tokens=n))
+
+    def hf(n):
+        def run():
+            with torch.inference_mode():
+                out = theirs.generate(
+                    prompts,
+                    attention_mask=torch.ones_like(prompts),
+                    do_sample=False,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+            return out[:, prompts.shape[1] :].tolist()
+
+        return run
+
+    return {"ours": (mine(new_tokens), mine(1)), "transformers": (hf(new_tokens), hf(1))}
+
+
+def run_batch(ours, theirs, batch, new_tokens, repeats, device) -> dict:
+    import torch
+
+    gen = torch.Generator().manual_seed(batch)
+    vocab = ours.config.vocab_size
+    prompts = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=gen).to(device)
+    result = {"bench": "generate_decode", "batch": batch, "new_tokens": new_tokens}
+    tokens = {}
+    for side, (full, first) in _sides(ours, theirs, prompts, new_tokens).items():
+        wall, cpu, tokens[side] = _timed(full, device, repeats)
+        prefill_wall, prefill_cpu, _ = _timed(first, device, repeats)
+        decoded = batch * (new_tokens - 1)
+        result[side] = {
+            "decode_tokens_per_s": round(decoded / (wall - prefill_wall), 1),
+            "decode_tokens_per_cpu_s": round(decoded / (cpu - prefill_cpu), 1),
+            "total_s": round(wall, 3),
+            "prefill_s": round(prefill_wall, 4),
+        }
+    result["same_tokens"] = tokens["ours"] == tokens["transformers"]
+    for key, metric in (
+        ("speedup", "decode_tokens_per_s"),
+        ("cpu_speedup", "decode_tokens_per_cpu_s"),
+    ):
+        result[key] = round(result["ours"][metric] / result["transformers"][metric], 3)
+    return result
+
+
+def main() -> None:
+    import os
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="headline,small")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    for name in args.configs.split(","):
+        hf_config = CONFIGS[name]
+        ours, theirs = _models(device, hf_config)
+        shape = f"llama {hf_config['num_hidden_layers']}x{hf_config['hidden_size']}"
+        for batch in (int(b) for b in args.batches.split(",")):
+            result = run_batch(ours, theirs, batch, args.new_tokens, args.repeats, device)
+            result.update(
+                config=f"{name}: {shape}, vocab {hf_config['vocab_size']}, prompt 32, fp32",
+                device=args.device,
+                threads=torch.get_num_threads(),
+                load_avg_1min=round(os.getloadavg()[0], 2),
+            )
+            print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

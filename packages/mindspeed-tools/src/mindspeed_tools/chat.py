@@ -1,0 +1,123 @@
+"""`mindspeed chat`: talk to a local model in the terminal.
+
+    mindspeed chat --model DIR [--system "You are terse."] [--temperature 0.7]
+
+Type a message and press Enter; the reply streams as it is generated. `clear` starts a new
+conversation, `exit` (or Ctrl-D) leaves. Each prompt is the whole conversation rendered
+with the model's chat template (chat_template.jinja, or tokenizer_config.json's
+chat_template; ChatML when it has none); `--show-prompt` prints it to stderr first.
+Replies go to stdout, everything else to stderr, so the command also reads a script of
+messages from a pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import TextIO
+
+from mindspeed_core.cli import Command
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_tools.generate import ArgParser, add_model_arguments, load_generator
+
+# End-of-turn pieces of common chat formats: a reply ends there even when the model's
+# generation_config.json names only the end-of-text token.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+CLEAR, EXIT = "clear", ("exit", "quit")
+
+
+def _parser() -> ArgParser:
+    p = ArgParser(prog="mindspeed chat", description="Chat with a local model in the terminal.")
+    p.add_argument("--system", help="system message at the start of every conversation")
+    p.add_argument("--show-prompt", action="store_true", help="print each rendered prompt")
+    add_model_arguments(p)
+    return p
+
+
+def chat_loop(
+    generator,
+    template,
+    *,
+    system: str | None = None,
+    show_prompt: bool = False,
+    stdin: TextIO | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> None:
+    """Read messages from `stdin` until `exit` or end of input; stream replies to `stdout`."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    specials = generator.tokenizer.special_tokens
+    config = generator.resolved_config()
+    stops = tuple(config.stop_token_ids) + tuple(specials[p] for p in END_OF_TURN if p in specials)
+    config = config.replace(stop_token_ids=tuple(dict.fromkeys(stops)))
+    interactive = stdin.isatty()
+    if interactive:
+        print(f"Type a message; '{CLEAR}' starts over, '{EXIT[0]}' leaves.", file=stderr)
+    history: list[dict[str, str]] = []
+    while True:
+        line = _read(stdin, stderr, interactive)
+        if line is None or line.strip() in EXIT:
+            return
+        if not line.strip():
+            continue
+        if line.strip() == CLEAR:
+            history.clear()
+            print("(new conversation)", file=stderr)
+            continue
+        messages = [{"role": "system", "content": system}] if system else []
+        messages += [*history, {"role": "user", "content": line}]
+        try:
+            prompt = template.render(messages, add_generation_prompt=True)
+            if show_prompt:
+                print(prompt, file=stderr, flush=True)
+            reply = _stream(generator, generator.encode(prompt, add_bos=False), config, stdout)
+        except MindSpeedError as err:  # e.g. the conversation outgrew the context
+            print(f"error: {' '.join(str(err).split())} ('{CLEAR}' starts over)", file=stderr)
+            continue
+        except KeyboardInterrupt:
+            print("\n(interrupted; reply dropped)", file=stderr)
+            continue
+        history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
+
+
+def _read(stdin: TextIO, stderr: TextIO, interactive: bool) -> str | None:
+    """One message, or None at the end of input."""
+    if interactive:
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing and history for input())
+        try:
+            return input(">>> ")
+        except EOFError:
+            print(file=stderr)
+            return None
+    line = stdin.readline()
+    return line.rstrip("\n") if line else None
+
+
+def _stream(generator, prompt_ids, config, stdout: TextIO) -> str:
+    pieces = []
+    for chunk in generator.stream(prompt_ids, config):
+        stdout.write(chunk)
+        stdout.flush()
+        pieces.append(chunk)
+    stdout.write("\n")
+    stdout.flush()
+    return "".join(pieces)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        _parser().print_help()
+        return 0
+    args = _parser().parse_args(argv)
+    from mindspeed_llm.chat_template import load_chat_template
+
+    generator = load_generator(args)
+    template = load_chat_template(args.tokenizer or args.model)
+    if template.is_fallback:
+        print(f"note: {args.model} has no chat template; using ChatML", file=sys.stderr)
+    chat_loop(generator, template, system=args.system, show_prompt=args.show_prompt)
+    return 0
+
+
+command = Command(help="chat with a local model in the terminal (streaming)", run=main)

@@ -1,0 +1,220 @@
+"""`mindspeed generate`: complete prompts with a local model, one JSON line per prompt.
+
+    mindspeed generate --model DIR "Once upon a time" "The capital of France is"
+    mindspeed generate --model DIR --input prompts.jsonl --output out.jsonl --temperature 0.7
+
+DIR is a Hugging Face folder (config.json + safetensors + tokenizer) or a converted
+MindSpeed checkpoint. Defaults come from its generation_config.json when present (as in
+transformers: greedy unless it says do_sample); options on the command line win. Each
+output line is `{"prompt", "completion", "token_ids", "finish_reason"}`, plus the other
+fields of a JSONL input record. `--output` appears only once complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+from mindspeed_core.cli import Command
+from mindspeed_core.errors import ConfigError, DataError
+
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse whose mistakes are ConfigErrors (one line, exit 2) instead of usage dumps."""
+
+    def error(self, message):
+        raise ConfigError(f"{self.prog}: {message} (see --help)")
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, device and sampling options shared by `generate` and `chat`."""
+    m = p.add_argument_group("model")
+    m.add_argument("--model", required=True, help="Hugging Face folder or MindSpeed checkpoint")
+    m.add_argument("--tokenizer", help="tokenizer folder or file (default: the model folder)")
+    m.add_argument("--device", default="auto", help="cpu, cuda, npu or auto (default)")
+    m.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: the stored dtype")
+    s = p.add_argument_group("sampling (default: the model's generation_config.json)")
+    s.add_argument("--max-new-tokens", type=int, help="new tokens per prompt at most")
+    s.add_argument("--temperature", type=float, help="0: greedy; > 0: sample")
+    s.add_argument("--top-k", type=int, help="sample from the k most likely tokens (0: all)")
+    s.add_argument("--top-p", type=float, help="sample from the top-p probability mass")
+    s.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats")
+    s.add_argument("--stop", action="append", help="stop string (repeatable)")
+    s.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
+
+
+def load_generator(args: argparse.Namespace):
+    """The `Generator` for the parsed model options, with the folder's defaults."""
+    import torch
+
+    from mindspeed_core import device as dev
+    from mindspeed_llm.generation import Generator, load_generation_config
+    from mindspeed_llm.models import checkpoint_io
+    from mindspeed_llm.models.hf_io import load_model, local_dir, read_hf_config
+    from mindspeed_llm.tokenizer import load_tokenizer
+
+    folder = local_dir(args.model)
+    if not checkpoint_io.is_mindspeed_checkpoint(folder):
+        read_hf_config(folder)  # a folder that is no model fails here, before the tokenizer
+    config = load_generation_config(
+        folder,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        stop_strings=tuple(args.stop) if args.stop else None,
+        seed=args.seed,
+    )
+    tokenizer = load_tokenizer(args.tokenizer or folder)
+    device = dev.get_device(
+        0, dev.detect_device_type(None if args.device == "auto" else args.device)
+    )
+    dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    model, model_config = load_model(folder, device=device, dtype=dtype[args.dtype])
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise DataError(
+            f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model "
+            f"{folder} only {model_config.vocab_size}: not the model's tokenizer?"
+        )
+    return Generator(model, tokenizer, config)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = ArgParser(
+        prog="mindspeed generate",
+        description="Complete prompts with a local model; writes one JSON line per prompt.",
+    )
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
+    io = p.add_argument_group("input and output")
+    io.add_argument(
+        "--input",
+        help="prompts file: .jsonl with a 'prompt' per line, else one prompt per line; - = stdin",
+    )
+    io.add_argument("--output", help="JSONL file to write (default: stdout)")
+    io.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    io.add_argument(
+        "--chat", action="store_true", help="wrap each prompt in the model's chat template"
+    )
+    add_model_arguments(p)
+    return p
+
+
+def read_prompts(prompts: list[str], input_path: str | None) -> list[dict]:
+    """Records with a "prompt" string: the arguments, then the input file's lines.
+
+    Raises:
+        DataError: the file is missing or a JSONL line is not an object with a prompt.
+        ConfigError: no prompt at all.
+    """
+    records = [{"prompt": p} for p in prompts]
+    if input_path is not None:
+        records += list(_file_records(input_path))
+    if not records:
+        raise ConfigError("no prompts: give them as arguments or with --input FILE")
+    return records
+
+
+def _file_records(path: str) -> Iterator[dict]:
+    if path == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            raise DataError(f"input file does not exist: {path}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise DataError(f"cannot read input file {path}: {err}") from None
+    jsonl = path.endswith(".jsonl")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if not jsonl:
+            yield {"prompt": line}
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            raise DataError(f"{path}:{number}: not valid JSON: {err}") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise DataError(f'{path}:{number}: expected an object with a "prompt" string')
+        yield record
+
+
+def _check_output(path: str | None) -> None:
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"--output {path} is a folder; give a file name")
+    if not target.parent.is_dir():
+        raise ConfigError(f"--output folder {target.parent} does not exist")
+
+
+@contextlib.contextmanager
+def _output(path: str | None) -> Iterator[TextIO]:
+    """stdout, or a temporary file next to `path` renamed onto it only on success."""
+    if path is None:
+        yield sys.stdout
+        return
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yield f
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        _parser().print_help()
+        return 0
+    args = _parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    records = read_prompts(args.prompts, args.input)
+    _check_output(args.output)
+    generator = load_generator(args)
+    prompts = [r["prompt"] for r in records]
+    if args.chat:
+        from mindspeed_llm.chat_template import load_chat_template
+
+        template = load_chat_template(args.tokenizer or args.model)
+        prompts = [
+            generator.encode(
+                template.render([{"role": "user", "content": p}], add_generation_prompt=True),
+                add_bos=False,
+            )
+            for p in prompts
+        ]
+    with _output(args.output) as out:
+        for start in range(0, len(records), args.batch_size):
+            batch = slice(start, start + args.batch_size)
+            for record, done in zip(
+                records[batch], generator.complete(prompts[batch]), strict=True
+            ):
+                line = {
+                    **record,
+                    "completion": done.text,
+                    "token_ids": done.token_ids,
+                    "finish_reason": done.finish_reason,
+                }
+                out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.flush()
+    return 0
+
+
+command = Command(help="complete prompts with a local model (JSONL out)", run=main)
