@@ -8,8 +8,8 @@ At ring step s the K/V of rank r-s visit; with the chunk order, the visit is one
   our queries see its first chunk, fully;
 - source > r: both its chunks lie between ours, so only our second chunk sees them, fully.
 
-Partial results merge through their log-sum-exp. Forward prefetches the next K/V while
-it computes. Backward sends the K/V round again with their dK/dV accumulators: each block
+Partial results merge through their log-sum-exp. Both passes prefetch the next K/V while
+they compute. Backward sends the K/V round again with their dK/dV accumulators: each block
 is recomputed by the injected kernel and differentiated with the gradient the merge gives
 it (flash-attention style: a block's weight in the output is exp(lse_block - lse)), and
 after the last step the accumulators take one more step home to their owner.
@@ -90,8 +90,7 @@ class RingAttention(torch.autograd.Function):
                 )  # fmt: skip
                 _merge(out, lse, rows, *part)
             if pending is not None:
-                for request in pending[1]:
-                    request.wait()
+                _wait(pending)
                 kv = pending[0]
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.layout, ctx.group, ctx.attention_fn, ctx.scale = layout, group, attention_fn, scale
@@ -107,8 +106,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for step in range(size):
-            if step > 0:
-                kv, dkv = shift(kv, group), shift(dkv, group)
+            pending = start_shift(kv, group) if step + 1 < size else None
             source = (rank - step) % size
             for rows, cols, causal, cu_blk in _blocks(step, source, rank, ctx.layout):
                 lse_rows = lse if rows is None else lse[:, rows]
@@ -119,6 +117,9 @@ class RingAttention(torch.autograd.Function):
                 _accumulate(dq, rows, grads[0])
                 _accumulate(dkv[0], cols, grads[1])
                 _accumulate(dkv[1], cols, grads[2])
+            if pending is not None:  # the next K/V came in while we computed
+                _wait(pending)
+                kv, dkv = pending[0], shift(dkv, group)
         if size > 1:
             dkv = shift(dkv, group)  # home to the rank that owns these K/V
         dtype = q.dtype
@@ -138,6 +139,11 @@ def _block_grads(fn, scale, causal, cu, q, k, v, dout, out, lse):
         d_part = (dout * weight[..., None]).to(part.dtype)
         d_lse = (weight * (dout * (part.float() - out)).sum(-1)).T
         return torch.autograd.grad((part, part_lse), (q, k, v), (d_part, d_lse))
+
+
+def _wait(pending: tuple[Tensor, list]) -> None:
+    for request in pending[1]:
+        request.wait()
 
 
 def _accumulate(total: Tensor, rows: Tensor | None, grad: Tensor) -> None:
