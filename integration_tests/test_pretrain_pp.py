@@ -126,3 +126,11 @@ def test_bad_pipeline_settings_are_one_line(cache, tmp_path, args, fragments):
         cmd, env=pretrain._env(cache), capture_output=True, text=True, timeout=300
     )
     pretrain._assert_user_error(done, *fragments, tmp_path=tmp_path)
+
+
+@pytest.mark.slow
+def test_fp16_pipeline_gives_the_losses_of_one_process(cache, tmp_path):
+    """Autocast and loss scaling through the schedule: the loss reported is unscaled."""
+    one = _torchrun(cache, 1, tmp_path / "one", "--train.precision=fp16")
+    pp2 = _torchrun(cache, 2, tmp_path / "pp2", "--train.precision=fp16", "--parallel.pp=2")
+    _assert_same_run(pp2, one)
