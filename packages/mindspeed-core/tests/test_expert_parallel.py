@@ -74,7 +74,7 @@ def _ep_matches_one_process():
 
 
 def test_ep2_matches_one_process():
-    (got0, grad0), (got1, grad1) = run_distributed(_ep_matches_one_process, 2)
+    (got0, grad0), (got1, grad1) = run_distributed(_ep_matches_one_process, 2, timeout=300)
     assert got0 == [0.0, 1.0, 0.0, 1.0, 2.0, 3.0] and got1 == [2.0, 3.0, 4.0, 4.0, 5.0]
     assert grad0 == [1.0, 1.0, 2.0, 2.0, 2.0] and grad1 == [1.0, 1.0, 1.0, 1.0, 2.0, 2.0]
 

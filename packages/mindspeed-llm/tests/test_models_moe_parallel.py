@@ -94,7 +94,7 @@ def _compare(world, degrees, family="mixtral", changes=None, options=None):
 
 
 def test_ep2_over_dp_shard2_matches_one_process():
-    results = run_distributed(_compare, 2, 2, {"dp_shard": 2, "ep": 2})
+    results = run_distributed(_compare, 2, 2, {"dp_shard": 2, "ep": 2}, timeout=300)
     assert results[0] == results[1]
 
 
