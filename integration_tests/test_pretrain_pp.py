@@ -5,6 +5,7 @@ Same flow as test_pretrain.py (torchrun on CPU, losses read from metrics.jsonl),
 shorter run: 6 steps of 4 micro-batches, validation at steps 3 and 6.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,33 @@ def test_fp16_pipeline_gives_the_losses_of_one_process(cache, tmp_path):
     one = _torchrun(cache, 1, tmp_path / "one", "--train.precision=fp16")
     pp2 = _torchrun(cache, 2, tmp_path / "pp2", "--train.precision=fp16", "--parallel.pp=2")
     _assert_same_run(pp2, one)
+
+
+@pytest.mark.slow
+def test_interleaved_virtual_stages_with_an_uneven_split(cache, tmp_path):
+    """4 layers on 4 stages of 2 ranks, split 2 + 1 + 1 + 0 (the last holds only the head)."""
+    config = tmp_path / "four" / "config.json"
+    config.parent.mkdir()
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 512,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 256,
+            }
+        )
+    )
+    model = f"--model.hf_config={config.parent}"
+    one = _torchrun(cache, 1, tmp_path / "one", model)
+    layout = [
+        "--parallel.pp=2",
+        "--parallel.pp_schedule=Interleaved1F1B",
+        "--parallel.virtual_stages=2",
+        "--parallel.layers_per_stage=[2,1,1,0]",
+    ]
+    _assert_same_run(_torchrun(cache, 2, tmp_path / "pp2", model, *layout), one)
