@@ -1,6 +1,11 @@
 """`mindspeed pretrain` of a MoE model: expert parallel over 2 processes gives the losses of
 one process, router statistics reach metrics.jsonl, a checkpoint saved with ep=2 resumes
-in one process exactly, and a bad ep is one line."""
+in one process exactly and converts to a transformers Mixtral with the same logits, and a
+bad ep is one line."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,6 +64,28 @@ def test_an_ep2_checkpoint_resumes_in_one_process(cache, tmp_path, one):
     )
     assert min(pretrain._losses(resumed)) == 4
     pretrain._assert_close(pretrain._losses(resumed), pretrain._losses(one), range(4, STEPS + 1))
+    _converts_to_transformers(cache, step_3, tmp_path / "hf")
+
+
+def _converts_to_transformers(cache, checkpoint, out):
+    """The ep=2 checkpoint -> `mindspeed convert --to hf` -> transformers' Mixtral, same logits."""
+    import torch
+    import transformers
+
+    from mindspeed_llm.models.hf_io import load_model
+
+    exe = Path(sys.executable).with_name("mindspeed")
+    cmd = [str(exe), "convert", "--input", str(checkpoint), "--output", str(out), "--to", "hf"]
+    done = subprocess.run(
+        cmd, env=pretrain._env(cache), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    ours, config = load_model(checkpoint)
+    assert type(hf).__name__ == "MixtralForCausalLM" and config.num_experts == 4
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids), hf.eval()(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_ep_not_dividing_the_data_ranks_is_one_line(cache, tmp_path):
