@@ -1,6 +1,7 @@
-"""`mindspeed pretrain` under context parallel: ring and Ulysses over 2 processes give the
-losses of one process (packed demo documents, zig-zag per document), and bad layouts are
-one line naming the values, before any process group."""
+"""`mindspeed pretrain` under context parallel: ring and Ulysses over 2 processes, hybrid
+2 x 2 and dp_shard=2 x cp=2 over 4 give the losses of one process (packed demo documents,
+zig-zag per document), and bad layouts are one line naming the values, before any
+process group."""
 
 import pytest
 
@@ -23,11 +24,18 @@ def one_process(cache, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ring", "ulysses"])
-def test_cp2_gives_the_losses_of_one_process(one_process, cache, tmp_path, mode):
-    records = pretrain._torchrun(
-        cache, 2, tmp_path / "run", *SHORT, "--parallel.cp=2", f"--parallel.cp_mode={mode}"
-    )
+@pytest.mark.parametrize(
+    ("nproc", "layout"),
+    [
+        (2, ["--parallel.cp=2", "--parallel.cp_mode=ring"]),
+        (2, ["--parallel.cp=2", "--parallel.cp_mode=ulysses"]),
+        (4, ["--parallel.cp=4", "--parallel.cp_mode=hybrid", "--parallel.ulysses_degree=2"]),
+        (4, ["--parallel.cp=2", "--parallel.dp_shard=2"]),
+    ],
+    ids=["ring", "ulysses", "hybrid_2x2", "dp_shard2_cp2"],
+)
+def test_cp_gives_the_losses_of_one_process(one_process, cache, tmp_path, nproc, layout):
+    records = pretrain._torchrun(cache, nproc, tmp_path / "run", *SHORT, *layout)
     want = pretrain._losses(one_process)
     assert sorted(want) == list(range(1, STEPS + 1))
     pretrain._assert_close(pretrain._losses(records), want, range(1, STEPS + 1))
