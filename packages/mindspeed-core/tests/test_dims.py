@@ -72,6 +72,7 @@ def _layouts_on_four_ranks():
         "hsdp": {"dp_replicate": 2, "dp_shard": 2},
         "cp2_dp_shard2": {"cp": 2},
         "pp2_tp2": {"pp": 2, "tp": 2},
+        "pp2_dp_shard2": {"pp": 2},
         "ep2": {"ep": 2},
     }.items():
         before = _groups()
@@ -110,6 +111,10 @@ def test_named_meshes_on_four_ranks():
     assert r0["cp2_dp_shard2"]["dp_shard_cp"] == [0, 1, 2, 3] == r0["cp2_dp_shard2"]["loss"]
     assert r0["cp2_dp_shard2"]["fsdp"] == (("dp_shard_cp",), [0, 1, 2, 3])
     assert r0["pp2_tp2"]["pp"] == [0, 2] and r0["pp2_tp2"]["dp"] is None
+    # pipeline stages are the outer axis; data, loss and FSDP groups stay inside a stage
+    pp2 = r3["pp2_dp_shard2"]
+    assert pp2["pp"] == [1, 3] and pp2["dp"] == [2, 3] == pp2["loss"]
+    assert pp2["fsdp"] == (("dp_shard",), [2, 3])
     # ep is the inner factor of dp_shard x cp.
     assert r0["ep2"]["ep"] == [0, 1] and r3["ep2"]["ep"] == [2, 3]
     assert "tok_embeddings.weight has size 130" in r0["errors"][0]
