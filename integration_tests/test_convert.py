@@ -33,48 +33,59 @@ def _convert(tmp_path, *args) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
 
 
+def _pretrain(tmp_path: Path, run: Path, *args: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "mindspeed_llm.pretrain", "--train.steps=3", "--train.micro_batch=2"]
+    cmd += ["--train.global_batch=4", "--data.seq_len=32", "--optim.warmup_steps=0"]
+    cmd += ["--train.eval_interval=0", "--logging.progress=false", "--logging.tensorboard=false"]
+    cmd += ["--logging.log_interval=1", f"--logging.run_dir={run}", *args]
+    done = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return read_metrics(run / "metrics.jsonl")
+
+
 @pytest.mark.slow
-def test_a_tp2_run_from_an_hf_folder_converts_back_to_transformers(tmp_path):
+def test_tp2_and_fsdp_runs_start_from_hf_weights_and_convert_back(tmp_path):
+    """tp=2 from `model.hf_path`, FSDP over 2 ranks from the converted checkpoint: the same
+    step-1 loss (the HF model's), and each run's checkpoint converts back to transformers."""
     import transformers
 
     from mindspeed_llm.models.hf_io import load_model
 
     hf = models_hf.make_hf("llama")
     hf.save_pretrained(tmp_path / "hf")
+    ours = tmp_path / "ours"
     done = _convert(
-        tmp_path,
-        "--input",
-        tmp_path / "hf",
-        "--output",
-        tmp_path / "ours",
-        "--to",
-        "mindspeed",
-        "--tp",
-        "2",
+        tmp_path, "--input", tmp_path / "hf", "--output", ours, "--to", "mindspeed", "--tp", "2"
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["-m", "mindspeed_llm.pretrain", f"--model.hf_path={tmp_path / 'hf'}", "--parallel.tp=2"]
-    cmd += ["--train.steps=3", "--train.micro_batch=2", "--train.global_batch=2"]
-    cmd += ["--data.seq_len=32", "--optim.warmup_steps=0", "--train.eval_interval=0"]
-    cmd += ["--logging.progress=false", "--logging.tensorboard=false", "--logging.log_interval=1"]
-    cmd += [f"--logging.run_dir={run}"]
-    done = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert len(read_metrics(run / "metrics.jsonl")) == 3
-    assert (run / "checkpoints" / "step_3").is_dir()
-
-    back = tmp_path / "back"
-    done = _convert(tmp_path, "--input", run / "checkpoints", "--output", back, "--to", "hf")
-    assert done.returncode == 0, done.stderr[-3000:]
-    trained, _ = load_model(run / "checkpoints")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager")
+    layouts = {
+        "tp2": [f"--model.hf_path={tmp_path / 'hf'}", "--parallel.tp=2"],
+        "fsdp2": [
+            f"--model.hf_config={ours}",
+            f"--checkpoint.load={ours}",
+            "--parallel.dp_shard=2",
+        ],
+    }
+    first = {}
     ids = models_hf.tokens()
-    with torch.no_grad():
-        want = trained(ids)
-        torch.testing.assert_close(reloaded(ids).logits, want, atol=1e-5, rtol=0)
-        assert not torch.allclose(hf(ids).logits, want, atol=1e-3)  # it did train
+    for name, args in layouts.items():
+        run = tmp_path / name
+        records = _pretrain(tmp_path, run, *args)
+        assert [r["step"] for r in records] == [1, 2, 3]
+        first[name] = records[0]["loss"]
+        back = tmp_path / f"{name}-hf"
+        done = _convert(tmp_path, "--input", run / "checkpoints", "--output", back, "--to", "hf")
+        assert done.returncode == 0, done.stderr[-3000:]
+        trained, _ = load_model(run / "checkpoints")
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+            back, attn_implementation="eager"
+        )
+        with torch.no_grad():
+            want = trained(ids)
+            torch.testing.assert_close(reloaded(ids).logits, want, atol=1e-5, rtol=0)
+            assert not torch.allclose(hf(ids).logits, want, atol=1e-3)  # it did train
+    assert first["tp2"] == pytest.approx(first["fsdp2"], rel=1e-4)
 
 
 @pytest.mark.parametrize(
