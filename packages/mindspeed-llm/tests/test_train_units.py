@@ -55,8 +55,15 @@ def test_config_sections_and_mistakes(tmp_path):
     assert cfg.checkpoint.load == "auto"
     cfg = load_config(PretrainConfig, None, ["--checkpoint.load", str(tmp_path)])
     assert str(cfg.checkpoint.load) == str(tmp_path)
-    with pytest.raises(ConfigError, match="parallel.pp=2: pp > 1 is not built yet"):
-        load_config(PretrainConfig, None, ["--parallel.pp", "2"])
+    cfg = load_config(
+        PretrainConfig, None, ["--parallel.pp", "2", "--parallel.layers_per_stage", "[3,1]"]
+    )
+    assert cfg.parallel.pp == 2 and cfg.parallel.layers_per_stage == [3, 1]
+    assert cfg.parallel.pp_schedule == "1F1B" and cfg.parallel.pp_microbatches is None
+    with pytest.raises(ConfigError, match="parallel.virtual_stages=0 must be >= 1"):
+        load_config(PretrainConfig, None, ["--parallel.virtual_stages", "0"])
+    with pytest.raises(ConfigError, match="pp_schedule"):
+        load_config(PretrainConfig, None, ["--parallel.pp_schedule", "Zigzag"])
     with pytest.raises(ConfigError, match="warmup_steps=50 exceeds train.steps=10"):
         load_config(PretrainConfig, None, ["--train.steps", "10", "--optim.warmup_steps", "50"])
     with pytest.raises(ConfigError, match="train.exit_at_step=0 must be positive"):
