@@ -1,5 +1,5 @@
 """`mindspeed pretrain` under context parallel: ring and Ulysses over 2 processes, hybrid
-2 x 2 and dp_shard=2 x cp=2 over 4 give the losses of one process (packed demo documents,
+2 x 2, dp_shard=2 x cp=2 and tp=2 (sequence and loss parallel) x cp=2 over 4 give the losses of one process (packed demo documents,
 zig-zag per document), and bad layouts are one line naming the values, before any
 process group."""
 
@@ -31,8 +31,9 @@ def one_process(cache, tmp_path_factory):
         (2, ["--parallel.cp=2", "--parallel.cp_mode=ulysses"]),
         (4, ["--parallel.cp=4", "--parallel.cp_mode=hybrid", "--parallel.ulysses_degree=2"]),
         (4, ["--parallel.cp=2", "--parallel.dp_shard=2"]),
+        (4, ["--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"]),
     ],
-    ids=["ring", "ulysses", "hybrid_2x2", "dp_shard2_cp2"],
+    ids=["ring", "ulysses", "hybrid_2x2", "dp_shard2_cp2", "tp2_sp_loss_parallel_cp2"],
 )
 def test_cp_gives_the_losses_of_one_process(one_process, cache, tmp_path, nproc, layout):
     records = pretrain._torchrun(cache, nproc, tmp_path / "run", *SHORT, *layout)
