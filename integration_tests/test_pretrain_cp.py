@@ -1,7 +1,7 @@
 """`mindspeed pretrain` under context parallel: ring and Ulysses over 2 processes, hybrid
-2 x 2, dp_shard=2 x cp=2 and tp=2 (sequence and loss parallel) x cp=2 over 4 give the losses of one process (packed demo documents,
-zig-zag per document), and bad layouts are one line naming the values, before any
-process group."""
+2 x 2, dp_shard=2 x cp=2 and tp=2 (sequence and loss parallel) x cp=2 over 4 give the
+losses of one process (packed demo documents, zig-zag per document), and bad layouts are
+one line naming the values, before any process group."""
 
 import pytest
 
