@@ -158,7 +158,7 @@ class Transformer(nn.Module):
         else:
             h = self.tok_embeddings(tokens)  # (batch, seq, hidden)
         if cu_seqlens is not None and position_ids is None:
-            position_ids = position_ids_from_cu_seqlens(cu_seqlens).view(h.shape[:2])
+            position_ids = position_ids_from_cu_seqlens(cu_seqlens).view(h.shape[0], -1)
         rope = (self.rope_cos, self.rope_sin)
         for name, layer in self.layers.items():
             layer_cache = None if kv_cache is None else kv_cache.layer(int(name))
