@@ -80,12 +80,16 @@ class TokenSteps:
         self._stop_ids = frozenset(config.stop_token_ids)
         self._cache: KVCache | None = None
         self._positions: Tensor | None = None
+        self._started = False
 
     def finish(self, row: int) -> None:
         self.finished[row] = True
 
     @torch.inference_mode()
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        if self._started:
+            raise RuntimeError("a TokenSteps runs once; make a new one to generate again")
+        self._started = True
         config = self.config
         seen = self._seen() if config.repetition_penalty != 1.0 else None
         generator = None

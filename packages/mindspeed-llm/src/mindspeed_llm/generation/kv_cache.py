@@ -35,9 +35,10 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ):
+        # Uninitialised: attention reads only the positions written so far.
         shape = (batch, num_kv_heads, max_len, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._layers = [LayerCache(self, i) for i in range(num_layers)]
         self.batch, self.max_len = batch, max_len
         self.offset = 0
