@@ -103,6 +103,14 @@ def test_generate_plain_input_file_and_sampling(model_dir, capsys, tmp_path):
     assert cli(argv) == 0 and _jsonl(capsys.readouterr().out) == first  # seeded: same output
 
 
+def test_generate_chat_option_renders_the_template(model_dir, engine, capsys):
+    assert cli(["generate", "--model", str(model_dir), "--chat", "w10 w11"]) == 0
+    record = _jsonl(capsys.readouterr().out)[0]
+    prompt = engine.encode("user: w10 w11 assistant:", add_bos=False)
+    assert prompt[0] == 3  # "user:", no BOS: the template decides
+    assert record["token_ids"] == generate(engine.model, [prompt], engine.resolved_config())[0]
+
+
 def _chat(monkeypatch, capsys, model_dir, script, *extra):
     monkeypatch.setattr("sys.stdin", io.StringIO(script))
     status = cli(["chat", "--model", str(model_dir), "--show-prompt", *extra])

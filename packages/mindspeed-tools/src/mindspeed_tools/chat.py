@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
     from mindspeed_llm.chat_template import load_chat_template
 
     generator = load_generator(args)
-    template = load_chat_template(args.tokenizer or args.model)
+    template = load_chat_template(generator.tokenizer.path)
     if template.is_fallback:
         print(f"note: {args.model} has no chat template; using ChatML", file=sys.stderr)
     chat_loop(generator, template, system=args.system, show_prompt=args.show_prompt)

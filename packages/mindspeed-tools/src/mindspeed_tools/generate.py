@@ -75,7 +75,7 @@ def load_generator(args: argparse.Namespace):
         stop_strings=tuple(args.stop) if args.stop else None,
         seed=args.seed,
     )
-    tokenizer = load_tokenizer(args.tokenizer or folder)
+    tokenizer = load_tokenizer(args.tokenizer or _tokenizer_of(folder))
     device = dev.get_device(
         0, dev.detect_device_type(None if args.device == "auto" else args.device)
     )
@@ -87,6 +87,17 @@ def load_generator(args: argparse.Namespace):
             f"{folder} only {model_config.vocab_size}: not the model's tokenizer?"
         )
     return Generator(model, tokenizer, config)
+
+
+def _tokenizer_of(folder: Path) -> Path:
+    """The model folder, or for a trainer checkpoint without tokenizer files the tokenizer
+    its run trained with (`data.tokenizer` in the run's config.yaml)."""
+    from mindspeed_llm.models import checkpoint_io
+
+    has_files = (folder / "tokenizer.json").is_file() or any(folder.glob("*.model"))
+    if not has_files and checkpoint_io.is_mindspeed_checkpoint(folder):
+        return checkpoint_io.run_tokenizer(folder) or folder
+    return folder
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -192,7 +203,7 @@ def main(argv: list[str]) -> int:
     if args.chat:
         from mindspeed_llm.chat_template import load_chat_template
 
-        template = load_chat_template(args.tokenizer or args.model)
+        template = load_chat_template(generator.tokenizer.path)
         prompts = [
             generator.encode(
                 template.render([{"role": "user", "content": p}], add_generation_prompt=True),
