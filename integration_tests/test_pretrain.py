@@ -206,3 +206,21 @@ def test_a_tokenizer_larger_than_the_model_is_refused(cache, tmp_path, demo):
     )
     done = _cli(cache, tmp_path, f"--model.hf_config={config.parent}")
     _assert_user_error(done, str(demo[0]), "512 tokens", "vocab_size is 256", tmp_path=tmp_path)
+
+
+def test_the_demo_checkpoint_generates(straight, cache):
+    """`mindspeed generate` on a demo run's checkpoints finds the demo tokenizer itself."""
+    run, _ = straight
+    exe = Path(sys.executable).with_name("mindspeed")
+    cmd = [str(exe), "generate", "--model", str(run / "checkpoints"), "alice had"]
+    done = subprocess.run(
+        [*cmd, "--max-new-tokens", "8"],
+        env=_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(done.stdout)
+    assert record["prompt"] == "alice had" and 1 <= len(record["token_ids"]) <= 8
+    assert record["completion"].strip()

@@ -91,13 +91,22 @@ def load_generator(args: argparse.Namespace):
 
 def _tokenizer_of(folder: Path) -> Path:
     """The model folder, or for a trainer checkpoint without tokenizer files the tokenizer
-    its run trained with (`data.tokenizer` in the run's config.yaml)."""
+    its run trained with (`data.tokenizer` in the run's config.yaml, or the demo's)."""
+    from mindspeed_core.config import read_yaml
     from mindspeed_llm.models import checkpoint_io
 
     has_files = (folder / "tokenizer.json").is_file() or any(folder.glob("*.model"))
-    if not has_files and checkpoint_io.is_mindspeed_checkpoint(folder):
-        return checkpoint_io.run_tokenizer(folder) or folder
-    return folder
+    if has_files or not checkpoint_io.is_mindspeed_checkpoint(folder):
+        return folder
+    tokenizer = checkpoint_io.run_tokenizer(folder)
+    config_yaml = checkpoint_io.run_config_path(folder)
+    if tokenizer is None and config_yaml is not None:
+        data = read_yaml(config_yaml)[0].get("data") or {}
+        if not data.get("paths") and not data.get("tokenizer"):  # `mindspeed pretrain`'s demo
+            from mindspeed_llm.demo import cache_root, ensure_demo_data
+
+            tokenizer = ensure_demo_data(cache_root()).tokenizer
+    return tokenizer or folder
 
 
 def _parser() -> argparse.ArgumentParser:
