@@ -23,19 +23,10 @@ import json
 import statistics
 import time
 
+from train_throughput import HEADLINE as TRAIN_HEADLINE  # the same model as the training one
+
 CONFIGS = {}
-CONFIGS["headline"] = HEADLINE = {
-    "vocab_size": 32000,
-    "hidden_size": 512,
-    "intermediate_size": 1376,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 1024,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}
+CONFIGS["headline"] = HEADLINE = {k: v for k, v in TRAIN_HEADLINE.items() if k != "model_type"}
 CONFIGS["small"] = {
     **HEADLINE,
     "vocab_size": 512,
