@@ -11,6 +11,7 @@ fails, `load()` returns None and warns once; callers then run the PyTorch refere
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import platform
 import shutil
@@ -50,7 +51,14 @@ def build_dir() -> Path:
     root = os.environ.get(CACHE_ENV_VAR)
     base = Path(root) if root else Path.home() / ".cache" / "mindspeed_ops"
     version = torch.__version__.replace("+", "_")
-    return base / version / f"{platform.machine()}-{_isa()}"
+    # The compile command names torch's headers, the sources and the compiler: two
+    # environments (a checkout's venv, an installed wheel) would each rebuild over the
+    # other's objects on every first use, so each gets its own folder.
+    command = "\0".join(
+        [str(Path(torch.__file__).parent), *map(str, _SOURCES), *_flags(), str(compiler())]
+    )
+    digest = hashlib.sha256(command.encode()).hexdigest()[:10]
+    return base / version / f"{platform.machine()}-{_isa()}-{digest}"
 
 
 def compiler() -> str | None:
