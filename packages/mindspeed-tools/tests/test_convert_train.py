@@ -20,14 +20,14 @@ LLM_TESTS = Path(__file__).resolve().parents[2] / "mindspeed-llm" / "tests"
 models_hf = import_sibling(str(LLM_TESTS / "conftest.py"), "models_hf")
 
 
-def _first_loss(tmp_path, monkeypatch, *args):
-    """Step-1 loss of a one-step run, and transformers' loss on that run's first batch."""
+def _first_loss(tmp_path, monkeypatch, *args, steps=1):
+    """Step-1 loss of a `steps`-step run, and that run's first batch."""
     monkeypatch.setenv("MINDSPEED_CACHE", str(tmp_path.parent / "cache"))
     cfg = load_config(
         PretrainConfig,
         None,
         [
-            "--train.steps=1",
+            f"--train.steps={steps}",
             "--train.micro_batch=2",
             "--train.global_batch=2",
             "--data.seq_len=32",
@@ -50,10 +50,10 @@ def _first_loss(tmp_path, monkeypatch, *args):
         summary = trainer.run()
     finally:
         destroy_distributed()
-    assert summary["steps"] == 1
-    (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert record["step"] == 1
-    return record["loss"], batch
+    assert summary["steps"] == steps
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    return records[0]["loss"], batch
 
 
 def _hf_loss(hf, batch):
@@ -87,6 +87,18 @@ def test_a_converted_checkpoint_starts_a_fresh_run(tmp_path, monkeypatch, hf_fol
     )
     assert loss == pytest.approx(_hf_loss(hf, batch), abs=1e-4)
     assert (tmp_path / "b" / "run" / "checkpoints" / "step_1").is_dir()
+    # The same command again, one step longer: the run's own step_1 wins over
+    # checkpoint.load (it continues, it does not start over from the converted weights).
+    again, _ = _first_loss(
+        tmp_path / "b",
+        monkeypatch,
+        "--model.family=qwen2",
+        f"--model.hf_config={ours}",
+        f"--checkpoint.load={ours}",
+        steps=2,
+    )
+    assert again == loss  # step 1's record kept, step 2 appended once
+    assert (tmp_path / "b" / "run" / "checkpoints" / "step_2").is_dir()
 
 
 def test_a_run_without_hf_source_converts_to_transformers(tmp_path, monkeypatch):

@@ -144,6 +144,11 @@ def check_layout(config: TransformerConfig, *, tp: int, pp: int, ep: int) -> Non
         raise ParallelError(f"--pp={pp}: pipeline parallel with tied embeddings is not supported")
     if ep > 1 and not num_experts:
         raise ParallelError(f"--ep={ep}: this {config.family} model has no experts")
+    if num_experts and (tp > 1 or pp > 1):
+        raise ParallelError(
+            f"--tp={tp} --pp={pp}: {config.family} (MoE) models train with tp=1 and pp=1 for "
+            "now (use --ep); the trainer refuses other layouts"
+        )
     if num_experts and num_experts % ep:
         raise ParallelError(f"--ep={ep} does not divide num_experts={num_experts}")
 

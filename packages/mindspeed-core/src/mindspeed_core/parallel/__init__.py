@@ -1,7 +1,8 @@
 """Parallelism applied from outside a plain model, on PyTorch's own engine.
 
-Order of application (as torchtitan): `split_pipeline` -> `apply_tp` -> `apply_ac` ->
-`apply_fsdp` / `apply_ddp` (the last three on each pipeline stage). Each takes the mesh
+Order of application (as torchtitan): `split_pipeline` -> `apply_tp` -> `apply_ep` ->
+`apply_cp` -> `apply_ac` -> `apply_fsdp` / `apply_ddp` (all but the split on each
+pipeline stage). Each takes the mesh
 from `ParallelDims.mesh(name)`; a None mesh (degree 1) makes the call a no-op, so one
 code path serves every layout.
 """

@@ -371,7 +371,9 @@ def _hf_sliding_window(hf: dict[str, Any], family: str) -> int | None:
     window = hf.get("sliding_window")
     if family in ("mistral", "mixtral") or window is None:
         return window
-    if family not in ("qwen2", "qwen3") or not hf.get("use_sliding_window", False):
+    if family not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not hf.get(
+        "use_sliding_window", False
+    ):
         return None
     # Qwen: layers from max_window_layers on slide (or as `layer_types` says).
     num_layers = hf["num_hidden_layers"]

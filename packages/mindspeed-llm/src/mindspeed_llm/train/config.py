@@ -26,8 +26,8 @@ class ModelSection:
     hf_path: Path | None = None
     """A Hugging Face model folder (config.json + safetensors) to start from: the
     architecture comes from its config.json (family, flavor and hf_config are ignored) and
-    its weights are loaded before the model is parallelised; it is also the tokenizer when
-    data.tokenizer is unset."""
+    its weights are loaded before the model is parallelised; with data.paths it is also
+    the tokenizer when data.tokenizer is unset (the embedded demo corpus keeps its own)."""
     ops_impl: str = "auto"
     """Fused-op backend: auto, reference, cpu, cuda or npu."""
 

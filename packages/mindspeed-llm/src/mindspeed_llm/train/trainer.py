@@ -80,6 +80,9 @@ class Trainer:
         )
         self.accum = _grad_accum_steps(cfg, self.dims.dp)
         tokenizer_path, self.data_paths = _resolve_data(cfg)
+        # config.yaml records the tokenizer the data was made with, so `mindspeed generate`
+        # on this run's checkpoints decodes with it (not model.hf_path's).
+        cfg.data.tokenizer = tokenizer_path
         self.tokenizer = load_tokenizer(tokenizer_path)
         _check_fits(cfg, self.model_cfg, self.tokenizer, tokenizer_path)
         _check_experts(cfg, self.model_cfg)
@@ -228,10 +231,14 @@ class Trainer:
         load = self.cfg.checkpoint.load
         if load == "none":
             return None
-        if load == "auto":
+        if load == "auto" or self.checkpoints.latest_step() is not None:
+            # The run's own checkpoints win: running the same command again (or after
+            # train.exit_at_step) continues the run instead of starting over from `load`.
             step = self.checkpoints.load()
         else:
             step = _load_from(Path(load), self.states)
+            if step is None:  # model weights only: a fresh run starting at step 0
+                step = 0
         if step is not None:
             logger.info("resumed from step %d", self.state.step)
         return step
@@ -367,8 +374,18 @@ class Trainer:
             targets.append(mb[:, 1:])
         losses: list[torch.Tensor] = []  # filled on the last stage, one per microbatch
         with self._compute_context():
-            run = self.schedule.step if train else self.schedule.eval
-            run(arg_mbs=args, kwarg_mbs=kwargs, target_mbs=targets, losses=losses)
+            if train:  # the losses are all we need: do not keep every microbatch's logits
+                self.schedule.step(
+                    arg_mbs=args,
+                    kwarg_mbs=kwargs,
+                    target_mbs=targets,
+                    losses=losses,
+                    return_outputs=False,
+                )
+            else:
+                self.schedule.eval(
+                    arg_mbs=args, kwarg_mbs=kwargs, target_mbs=targets, losses=losses
+                )
         total = torch.zeros((), device=self.device)
         if losses:
             scale = self.scaler.scale if self.scaler else 1.0
@@ -549,6 +566,12 @@ def _resolve_data(cfg: PretrainConfig) -> tuple[Path, list[str]]:
     if dist.is_initialized():
         dist.barrier()
     demo = ensure_demo_data(cache_root())
+    if cfg.model.hf_path is not None and cfg.data.tokenizer is None:
+        logger.warning(
+            "model.hf_path=%s without data.paths: training on the demo corpus, whose token ids "
+            "come from the demo's own 512-token tokenizer, not the model's",
+            cfg.model.hf_path,
+        )
     return Path(cfg.data.tokenizer or demo.tokenizer), [str(demo.prefix)]
 
 
@@ -600,7 +623,7 @@ def _check_experts(cfg: PretrainConfig, model_cfg) -> None:
     p, num_experts = cfg.parallel, model_cfg.num_experts
     if p.ep > 1 and not num_experts:
         raise ConfigError(
-            f"parallel.ep={p.ep} needs a MoE model; model.family={cfg.model.family} has no experts"
+            f"parallel.ep={p.ep} needs a MoE model; model.family={model_cfg.family} has no experts"
         )
     if num_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the model's num_experts={num_experts}")

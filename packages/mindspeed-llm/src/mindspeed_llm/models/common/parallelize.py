@@ -1,5 +1,5 @@
-"""Parallelise a dense `Transformer` from outside: (pipeline split) -> TP -> CP -> activation
-checkpointing -> FSDP/DDP.
+"""Parallelise a `Transformer` (dense or MoE) from outside: (pipeline split) -> TP -> EP ->
+CP -> activation checkpointing -> FSDP/DDP.
 
 The order is torchtitan's: tensor parallel first (DTensor plans on whole modules), then
 recompute wrappers on each block, then data parallel, which shards whatever parameters
