@@ -23,15 +23,25 @@ def one_process(cache, tmp_path_factory):
     return pretrain._torchrun(cache, 1, tmp_path_factory.mktemp("one"), *SHORT)
 
 
-@pytest.mark.slow
+_SLOW = pytest.mark.slow  # four processes: CI runs them while its time budget holds
+
+
 @pytest.mark.parametrize(
     ("nproc", "layout"),
     [
         (2, ["--parallel.cp=2", "--parallel.cp_mode=ring"]),
         (2, ["--parallel.cp=2", "--parallel.cp_mode=ulysses"]),
-        (4, ["--parallel.cp=4", "--parallel.cp_mode=hybrid", "--parallel.ulysses_degree=2"]),
-        (4, ["--parallel.cp=2", "--parallel.dp_shard=2"]),
-        (4, ["--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"]),
+        pytest.param(
+            4,
+            ["--parallel.cp=4", "--parallel.cp_mode=hybrid", "--parallel.ulysses_degree=2"],
+            marks=_SLOW,
+        ),
+        pytest.param(4, ["--parallel.cp=2", "--parallel.dp_shard=2"], marks=_SLOW),
+        pytest.param(
+            4,
+            ["--parallel.cp=2", "--parallel.tp=2", "--parallel.sequence_parallel=true"],
+            marks=_SLOW,
+        ),
     ],
     ids=["ring", "ulysses", "hybrid_2x2", "dp_shard2_cp2", "tp2_sp_loss_parallel_cp2"],
 )

@@ -12,7 +12,7 @@ import pytest
 from mindspeed_core.testing import import_sibling
 
 pretrain = import_sibling(__file__, "test_pretrain")
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = pytest.mark.distributed
 STEPS = 6
 MIXTRAL = [
     "--model.family=mixtral",
@@ -54,6 +54,7 @@ def test_ep2_gives_the_losses_of_one_process_and_logs_router_statistics(cache, t
     assert [r["moe_load"] for r in ep2] == [r["moe_load"] for r in one]
 
 
+@pytest.mark.slow
 def test_an_ep2_checkpoint_resumes_in_one_process(cache, tmp_path, one):
     run = tmp_path / "ep2"
     first = pretrain._torchrun(cache, 2, run, *MIXTRAL, "--parallel.ep=2", "--train.exit_at_step=3")

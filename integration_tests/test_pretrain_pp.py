@@ -87,6 +87,24 @@ def test_a_pp2_checkpoint_resumes_in_one_process(straight, cache, tmp_path):
         cache, 1, tmp_path / "one", f"--checkpoint.load={run / 'checkpoints' / 'step_3'}"
     )
     _assert_same_run(resumed, straight, range(4, STEPS + 1))
+    _assert_converts_to_transformers(run / "checkpoints" / "step_3", tmp_path / "hf")
+
+
+def _assert_converts_to_transformers(step_dir: Path, out: Path) -> None:
+    """Both stages' weights are in the checkpoint: `mindspeed convert --to hf` gives a
+    model transformers loads with our logits."""
+    import torch
+    import transformers
+
+    from mindspeed_llm.models.hf_io import load_model
+    from mindspeed_tools.convert import mindspeed_to_hf
+
+    mindspeed_to_hf(step_dir, out, dtype=torch.float32)
+    ours, config = load_model(step_dir)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
+    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize(

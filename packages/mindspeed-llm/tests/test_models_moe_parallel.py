@@ -103,7 +103,6 @@ def test_ep2_inside_dp_shard4_matches_one_process():
     run_distributed(_compare, 4, 4, {"dp_shard": 4, "ep": 2}, timeout=300)
 
 
-@pytest.mark.slow
 def test_qwen2_moe_ep2_with_capacity_and_full_recompute_matches_one_process():
     """The shared expert, token dropping and the all-to-alls re-run in backward."""
     run_distributed(

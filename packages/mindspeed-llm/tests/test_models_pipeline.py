@@ -80,7 +80,6 @@ def references():
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_pipeline_layouts_and_checkpoints_match_one_process(references, tmp_path):
     pp1, pp2 = str(tmp_path / "pp1"), str(tmp_path / "pp2")
     loop.train(None, 2, save=pp1)
