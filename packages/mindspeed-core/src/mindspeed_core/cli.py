@@ -10,6 +10,7 @@ User mistakes (`MindSpeedError`) print one line and exit with status 2; pass
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import traceback
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
 from mindspeed_core import __version__
-from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.errors import ConfigError, MindSpeedError
 
 COMMAND_GROUP = "mindspeed.commands"
 EXIT_USER_ERROR = 2
@@ -36,6 +37,14 @@ class Command:
 
     help: str
     run: Callable[[list[str]], int | None]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for subcommands: a mistake is a ConfigError (one line, exit 2), not a
+    usage dump with exit 2 from inside argparse."""
+
+    def error(self, message):
+        raise ConfigError(f"{self.prog}: {message} (see --help)")
 
 
 def discover_commands() -> dict[str, EntryPoint]:

@@ -16,9 +16,9 @@ import contextlib
 import sys
 from typing import TextIO
 
-from mindspeed_core.cli import Command
+from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.errors import MindSpeedError
-from mindspeed_tools.generate import ArgParser, add_model_arguments, load_generator
+from mindspeed_tools.generate import add_model_arguments, load_generator
 
 # End-of-turn pieces of common chat formats: a reply ends there even when the model's
 # generation_config.json names only the end-of-text token.
@@ -26,8 +26,10 @@ END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoft
 CLEAR, EXIT = "clear", ("exit", "quit")
 
 
-def _parser() -> ArgParser:
-    p = ArgParser(prog="mindspeed chat", description="Chat with a local model in the terminal.")
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="mindspeed chat", description="Chat with a local model in the terminal."
+    )
     p.add_argument("--system", help="system message at the start of every conversation")
     p.add_argument("--show-prompt", action="store_true", help="print each rendered prompt")
     add_model_arguments(p)

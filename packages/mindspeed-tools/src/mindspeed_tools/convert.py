@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from mindspeed_core.checkpoint import LATEST
-from mindspeed_core.cli import Command
+from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.distributed import setup_logging
 from mindspeed_core.errors import CheckpointError, ConfigError, ParallelError
 from mindspeed_llm.models import TransformerConfig, hf_io
@@ -351,15 +351,8 @@ def parse_size(text: str) -> int:
 # -- command line -------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose mistakes are ConfigErrors (one line, exit 2), not usage dumps."""
-
-    def error(self, message):
-        raise ConfigError(f"{self.prog}: {message} (see --help)")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ArgumentParser(
         prog="mindspeed convert",
         description="Convert Hugging Face safetensors <-> MindSpeed (DCP) checkpoints, "
         "tensor by tensor. One MindSpeed checkpoint loads under any tp/pp/ep layout.",

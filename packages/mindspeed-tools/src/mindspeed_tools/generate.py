@@ -22,17 +22,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from mindspeed_core.cli import Command
+from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.errors import ConfigError, DataError
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
-
-
-class ArgParser(argparse.ArgumentParser):
-    """argparse whose mistakes are ConfigErrors (one line, exit 2) instead of usage dumps."""
-
-    def error(self, message):
-        raise ConfigError(f"{self.prog}: {message} (see --help)")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,7 +103,7 @@ def _tokenizer_of(folder: Path) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = ArgParser(
+    p = ArgumentParser(
         prog="mindspeed generate",
         description="Complete prompts with a local model; writes one JSON line per prompt.",
     )

@@ -21,23 +21,16 @@ import difflib
 import json
 import logging
 
-from mindspeed_core.cli import Command
+from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.errors import ConfigError
 
 __all__ = ["command", "main", "parse_args"]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse whose mistakes are ConfigErrors (one line, exit 2) instead of usage dumps."""
-
-    def error(self, message):
-        raise ConfigError(f"mindspeed preprocess: {message} (see --help)")
-
-
 def _parser() -> argparse.ArgumentParser:
     from mindspeed_tools.preprocess.handlers import HANDLERS
 
-    p = _Parser(
+    p = ArgumentParser(
         prog="mindspeed preprocess",
         description="Tokenize json/jsonl/parquet/arrow/csv/txt data into Megatron indexed datasets.",
     )
