@@ -4,7 +4,7 @@ import pytest
 import torch.distributed as dist
 
 from mindspeed_core.errors import ParallelError
-from mindspeed_core.parallel import ParallelDims, apply_tp, llama_tp_plan
+from mindspeed_core.parallel import ParallelDims, apply_tp
 from mindspeed_core.testing import import_sibling, run_distributed
 
 toy = import_sibling(__file__, "toy")
@@ -46,11 +46,6 @@ def test_a_multi_process_layout_needs_a_process_group():
         ParallelDims(tp=2, world_size=2).build()
 
 
-def test_tp_must_divide_the_heads():
-    with pytest.raises(ParallelError, match="tp=4 does not divide num_kv_heads=2"):
-        llama_tp_plan(num_heads=8, num_kv_heads=2, tp=4)
-
-
 def _groups() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
@@ -83,8 +78,8 @@ def _layouts_on_four_ranks():
     dims = ParallelDims(tp=4, dp_shard=1).build()
     errors = []
     for plan in (
-        llama_tp_plan(num_heads=4, num_kv_heads=2, tp=2),  # vocab 130 is not divisible by 4
-        {"layers.*.mlp": llama_tp_plan(num_heads=4, num_kv_heads=4, tp=4)["output"]},
+        toy.tp_plan(),  # vocab 130 is not divisible by 4
+        {"layers.*.mlp": toy.tp_plan()["output"]},
     ):
         try:
             apply_tp(toy.make_model(cfg=toy.ToyConfig(vocab=130)), dims.mesh("tp"), plan)

@@ -1,8 +1,9 @@
-"""A tiny Llama-like decoder written as a plain module, and helpers to train it.
+"""A tiny Llama-like decoder written as a plain module, its tensor-parallel plan, and
+helpers to train it.
 
-torchtitan's submodule names, so `llama_tp_plan` applies with its defaults. The
-forward uses local head counts (``view(b, s, -1, head_dim)``), which is all a
-plain model needs to run under a tensor-parallel plan.
+The forward uses local head counts (``view(b, s, -1, head_dim)``), which is all a
+plain model needs to run under a tensor-parallel plan. Core knows no model: the plan
+is written here, beside the toy, as a real model keeps its own.
 """
 
 from __future__ import annotations
@@ -12,6 +13,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from mindspeed_core.parallel import dtensor
 
 
 @dataclass
@@ -121,7 +131,34 @@ def make_batches(num_steps: int, batch: int = 4, seq: int = 16, vocab: int = 128
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor holding the whole value of a (possibly DTensor) tensor."""
-    from torch.distributed.tensor import DTensor
+    """A plain copy of the whole value of a (possibly DTensor) tensor."""
+    return dtensor.full(t).detach().clone()
 
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+def tp_plan(*, sequence_parallel: bool = False, loss_parallel: bool = False) -> dict:
+    """The toy's plan: vocab-parallel embedding and output, column-parallel q/k/v and
+    gate/up, row-parallel o and down; norms sharded along the sequence with `sequence_parallel`."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    gather = PrepareModuleInput(
+        input_layouts=(seq, None), desired_input_layouts=(Replicate(), None)
+    )
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+        "layers.*.attention": gather,
+        "layers.*.feed_forward": PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+        ),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    colwise = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+    plan.update({f"layers.*.{name}": ColwiseParallel() for name in colwise})
+    if sequence_parallel:
+        for name in ("norm", "layers.*.attention_norm", "layers.*.ffn_norm"):
+            plan[name] = SequenceParallel()
+    return plan

@@ -13,7 +13,6 @@ from mindspeed_core.parallel import (
     apply_ddp,
     apply_fsdp,
     apply_tp,
-    llama_tp_plan,
     loss_parallel_context,
 )
 from mindspeed_core.testing import import_sibling
@@ -24,12 +23,8 @@ DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 
 def parallelize(model, dims: ParallelDims, layout: dict, param_dtype=None):
     """TP -> AC -> FSDP/DDP, the fixed order."""
-    cfg = model.cfg
     if dims.tp > 1:
-        plan = llama_tp_plan(
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            tp=dims.tp,
+        plan = toy.tp_plan(
             sequence_parallel=layout.get("sp", False),
             loss_parallel=layout.get("loss_parallel", False),
         )

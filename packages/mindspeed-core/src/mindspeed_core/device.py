@@ -29,6 +29,8 @@ _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 _GIB = 1024**3
 
 
+# mindspeed_ops.backends repeats npu_available/cuda_available (ops imports nothing of
+# ours); keep the two in step: integration_tests/test_workspace.py checks they agree.
 @cache
 def npu_available() -> bool:
     """True when torch_npu is installed and sees at least one NPU."""

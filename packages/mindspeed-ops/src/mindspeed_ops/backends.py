@@ -1,7 +1,9 @@
 """Which implementation of an op runs: `impl="auto" | "reference" | "cpu" | "cuda" | "npu"`.
 
-The ops package imports nothing of ours, so it detects devices itself, the same way
-mindspeed_core.device does: torch_npu counts only when it is installed and imports.
+The ops package imports nothing of ours, so it detects devices itself, exactly as
+`mindspeed_core.device` does (npu_available, cuda_available): torch_npu counts only when
+it is installed, imports and sees a device. Keep the two copies in step;
+integration_tests/test_workspace.py checks they agree.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ BACKENDS = ("reference", "cpu", "cuda", "npu")
 
 @cache
 def npu_available() -> bool:
-    """True when torch_npu imports and sees an NPU."""
+    """True when torch_npu is installed and sees at least one NPU."""
     if importlib.util.find_spec("torch_npu") is None:
         return False
     try:
@@ -27,11 +29,12 @@ def npu_available() -> bool:
     except Exception:  # a broken CANN install must not break CPU/GPU users
         return False
     npu = getattr(torch, "npu", None)
-    return bool(npu is not None and npu.is_available())
+    return bool(npu is not None and npu.is_available() and npu.device_count() > 0)
 
 
 def cuda_available() -> bool:
-    return torch.cuda.is_available()
+    """True when PyTorch sees at least one CUDA device."""
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 @cache

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 from concurrent.futures import Future
 from pathlib import Path
@@ -32,12 +31,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
+from mindspeed_core.checkpoint.steps import LATEST, parse_step, read_latest
 from mindspeed_core.checkpoint.verify import check_files, check_states, read_metadata
 from mindspeed_core.errors import CheckpointError
 
 logger = logging.getLogger("mindspeed.checkpoint")
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp_step_"
 
 
@@ -91,21 +89,14 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The step `latest` points to, or None when there is no complete checkpoint."""
-        pointer = self.folder / LATEST
-        if not pointer.is_file():
-            return None
-        text = pointer.read_text().strip()
-        match = _STEP_DIR.match(text)
-        if not match:
-            raise CheckpointError(f"{pointer} holds {text!r}, not step_<N>")
-        return int(match.group(1))
+        return read_latest(self.folder)
 
     def saved_steps(self) -> list[int]:
         """Steps of the complete checkpoints in `folder`, oldest first."""
         if not self.folder.is_dir():
             return []
-        found = (_STEP_DIR.match(p.name) for p in self.folder.iterdir() if p.is_dir())
-        return sorted(int(m.group(1)) for m in found if m)
+        found = (parse_step(p) for p in self.folder.iterdir() if p.is_dir())
+        return sorted(step for step in found if step is not None)
 
     # -- save -------------------------------------------------------------------------
 

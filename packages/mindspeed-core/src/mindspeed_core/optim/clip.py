@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from mindspeed_core.parallel import dtensor
+
 
 def total_grad_norm(
     parameters: Iterable[torch.Tensor],
@@ -35,9 +37,7 @@ def total_grad_norm(
     norms = []
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()  # reduces the partial norms over the shard mesh
-        norms.append(norm)
+        norms.append(dtensor.full(norm))  # reduces partial norms over the shard mesh
     if norms:
         total = torch.nn.utils.get_total_norm(norms, norm_type)
     else:  # a rank without gradients still joins the pipeline reduction below
@@ -74,7 +74,7 @@ def clip_grad_norm_(
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         # Scale each rank's own shard: the same as scaling the whole gradient.
-        grads = [_local(p.grad) for p in parameters if p.grad is not None]
+        grads = [dtensor.local(p.grad) for p in parameters if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm
@@ -86,7 +86,3 @@ def _device_of(mesh: DeviceMesh | None) -> torch.device:
     return torch.device(
         mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
     )
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.parallel import dtensor
 
 
 class DynamicLossScaler(Stateful):
@@ -52,7 +52,7 @@ class DynamicLossScaler(Stateful):
     def unscale_(self, parameters: Iterable[torch.Tensor]) -> bool:
         """Divide gradients by the scale in place; True when any rank saw inf or nan."""
         grads = [p.grad for p in parameters if p.grad is not None]
-        local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        local = [dtensor.local(g) for g in grads]
         found = torch.zeros((), dtype=torch.float32, device=local[0].device if local else "cpu")
         for g in local:
             g.mul_(1.0 / self.scale)

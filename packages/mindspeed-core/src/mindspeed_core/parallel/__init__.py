@@ -4,7 +4,8 @@ Order of application (as torchtitan): `split_pipeline` -> `apply_tp` -> `apply_e
 `apply_cp` -> `apply_ac` -> `apply_fsdp` / `apply_ddp` (all but the split on each
 pipeline stage). Each takes the mesh
 from `ParallelDims.mesh(name)`; a None mesh (degree 1) makes the call a no-op, so one
-code path serves every layout.
+code path serves every layout. `dtensor.local` / `dtensor.full` turn a tensor that may
+be a DTensor into this rank's shard or the whole value.
 """
 
 from mindspeed_core.parallel.ac import AC_MODES, apply_ac
@@ -38,22 +39,17 @@ from mindspeed_core.parallel.pipeline import (
     stage_ids_this_rank,
     stage_layer_counts,
 )
-from mindspeed_core.parallel.tp import (
-    LlamaNames,
-    apply_tp,
-    llama_tp_plan,
-    loss_parallel_context,
-)
+from mindspeed_core.parallel.tp import TPPlan, apply_tp, loss_parallel_context
 
 __all__ = [
     "AC_MODES",
     "CP_MODES",
     "ContextParallel",
     "MESH_NAMES",
-    "LlamaNames",
     "ParallelDims",
     "PipelineParts",
     "SCHEDULES",
+    "TPPlan",
     "apply_ac",
     "apply_cp",
     "ExpertParallel",
@@ -68,7 +64,6 @@ __all__ = [
     "check_pipeline",
     "find_blocks",
     "gather_tokens",
-    "llama_tp_plan",
     "loss_parallel_context",
     "packed_shard_index",
     "shard_sequence",

@@ -9,18 +9,22 @@ from torch import nn
 from mindspeed_core.errors import ParallelError
 
 
-def find_blocks(module: nn.Module, blocks: Iterable[nn.Module] | str | None) -> list[nn.Module]:
+def find_blocks(
+    module: nn.Module, blocks: Iterable[nn.Module] | str | None, *, default_attr: str = "layers"
+) -> list[nn.Module]:
     """The blocks of `module`.
 
     Args:
         blocks: the blocks themselves, the name of a ModuleList/ModuleDict attribute
-            holding them, or None for ``module.layers`` (torchtitan's convention).
+            holding them, or None for ``module.<default_attr>``.
+        default_attr: the attribute to look in when `blocks` is None (torchtitan's
+            convention, ``layers``).
 
     Raises:
         ParallelError: no blocks can be found.
     """
     if blocks is None or isinstance(blocks, str):
-        attr = blocks or "layers"
+        attr = blocks or default_attr
         container = getattr(module, attr, None)
         if not isinstance(container, nn.ModuleList | nn.ModuleDict):
             raise ParallelError(

@@ -48,7 +48,7 @@ class MetricsWriter:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -70,7 +70,8 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _plain(value: Any) -> Any:
+def _json_value(value: Any) -> Any:
+    """A Python number for a 0-d tensor (or numpy scalar), so the record is JSON-able."""
     if hasattr(value, "item"):
         return value.item()
     return value

@@ -10,7 +10,7 @@ from mindspeed_ops import swiglu
 class FeedForward(nn.Module):
     """w1 (gate) and w3 (up) project to `intermediate_size`, w2 (down) projects back.
 
-    torchtitan's names, so core's `llama_tp_plan` shards w1/w3 by column and w2 by row.
+    torchtitan's names, so `tp_plan.llama_tp_plan` shards w1/w3 by column and w2 by row.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, impl: str = "auto"):

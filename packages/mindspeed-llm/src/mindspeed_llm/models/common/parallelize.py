@@ -29,10 +29,10 @@ from mindspeed_core.parallel import (
     apply_fsdp,
     apply_tp,
     check_pipeline,
-    llama_tp_plan,
     split_pipeline,
 )
 from mindspeed_llm.models.common.moe import MoE
+from mindspeed_llm.models.common.tp_plan import llama_tp_plan
 from mindspeed_ops import attention
 
 

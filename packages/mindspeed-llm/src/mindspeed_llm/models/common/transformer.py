@@ -1,7 +1,7 @@
-"""The dense decoder: embedding -> pre-norm blocks -> norm -> output projection.
+"""The decoder: embedding -> pre-norm blocks (dense or MoE) -> norm -> output projection.
 
 Submodule names are torchtitan's (`tok_embeddings`, `layers.N.attention.wq`, ...), so
-mindspeed_core's `llama_tp_plan` applies with its defaults. `layers` is a ModuleDict keyed
+`tp_plan.llama_tp_plan` applies with its defaults. `layers` is a ModuleDict keyed
 by layer index (the state-dict names are those of a ModuleList).
 """
 
@@ -68,7 +68,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A dense decoder-only language model described by a `TransformerConfig`.
+    """A decoder-only language model described by a `TransformerConfig`: every block a
+    SwiGLU feed-forward, or routed experts (`MoE`) where `config.is_moe_layer` says so.
 
     Build on the meta device and materialise later with::
 
