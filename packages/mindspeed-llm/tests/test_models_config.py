@@ -14,8 +14,13 @@ from mindspeed_llm.models import (
     get_model_spec,
     model_families,
     register_model,
+    unregister_model,
 )
 from mindspeed_llm.models.common import hf_adapter
+from mindspeed_llm.models.common.family import decoder_family
+from mindspeed_llm.models.common.hf_config import decoder_format
+from mindspeed_llm.models.hf_format import HFFormat
+from mindspeed_llm.models.hf_io import read_hf_config
 
 BASE = {
     "vocab_size": 512,
@@ -223,3 +228,70 @@ def test_adapter_reports_missing_and_unexpected_keys():
         ours = hf_adapter.from_hf(hf.state_dict(), config)
         del ours["output.weight"]
         hf_adapter.to_hf(ours, config)
+
+
+def _toy_format() -> HFFormat:
+    """An embedder's family whose config.json spells everything its own way."""
+
+    def read(hf):
+        return {
+            "vocab_size": hf["n_vocab"],
+            "hidden_size": hf["n_embd"],
+            "intermediate_size": hf["n_inner"],
+            "num_layers": hf["n_layer"],
+            "num_heads": hf["n_head"],
+            "qk_norm": hf["qk_layernorm"],
+        }
+
+    def write(config):
+        return {
+            "n_vocab": config.vocab_size,
+            "n_embd": config.hidden_size,
+            "n_inner": config.intermediate_size,
+            "n_layer": config.num_layers,
+            "n_head": config.num_heads,
+            "qk_layernorm": config.qk_norm,
+        }
+
+    return HFFormat(model_type="toy_lm", architecture="ToyLMForCausalLM", read=read, write=write)
+
+
+def test_a_user_family_brings_its_own_hugging_face_format(tmp_path):
+    """Registered with its format, a new family reads and writes config.json through the
+    registry alone: config.json -> TransformerConfig -> the same config.json."""
+    llama = get_model_spec("llama")
+    toy = {"model_type": "toy_lm", "architectures": ["ToyLMForCausalLM"], "n_vocab": 256}
+    toy |= {"n_embd": 32, "n_inner": 64, "n_layer": 2, "n_head": 4, "qk_layernorm": True}
+    (tmp_path / "config.json").write_text(json.dumps(toy))
+    # a second family made with the built-in helper: Llama's keys under another model_type
+    alike = decoder_format("llama_alike", "LlamaAlikeForCausalLM", flags={"qkv_bias": True})
+    register_model(
+        ModelSpec("toy", {}, llama.build, llama.parallelize, hf_adapter, hf=_toy_format())
+    )
+    register_model(decoder_family("llama_alike", {}, alike))
+    try:
+        config = build_model_config("toy", hf_config=tmp_path)
+        assert (config.family, config.hidden_size, config.num_kv_heads, config.qk_norm) == (
+            "toy",
+            32,
+            4,
+            True,
+        )
+        assert config.to_hf_dict() == toy
+        assert read_hf_config(tmp_path) == config  # the checked path of `mindspeed` commands
+        with torch.device("meta"):
+            assert get_model_spec("toy").build(config).layers["0"].attention.q_norm is not None
+        ours = build_model_config("llama", flavor="debug")
+        again = TransformerConfig.from_hf({**ours.to_hf_dict(), "model_type": "llama_alike"})
+        assert again.family == "llama_alike" and again.qkv_bias
+        assert again.to_hf_dict()["architectures"] == ["LlamaAlikeForCausalLM"]
+        with pytest.raises(ValueError, match="model_type 'toy_lm' already belongs to 'toy'"):
+            register_model(
+                ModelSpec("toy2", {}, llama.build, llama.parallelize, hf_adapter, hf=_toy_format())
+            )
+    finally:
+        unregister_model("toy")
+        unregister_model("llama_alike")
+    assert "toy" not in model_families()
+    with pytest.raises(ConfigError, match="model_type='toy_lm' is not supported"):
+        TransformerConfig.from_hf(toy)

@@ -6,8 +6,7 @@ import torch
 import transformers
 
 from mindspeed_core.errors import ConfigError
-from mindspeed_llm.models import Transformer, TransformerConfig, build_model_config
-from mindspeed_llm.models.common import moe_hf_adapter
+from mindspeed_llm.models import Transformer, TransformerConfig, build_model_config, get_model_spec
 from mindspeed_llm.models.common.moe import (
     LoadTracker,
     MoE,
@@ -66,10 +65,15 @@ def make_hf(case):
     return model.eval()
 
 
+def adapter(config):
+    """The family's weight-name adapter (a `moe_hf_adapter.MoEAdapter`)."""
+    return get_model_spec(config.family).hf_adapter
+
+
 def ours_from(hf_model) -> Transformer:
     config = TransformerConfig.from_hf(hf_model.config.to_dict())
     model = Transformer(config)
-    model.load_state_dict(moe_hf_adapter.from_hf(hf_model.state_dict(), config))
+    model.load_state_dict(adapter(config).from_hf(hf_model.state_dict(), config))
     return model.eval()
 
 
@@ -100,13 +104,13 @@ def test_hf_names_round_trip(case):
     """Checkpoint names (what save_pretrained writes) both ways, and v5 in-memory names in."""
     hf = make_hf(case)
     config = TransformerConfig.from_hf(hf.config.to_dict())
-    ours = moe_hf_adapter.from_hf(hf.state_dict(), config)  # v5 fused in-memory tensors
+    ours = adapter(config).from_hf(hf.state_dict(), config)  # v5 fused in-memory tensors
     assert ours.keys() == Transformer(config).state_dict().keys()
-    on_disk = moe_hf_adapter.to_hf(ours, config)
-    back = moe_hf_adapter.from_hf(on_disk, config)
+    on_disk = adapter(config).to_hf(ours, config)
+    back = adapter(config).from_hf(on_disk, config)
     assert back.keys() == ours.keys()
     assert all(torch.equal(back[k], ours[k]) for k in ours)
-    again = moe_hf_adapter.to_hf(back, config)
+    again = adapter(config).to_hf(back, config)
     assert again.keys() == on_disk.keys()
     assert all(torch.equal(again[k], on_disk[k]) for k in on_disk)
 
@@ -119,9 +123,9 @@ def test_save_pretrained_names_load(tmp_path):
     config = TransformerConfig.from_hf(tmp_path)
     on_disk = load_file(tmp_path / "model.safetensors")
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in on_disk
-    ours = moe_hf_adapter.from_hf(on_disk, config)
-    assert moe_hf_adapter.to_hf(ours, config).keys() == on_disk.keys()
-    fused = moe_hf_adapter.from_hf(hf.state_dict(), config)
+    ours = adapter(config).from_hf(on_disk, config)
+    assert adapter(config).to_hf(ours, config).keys() == on_disk.keys()
+    fused = adapter(config).from_hf(hf.state_dict(), config)
     assert all(torch.equal(ours[k], fused[k]) for k in ours)
 
 

@@ -14,6 +14,7 @@ from mindspeed_core.parallel import ParallelDims, loss_parallel_context
 from mindspeed_core.testing import run_distributed
 from mindspeed_llm.models import build_model_config, get_model_spec
 from mindspeed_llm.models.common import RMSNorm
+from mindspeed_llm.models.common.tp_plan import llama_tp_plan
 
 ATOL = 1e-5
 LAYOUTS = {
@@ -161,3 +162,10 @@ def test_unsupported_layouts_are_refused():
     tied = spec.build(build_model_config("llama", flavor="debug", tie_word_embeddings=True))
     with pytest.raises(ParallelError, match="tie_word_embeddings"):
         spec.parallelize(tied, ParallelDims(tp=2, world_size=2))
+
+
+def test_the_tp_plan_needs_tp_to_divide_the_heads():
+    with pytest.raises(ParallelError, match="tp=4 does not divide num_kv_heads=2"):
+        llama_tp_plan(num_heads=8, num_kv_heads=2, tp=4)
+    plan = llama_tp_plan(num_heads=4, num_kv_heads=2, tp=2, sequence_parallel=True)
+    assert {"tok_embeddings", "norm", "layers.*.attention.wq", "layers.*.ffn_norm"} <= set(plan)

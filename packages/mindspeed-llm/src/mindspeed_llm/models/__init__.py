@@ -5,6 +5,9 @@ from mindspeed_llm.models import build_model_config, get_model_spec
 config = build_model_config("llama", flavor="debug")
 spec = get_model_spec(config.family)
 model = spec.parallelize(spec.build(config), dims)
+
+Each family folder holds `flavors.py` (named sizes) and `hf.py` (its Hugging Face spelling);
+`models.loading` loads a model from a Hugging Face folder or a MindSpeed checkpoint.
 """
 
 from mindspeed_llm.models import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
@@ -16,6 +19,7 @@ from mindspeed_llm.models.registry import (
     get_model_spec,
     model_families,
     register_model,
+    unregister_model,
 )
 
 for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe):
@@ -29,4 +33,5 @@ __all__ = [
     "get_model_spec",
     "model_families",
     "register_model",
+    "unregister_model",
 ]

@@ -1,10 +1,11 @@
-"""`TransformerConfig`: the hyperparameters of a dense decoder, and their Hugging Face spelling.
+"""`TransformerConfig`: the hyperparameters of our decoder (dense or MoE).
 
 One config describes every family we support (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, and the
 MoE ones Mixtral, Qwen2-MoE, Qwen3-MoE): the families differ only in flags (qkv bias,
 per-head qk norm, sliding window, RoPE scaling, experts).
-`from_hf` reads a `config.json` written by transformers v4 or v5; `to_hf_dict` writes one
-that both versions read.
+`from_hf` reads a `config.json` written by transformers v4 or v5 and `to_hf_dict` writes one
+that both versions read, each through the family's `HFFormat` (its `hf.py`, registered
+with the family).
 """
 
 from __future__ import annotations
@@ -15,31 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_llm.models.hf_format import format_of_family, format_of_model_type
 
-# Hugging Face `model_type` -> our family.
-HF_MODEL_TYPES = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "mistral": "mistral",
-    "mixtral": "mixtral",
-    "qwen2_moe": "qwen2_moe",
-    "qwen3_moe": "qwen3_moe",
-}
-_HF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
 _ROUTER_SCORES = ("softmax", "sigmoid")
 _OPS_IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
 
-# RoPE scaling: required fields, then optional fields with their defaults (transformers').
-_ROPE_SCALING = {
+ROPE_SCALING = {
     "linear": ({"factor"}, {}),
     "llama3": (
         {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
@@ -57,14 +39,17 @@ _ROPE_SCALING = {
         },
     ),
 }
+"""RoPE scaling types: (required fields, optional fields with transformers' defaults)."""
 
 
 @dataclass(kw_only=True)
 class TransformerConfig:
-    """A dense decoder-only transformer (pre-norm, RMSNorm, RoPE, GQA, SwiGLU)."""
+    """A decoder-only transformer (pre-norm, RMSNorm, RoPE, GQA, SwiGLU or routed experts)."""
 
     family: str = "llama"
-    """Model family in the registry: "llama", "qwen2", "qwen3" or "mistral"."""
+    """Model family in the registry (`mindspeed_llm.models.model_families()`): "llama",
+    "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe" or one registered
+    by the user."""
     vocab_size: int
     """Rows of the embedding and of the output projection."""
     hidden_size: int
@@ -214,68 +199,21 @@ class TransformerConfig:
             ConfigError: unreadable file, unknown `model_type`, or a feature we do not build.
         """
         hf = _read_hf(source)
-        model_type = hf.get("model_type")
-        if model_type not in HF_MODEL_TYPES:
-            raise ConfigError(
-                f"Hugging Face model_type={model_type!r} is not supported; "
-                f"known: {', '.join(sorted(HF_MODEL_TYPES))}"
-            )
-        family = HF_MODEL_TYPES[model_type]
-        _check_hf_features(hf, family)
-        theta, scaling = _hf_rope(hf)
-        fields = {
-            "family": family,
-            "vocab_size": hf["vocab_size"],
-            "hidden_size": hf["hidden_size"],
-            "intermediate_size": hf["intermediate_size"],
-            "num_layers": hf["num_hidden_layers"],
-            "num_heads": hf["num_attention_heads"],
-            "num_kv_heads": hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            "head_dim": hf.get("head_dim"),
-            "max_position_embeddings": hf.get("max_position_embeddings", 4096),
-            "rope_theta": theta,
-            "rope_scaling": scaling,
-            "norm_eps": hf.get("rms_norm_eps", 1e-6),
-            "qkv_bias": family in ("qwen2", "qwen2_moe"),
-            "qk_norm": family in ("qwen3", "qwen3_moe"),
-            "sliding_window": _hf_sliding_window(hf, family),
-            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-            "init_std": hf.get("initializer_range", 0.02),
-            "dtype": _hf_dtype(hf),
-            **_hf_moe(hf, family),
-        }
-        fields.update(overrides)
-        return cls(**fields)
+        family, hf_format = format_of_model_type(hf.get("model_type"))
+        return cls(**{"family": family, **hf_format.read(hf), **overrides})
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A `config.json` dict for transformers (v4 keys, which v5 also reads)."""
-        hf: dict[str, Any] = {
-            "architectures": [_HF_ARCHITECTURES[self.family]],
-            "model_type": self.family,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": _hf_rope_scaling(self.rope_scaling),
-            "rms_norm_eps": self.norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_range": self.init_std,
-            "attention_bias": False,
-            "sliding_window": self.sliding_window,
+        """A `config.json` dict for transformers (v4 keys, which v5 also reads).
+
+        Raises:
+            ConfigError: the family has no Hugging Face format.
+        """
+        hf_format = format_of_family(self.family)
+        return {
+            "architectures": [hf_format.architecture],
+            "model_type": hf_format.model_type,
+            **hf_format.write(self),
         }
-        if self.family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-            hf["use_sliding_window"] = self.sliding_window is not None
-            hf["max_window_layers"] = 0
-        hf.update(_hf_moe_dict(self))
-        if self.dtype is not None:
-            hf["torch_dtype"] = self.dtype
-        return hf
 
 
 def _check_positive_int(name: str, value: Any) -> None:
@@ -290,11 +228,11 @@ def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | 
     if not isinstance(scaling, dict):
         raise ConfigError(f"rope_scaling must be None or a dict, got {scaling!r}")
     kind = scaling.get("type")
-    if kind not in _ROPE_SCALING:
+    if kind not in ROPE_SCALING:
         raise ConfigError(
-            f"rope_scaling.type={kind!r} is not supported; choose one of {sorted(_ROPE_SCALING)}"
+            f"rope_scaling.type={kind!r} is not supported; choose one of {sorted(ROPE_SCALING)}"
         )
-    required, optional = _ROPE_SCALING[kind]
+    required, optional = ROPE_SCALING[kind]
     missing = sorted(required - scaling.keys())
     if missing:
         raise ConfigError(f"rope_scaling of type {kind!r} needs {', '.join(missing)}")
@@ -319,132 +257,3 @@ def _read_hf(source: str | Path | dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"Hugging Face config {path} does not exist") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"Hugging Face config {path} is not valid JSON: {err}") from None
-
-
-def _check_hf_features(hf: dict[str, Any], family: str) -> None:
-    """Refuse options our modules do not build, instead of silently ignoring them."""
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"hidden_act={act!r} is not supported (only 'silu', i.e. SwiGLU)")
-    if hf.get("mlp_bias"):
-        raise ConfigError("mlp_bias=true is not supported")
-    # Qwen2 has q/k/v biases regardless; elsewhere attention_bias also biases o_proj.
-    if family not in ("qwen2", "qwen2_moe") and hf.get("attention_bias"):
-        raise ConfigError(f"attention_bias=true is not supported for model_type {family!r}")
-
-
-def _hf_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, our rope_scaling) from v4 `rope_theta`/`rope_scaling` or v5 `rope_parameters`."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    if params.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError("partial_rotary_factor != 1 is not supported")
-    if kind == "default":
-        return theta, None
-    if kind not in _ROPE_SCALING:
-        raise ConfigError(
-            f"rope type {kind!r} is not supported; choose one of {sorted(_ROPE_SCALING)}"
-        )
-    required, optional = _ROPE_SCALING[kind]
-    if "original_max_position_embeddings" in required:
-        params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-    if kind == "yarn" and params.get("factor") is None:
-        # transformers: the ratio of the context lengths when no factor is given.
-        params["factor"] = (
-            hf["max_position_embeddings"] / params["original_max_position_embeddings"]
-        )
-    kept = {k: v for k, v in params.items() if k in required or k in optional}
-    return theta, {"type": kind, **kept}
-
-
-def _hf_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
-    if scaling is None:
-        return None
-    out = {k: v for k, v in scaling.items() if v is not None}
-    out["rope_type"] = out["type"]
-    return out
-
-
-def _hf_sliding_window(hf: dict[str, Any], family: str) -> int | None:
-    window = hf.get("sliding_window")
-    if family in ("mistral", "mixtral") or window is None:
-        return window
-    if family not in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") or not hf.get(
-        "use_sliding_window", False
-    ):
-        return None
-    # Qwen: layers from max_window_layers on slide (or as `layer_types` says).
-    num_layers = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or [
-        "sliding_attention" if i >= hf.get("max_window_layers", num_layers) else "full_attention"
-        for i in range(num_layers)
-    ]
-    if all(t == "sliding_attention" for t in types):
-        return window
-    if all(t == "full_attention" for t in types):
-        return None
-    raise ConfigError(
-        "a sliding window on some layers only (max_window_layers / layer_types) is not supported"
-    )
-
-
-def _hf_moe(hf: dict[str, Any], family: str) -> dict[str, Any]:
-    """Our MoE fields from a Mixtral / Qwen2-MoE / Qwen3-MoE config (empty for dense ones)."""
-    if family == "mixtral":
-        if hf.get("router_jitter_noise"):
-            raise ConfigError("router_jitter_noise > 0 is not supported")
-        return {
-            "num_experts": hf.get("num_local_experts", 8),
-            "num_experts_per_tok": hf.get("num_experts_per_tok", 2),
-            "moe_intermediate_size": hf["intermediate_size"],
-            "norm_topk_prob": True,
-            "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
-        }
-    if family not in ("qwen2_moe", "qwen3_moe"):
-        return {}
-    return {
-        # transformers v5 writes Qwen3-MoE's count as num_local_experts
-        "num_experts": hf.get("num_experts") or hf["num_local_experts"],
-        "num_experts_per_tok": hf["num_experts_per_tok"],
-        "moe_intermediate_size": hf["moe_intermediate_size"],
-        "shared_expert_intermediate_size": hf.get("shared_expert_intermediate_size") or 0,
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
-        "router_aux_loss_coef": hf.get("router_aux_loss_coef", 0.001),
-        "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
-        "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
-    }
-
-
-def _hf_moe_dict(config: TransformerConfig) -> dict[str, Any]:
-    """The MoE keys of a Hugging Face config.json for our config."""
-    if config.family == "mixtral":
-        return {
-            "num_local_experts": config.num_experts,
-            "num_experts_per_tok": config.num_experts_per_tok,
-            "intermediate_size": config.moe_intermediate_size,
-            "router_aux_loss_coef": config.router_aux_loss_coef,
-        }
-    if config.family not in ("qwen2_moe", "qwen3_moe"):
-        return {}
-    out = {
-        "num_experts": config.num_experts,
-        "num_experts_per_tok": config.num_experts_per_tok,
-        "moe_intermediate_size": config.moe_intermediate_size,
-        "norm_topk_prob": config.norm_topk_prob,
-        "router_aux_loss_coef": config.router_aux_loss_coef,
-        "decoder_sparse_step": config.decoder_sparse_step,
-        "mlp_only_layers": list(config.mlp_only_layers),
-    }
-    if config.family == "qwen2_moe":
-        out["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
-        out["qkv_bias"] = True
-    return out
-
-
-def _hf_dtype(hf: dict[str, Any]) -> str | None:
-    value = hf.get("dtype") or hf.get("torch_dtype")
-    if value is None:
-        return None
-    return str(value).removeprefix("torch.")

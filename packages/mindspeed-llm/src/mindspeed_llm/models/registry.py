@@ -1,7 +1,8 @@
 """The model registry: family name -> `ModelSpec`, an explicit dict filled by `register_model`.
 
 The built-in families are registered in `mindspeed_llm.models.__init__`; an embedder adds
-its own with `register_model(ModelSpec(...))`.
+its own with `register_model(ModelSpec(...))`, with its Hugging Face `config.json` format
+(`ModelSpec.hf`) when it has one, so `TransformerConfig.from_hf` and `to_hf_dict` know it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 from torch import nn
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_llm.models import hf_format
 from mindspeed_llm.models.config import TransformerConfig
+from mindspeed_llm.models.hf_format import HFFormat
 
 
 @dataclass(frozen=True)
@@ -31,28 +34,46 @@ class ModelSpec:
     """Config -> model (honours the ambient device, e.g. `with torch.device("meta")`)."""
     parallelize: Callable[..., nn.Module]
     """`parallelize(model, dims, *, ac_mode, param_dtype, reduce_dtype, sequence_parallel,
-    loss_parallel)`: applies TP -> AC -> FSDP/DDP in place."""
+    loss_parallel, cp_mode, ulysses_degree)`: applies TP -> EP -> CP -> AC -> FSDP/DDP in
+    place (see `models.common.parallelize_decoder`)."""
     hf_adapter: ModuleType | Any
     """Object with `to_hf(state_dict, config)` and `from_hf(hf_state_dict, config)`."""
     pipeline: Callable[..., Any] | None = None
     """`pipeline(model, dims, *, device, schedule, stages_per_rank, layers_per_stage,
     **parallelize_options)`: this rank's pipeline stages (a `PipelineParts`), each
     parallelised; None: the family does not support pipeline parallel."""
+    hf: HFFormat | None = None
+    """How the family's Hugging Face `config.json` reads and writes (its `hf.py`); None:
+    no Hugging Face counterpart (`from_hf` / `to_hf_dict` refuse it)."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
 
 
 def register_model(spec: ModelSpec) -> ModelSpec:
-    """Add `spec` under `spec.name`.
+    """Add `spec` under `spec.name` (and its Hugging Face format under its model_type).
 
     Raises:
-        ValueError: a family of that name is already registered.
+        ValueError: a family of that name, or a format of that model_type, is already
+            registered.
     """
     if spec.name in _REGISTRY:
         raise ValueError(f"model family {spec.name!r} is already registered")
+    if spec.hf is not None:
+        hf_format.add_format(spec.name, spec.hf)
     _REGISTRY[spec.name] = spec
     return spec
+
+
+def unregister_model(family: str) -> None:
+    """Remove `family` and its Hugging Face format (e.g. a plugin or a test that is done).
+
+    Raises:
+        ConfigError: no such family.
+    """
+    get_model_spec(family)
+    hf_format.remove_format(family)
+    del _REGISTRY[family]
 
 
 def model_families() -> list[str]:

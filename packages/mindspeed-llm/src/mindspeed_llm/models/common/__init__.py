@@ -1,5 +1,7 @@
-"""Building blocks shared by the dense families: norm, RoPE, attention, feed-forward,
-the decoder, the Hugging Face name mapping and the parallelisation recipe."""
+"""The decoder every family shares, dense or MoE: norm, RoPE, attention, feed-forward,
+experts, the decoder, the tensor-parallel plan and the parallelisation recipe, and the
+Hugging Face machinery (`hf_config` for config.json, `hf_adapter` / `moe_hf_adapter` for
+weight names) a family's `hf.py` configures."""
 
 from mindspeed_llm.models.common import hf_adapter
 from mindspeed_llm.models.common.attention import Attention

@@ -1,21 +1,6 @@
-"""The llama family: the shared dense decoder with llama's flags (see flavors.py)."""
+"""Llama 2 / 3: the shared dense decoder (sizes in flavors.py, Hugging Face spelling in hf.py)."""
 
-from mindspeed_llm.models.common import (
-    Transformer,
-    hf_adapter,
-    parallelize_decoder,
-    pipeline_decoder,
-)
-from mindspeed_llm.models.llama.flavors import FLAVORS
-from mindspeed_llm.models.registry import ModelSpec
+from mindspeed_llm.models.common.family import decoder_family
+from mindspeed_llm.models.llama import flavors, hf
 
-SPEC = ModelSpec(
-    name="llama",
-    flavors=FLAVORS,
-    build=Transformer,
-    parallelize=parallelize_decoder,
-    pipeline=pipeline_decoder,
-    hf_adapter=hf_adapter,
-)
-
-__all__ = ["FLAVORS", "SPEC"]
+SPEC = decoder_family("llama", flavors.FLAVORS, hf.FORMAT)

@@ -1,21 +1,7 @@
-"""The mistral family: the shared dense decoder with mistral's flags (see flavors.py)."""
+"""Mistral: the shared dense decoder with a sliding window (sizes in flavors.py, Hugging
+Face spelling in hf.py)."""
 
-from mindspeed_llm.models.common import (
-    Transformer,
-    hf_adapter,
-    parallelize_decoder,
-    pipeline_decoder,
-)
-from mindspeed_llm.models.mistral.flavors import FLAVORS
-from mindspeed_llm.models.registry import ModelSpec
+from mindspeed_llm.models.common.family import decoder_family
+from mindspeed_llm.models.mistral import flavors, hf
 
-SPEC = ModelSpec(
-    name="mistral",
-    flavors=FLAVORS,
-    build=Transformer,
-    parallelize=parallelize_decoder,
-    pipeline=pipeline_decoder,
-    hf_adapter=hf_adapter,
-)
-
-__all__ = ["FLAVORS", "SPEC"]
+SPEC = decoder_family("mistral", flavors.FLAVORS, hf.FORMAT)

@@ -1,15 +1,7 @@
-"""The mixtral family: the shared decoder with MoE blocks (see flavors.py)."""
+"""Mixtral: the shared decoder with routed experts (sizes in flavors.py, Hugging Face
+spelling and expert names in hf.py)."""
 
-from mindspeed_llm.models.common import Transformer, moe_hf_adapter, parallelize_decoder
-from mindspeed_llm.models.mixtral.flavors import FLAVORS
-from mindspeed_llm.models.registry import ModelSpec
+from mindspeed_llm.models.common.family import decoder_family
+from mindspeed_llm.models.mixtral import flavors, hf
 
-SPEC = ModelSpec(
-    name="mixtral",
-    flavors=FLAVORS,
-    build=Transformer,
-    parallelize=parallelize_decoder,
-    hf_adapter=moe_hf_adapter,
-)
-
-__all__ = ["FLAVORS", "SPEC"]
+SPEC = decoder_family("mixtral", flavors.FLAVORS, hf.FORMAT, hf_adapter=hf.ADAPTER, pipeline=False)

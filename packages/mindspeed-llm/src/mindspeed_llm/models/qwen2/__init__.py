@@ -1,21 +1,7 @@
-"""The qwen2 family: the shared dense decoder with qwen2's flags (see flavors.py)."""
+"""Qwen2 / Qwen2.5: the shared dense decoder with q/k/v biases (sizes in flavors.py,
+Hugging Face spelling in hf.py)."""
 
-from mindspeed_llm.models.common import (
-    Transformer,
-    hf_adapter,
-    parallelize_decoder,
-    pipeline_decoder,
-)
-from mindspeed_llm.models.qwen2.flavors import FLAVORS
-from mindspeed_llm.models.registry import ModelSpec
+from mindspeed_llm.models.common.family import decoder_family
+from mindspeed_llm.models.qwen2 import flavors, hf
 
-SPEC = ModelSpec(
-    name="qwen2",
-    flavors=FLAVORS,
-    build=Transformer,
-    parallelize=parallelize_decoder,
-    pipeline=pipeline_decoder,
-    hf_adapter=hf_adapter,
-)
-
-__all__ = ["FLAVORS", "SPEC"]
+SPEC = decoder_family("qwen2", flavors.FLAVORS, hf.FORMAT)

@@ -1,20 +1,11 @@
 """Qwen2 / Qwen2.5 sizes (q/k/v biases): a CPU-sized debug model and Qwen2.5-7B."""
 
+from mindspeed_llm.models.common.family import debug_flavor
 from mindspeed_llm.models.config import TransformerConfig
 
+DEBUG = debug_flavor("qwen2", norm_eps=1e-6, qkv_bias=True)
 FLAVORS = {
-    "debug": TransformerConfig(
-        family="qwen2",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=256,
-        norm_eps=1e-6,
-        qkv_bias=True,
-    ),
+    "debug": DEBUG,
     # Qwen/Qwen2.5-7B
     "qwen2.5-7b": TransformerConfig(
         family="qwen2",

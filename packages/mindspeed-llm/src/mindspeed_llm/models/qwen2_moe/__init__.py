@@ -1,15 +1,9 @@
-"""The qwen2_moe family: the shared decoder with MoE blocks (see flavors.py)."""
+"""Qwen2-MoE: Qwen2's decoder with routed experts and a gated shared expert (sizes in
+flavors.py, Hugging Face spelling and expert names in hf.py)."""
 
-from mindspeed_llm.models.common import Transformer, moe_hf_adapter, parallelize_decoder
-from mindspeed_llm.models.qwen2_moe.flavors import FLAVORS
-from mindspeed_llm.models.registry import ModelSpec
+from mindspeed_llm.models.common.family import decoder_family
+from mindspeed_llm.models.qwen2_moe import flavors, hf
 
-SPEC = ModelSpec(
-    name="qwen2_moe",
-    flavors=FLAVORS,
-    build=Transformer,
-    parallelize=parallelize_decoder,
-    hf_adapter=moe_hf_adapter,
+SPEC = decoder_family(
+    "qwen2_moe", flavors.FLAVORS, hf.FORMAT, hf_adapter=hf.ADAPTER, pipeline=False
 )
-
-__all__ = ["FLAVORS", "SPEC"]

@@ -1,20 +1,15 @@
 """Qwen2-MoE sizes (qkv bias, 60 routed experts top-4 plus a gated shared expert):
 a debug model and Qwen1.5-MoE-A2.7B."""
 
+from dataclasses import replace
+
 from mindspeed_llm.models.config import TransformerConfig
+from mindspeed_llm.models.qwen2.flavors import DEBUG as QWEN2_DEBUG
 
 FLAVORS = {
-    "debug": TransformerConfig(
+    "debug": replace(
+        QWEN2_DEBUG,
         family="qwen2_moe",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=256,
-        norm_eps=1e-6,
-        qkv_bias=True,
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,

@@ -1,21 +1,7 @@
-"""The qwen3 family: the shared dense decoder with qwen3's flags (see flavors.py)."""
+"""Qwen3: the shared dense decoder with per-head q/k norms (sizes in flavors.py, Hugging
+Face spelling in hf.py)."""
 
-from mindspeed_llm.models.common import (
-    Transformer,
-    hf_adapter,
-    parallelize_decoder,
-    pipeline_decoder,
-)
-from mindspeed_llm.models.qwen3.flavors import FLAVORS
-from mindspeed_llm.models.registry import ModelSpec
+from mindspeed_llm.models.common.family import decoder_family
+from mindspeed_llm.models.qwen3 import flavors, hf
 
-SPEC = ModelSpec(
-    name="qwen3",
-    flavors=FLAVORS,
-    build=Transformer,
-    parallelize=parallelize_decoder,
-    pipeline=pipeline_decoder,
-    hf_adapter=hf_adapter,
-)
-
-__all__ = ["FLAVORS", "SPEC"]
+SPEC = decoder_family("qwen3", flavors.FLAVORS, hf.FORMAT)

@@ -1,15 +1,9 @@
-"""The qwen3_moe family: the shared decoder with MoE blocks (see flavors.py)."""
+"""Qwen3-MoE: Qwen3's decoder with routed experts (sizes in flavors.py, Hugging Face
+spelling and expert names in hf.py)."""
 
-from mindspeed_llm.models.common import Transformer, moe_hf_adapter, parallelize_decoder
-from mindspeed_llm.models.qwen3_moe.flavors import FLAVORS
-from mindspeed_llm.models.registry import ModelSpec
+from mindspeed_llm.models.common.family import decoder_family
+from mindspeed_llm.models.qwen3_moe import flavors, hf
 
-SPEC = ModelSpec(
-    name="qwen3_moe",
-    flavors=FLAVORS,
-    build=Transformer,
-    parallelize=parallelize_decoder,
-    hf_adapter=moe_hf_adapter,
+SPEC = decoder_family(
+    "qwen3_moe", flavors.FLAVORS, hf.FORMAT, hf_adapter=hf.ADAPTER, pipeline=False
 )
-
-__all__ = ["FLAVORS", "SPEC"]

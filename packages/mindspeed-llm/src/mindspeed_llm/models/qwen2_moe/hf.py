@@ -1,0 +1,15 @@
+"""Qwen2-MoE in Hugging Face's spelling: Qwen2's keys with `num_experts` of
+`moe_intermediate_size` and a shared expert; per-expert weights
+`mlp.experts.E.{gate,up,down}_proj`."""
+
+from mindspeed_llm.models.common.hf_config import QWEN_WINDOW, decoder_format, qwen_experts
+from mindspeed_llm.models.common.moe_hf_adapter import MoEAdapter
+
+FORMAT = decoder_format(
+    "qwen2_moe",
+    "Qwen2MoeForCausalLM",
+    flags={"qkv_bias": True},
+    window=QWEN_WINDOW,
+    experts=qwen_experts(shared_expert=True),
+)
+ADAPTER = MoEAdapter()
