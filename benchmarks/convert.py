@@ -52,9 +52,10 @@ def write_model(folder: Path, max_shard_size: int) -> dict:
     """The random model as HF safetensors shards, one tensor in memory at a time."""
     import torch
 
+    from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
     from mindspeed_llm.models import TransformerConfig
     from mindspeed_llm.models.common import hf_adapter
-    from mindspeed_llm.models.hf_io import INDEX_FILE, SafetensorsWriter
+    from mindspeed_llm.models.hf_io import INDEX_FILE
     from mindspeed_tools.convert import plan_shards
 
     folder.mkdir(parents=True)
@@ -101,7 +102,8 @@ def _child(mode: str, args: list[str]) -> None:
     elif mode == "ours2hf":
         convert.mindspeed_to_hf(args[0], args[1], max_shard_size=int(args[2]))
     elif mode == "compare":
-        from mindspeed_llm.models.hf_io import hf_tensor_index, read_tensor
+        from mindspeed_core.checkpoint.safetensors import read_tensor
+        from mindspeed_llm.models.hf_io import hf_tensor_index
 
         a, b = hf_tensor_index(args[0]), hf_tensor_index(args[1])
         same = a.keys() == b.keys() and all(

@@ -8,10 +8,12 @@ import pytest
 import torch
 import transformers
 
+from mindspeed_core.checkpoint import steps
 from mindspeed_core.checkpoint.verify import read_metadata
 from mindspeed_core.cli import run as cli
 from mindspeed_core.testing import import_sibling, run_distributed
 from mindspeed_llm.models import checkpoint_io, hf_io
+from mindspeed_llm.models.loading import load_model
 from mindspeed_tools.convert import hf_to_mindspeed, mindspeed_to_hf, parse_size
 
 LLM_TESTS = Path(__file__).resolve().parents[2] / "mindspeed-llm" / "tests"
@@ -104,7 +106,7 @@ def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, s
     with torch.no_grad():
         want = hf(ids).logits
         for source in (ours, src):  # the converted checkpoint, and the HF folder itself
-            model, _ = hf_io.load_model(source, dtype=torch.float32)
+            model, _ = load_model(source, dtype=torch.float32)
             torch.testing.assert_close(model(ids), want, atol=1e-5, rtol=0)
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(
             back, attn_implementation="eager"
@@ -115,7 +117,7 @@ def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, s
 def test_bf16_is_kept_and_can_be_changed(tmp_path):
     hf, src = _hf_dir(tmp_path, "llama", dtype=torch.bfloat16)
     ours = hf_to_mindspeed(src, tmp_path / "ours")
-    manifest = json.loads((ours / hf_io.MANIFEST_FILE).read_text())
+    manifest = json.loads((ours / checkpoint_io.MANIFEST_FILE).read_text())
     assert manifest["dtype"] == "bfloat16" and manifest["layout"] == {"tp": 1, "pp": 1, "ep": 1}
     stored = checkpoint_io.tensor_metadata(ours / "step_0")
     assert {d for d, _ in stored.values()} == {torch.bfloat16}
@@ -140,7 +142,7 @@ def _tp2_logits(converted: str, resaved: str):
     spec = get_model_spec(config.family)
     torch.manual_seed(123)  # other weights than the checkpoint's, so the load must work
     model = spec.parallelize(spec.build(config), ParallelDims(tp=2).build())
-    checkpoint_io.load_model_weights(model, checkpoint_io.resolve_step_dir(folder))
+    checkpoint_io.load_model_weights(model, steps.resolve(folder))
     CheckpointManager({"model": ModelState(model)}, resaved).save(0, force=True)
     with torch.no_grad():
         return model(tokens())
@@ -158,7 +160,7 @@ def test_a_converted_checkpoint_loads_under_tp2_and_its_shards_convert_back(tmp_
     # The tp=2 save holds the sharded weights in two chunks each: assembled tensor by tensor.
     saved = read_metadata(resaved / "step_0").state_dict_metadata.values()
     assert any(len(getattr(meta, "chunks", ())) == 2 for meta in saved)
-    for name in (hf_io.MANIFEST_FILE, "config.json"):
+    for name in (checkpoint_io.MANIFEST_FILE, "config.json"):
         (resaved / name).write_text((ours / name).read_text())
     back = mindspeed_to_hf(resaved, tmp_path / "back")
     expected = dict(hf_io.iter_hf_tensors(src))

@@ -31,11 +31,13 @@ import torch
 from tqdm import tqdm
 
 from mindspeed_core.checkpoint import LATEST
+from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.distributed import setup_logging
-from mindspeed_core.errors import CheckpointError, ConfigError, ParallelError
+from mindspeed_core.errors import ConfigError, ParallelError
 from mindspeed_llm.models import TransformerConfig, hf_io
 from mindspeed_llm.models import checkpoint_io as ckpt
+from mindspeed_llm.models.loading import ModelSource, checkpoint_source
 from mindspeed_tools.dcp_stream import load_streaming, save_streaming
 
 logger = logging.getLogger("mindspeed.convert")
@@ -107,7 +109,7 @@ def hf_to_mindspeed(
             "source": str(Path(source).resolve()),
             "files": ["config.json", *copied],
         }
-        (tmp / hf_io.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     logger.info("wrote %s (%d tensors, layout tp=%d pp=%d ep=%d)", output, len(shapes), tp, pp, ep)
     return Path(output)
 
@@ -172,14 +174,8 @@ def mindspeed_to_hf(
     Raises:
         ConfigError / CheckpointError: the source is not a checkpoint or is incomplete.
     """
-    folder = hf_io.local_dir(source, "checkpoint")
-    if not ckpt.is_mindspeed_checkpoint(folder):
-        raise CheckpointError(
-            f"{folder} is not a MindSpeed checkpoint (no {hf_io.MANIFEST_FILE}, {LATEST} or "
-            ".metadata)"
-        )
-    config = ckpt.read_checkpoint_config(folder)
-    step_dir = ckpt.resolve_step_dir(folder)
+    model = checkpoint_source(source)
+    config, step_dir = model.config, model.weights
     stored = ckpt.tensor_metadata(step_dir)
     meta = {n: torch.empty(shape, dtype=d, device="meta") for n, (d, shape) in stored.items()}
     hf_shapes, renamed = hf_io.to_hf_plan(config, meta)
@@ -196,9 +192,7 @@ def mindspeed_to_hf(
     with _staging(output) as tmp:
         writers = {}
         for file, names in shards.items():
-            writers[file] = hf_io.SafetensorsWriter(
-                tmp / file, [e for e in entries if e[0] in names]
-            )
+            writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in names])
         where = {hf: file for file, names in shards.items() for hf in names}
 
         def write(hf: str, tensor: torch.Tensor) -> None:
@@ -223,7 +217,7 @@ def mindspeed_to_hf(
             writer.close()
         if len(shards) > 1:
             _write_index(tmp, writers, where)
-        _write_hf_config(folder, config, tmp, entries)
+        _write_hf_config(model, tmp, entries)
     logger.info("wrote %s (%d tensors in %d file(s))", output, len(entries), len(shards))
     return Path(output)
 
@@ -255,23 +249,21 @@ def _write_index(tmp: Path, writers, where: dict[str, str]) -> None:
     (tmp / hf_io.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_hf_config(folder: Path, config: TransformerConfig, tmp: Path, entries) -> None:
+def _write_hf_config(model: ModelSource, tmp: Path, entries) -> None:
     """config.json (the source's when it has one, else built from our config), plus the
     generation config and tokenizer files of the source when known."""
     dtypes = {str(d).removeprefix("torch.") for _, d, _ in entries if d.is_floating_point}
-    hf_dir = ckpt.hf_source_dir(folder)
-    if hf_dir is not None:
-        hf_config = json.loads((hf_dir / hf_io.CONFIG_FILE).read_text())
-        _copy_hf_files(hf_dir, tmp)
+    if model.hf_dir is not None:
+        hf_config = json.loads((model.hf_dir / hf_io.CONFIG_FILE).read_text())
+        _copy_hf_files(model.hf_dir, tmp)
     else:
-        hf_config = config.to_hf_dict()
+        hf_config = model.config.to_hf_dict()
     if len(dtypes) == 1:
         key = "dtype" if "dtype" in hf_config else "torch_dtype"
         hf_config[key] = dtypes.pop()
     (tmp / hf_io.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    tokenizer = ckpt.run_tokenizer(folder)
-    if tokenizer is not None and not any((tmp / n).is_file() for n in TOKENIZER_FILES):
-        _copy_tokenizer(tokenizer, tmp)
+    if not any((tmp / n).is_file() for n in TOKENIZER_FILES):
+        _copy_tokenizer(model.tokenizer, tmp)
     if not (tmp / "generation_config.json").is_file():
         generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config}
         (tmp / "generation_config.json").write_text(

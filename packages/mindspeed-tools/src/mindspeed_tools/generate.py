@@ -3,9 +3,10 @@
     mindspeed generate --model DIR "Once upon a time" "The capital of France is"
     mindspeed generate --model DIR --input prompts.jsonl --output out.jsonl --temperature 0.7
 
-DIR is a Hugging Face folder (config.json + safetensors + tokenizer) or a converted
-MindSpeed checkpoint. Defaults come from its generation_config.json when present (as in
-transformers: greedy unless it says do_sample); options on the command line win. Each
+DIR is a Hugging Face folder (config.json + safetensors + tokenizer), a converted
+MindSpeed checkpoint or a run's checkpoints (see `mindspeed_llm.models.loading`). Defaults
+come from the model's generation_config.json when present (as in transformers: greedy
+unless it says do_sample); options on the command line win. Each
 output line is `{"prompt", "completion", "token_ids", "finish_reason"}`, plus the other
 fields of a JSONL input record. `--output` appears only once complete.
 """
@@ -51,15 +52,13 @@ def load_generator(args: argparse.Namespace):
 
     from mindspeed_core import device as dev
     from mindspeed_llm.generation import Generator, load_generation_config
-    from mindspeed_llm.models import checkpoint_io
-    from mindspeed_llm.models.hf_io import load_model, local_dir, read_hf_config
+    from mindspeed_llm.models.loading import load_model, resolve_model_source
     from mindspeed_llm.tokenizer import load_tokenizer
 
-    folder = local_dir(args.model)
-    if not checkpoint_io.is_mindspeed_checkpoint(folder):
-        read_hf_config(folder)  # a folder that is no model fails here, before the tokenizer
+    # A folder that is no model fails here, before the tokenizer.
+    source = resolve_model_source(args.model)
     config = load_generation_config(
-        folder,
+        source.hf_dir,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -68,38 +67,18 @@ def load_generator(args: argparse.Namespace):
         stop_strings=tuple(args.stop) if args.stop else None,
         seed=args.seed,
     )
-    tokenizer = load_tokenizer(args.tokenizer or _tokenizer_of(folder))
+    tokenizer = load_tokenizer(args.tokenizer or source.tokenizer)
     device = dev.get_device(
         0, dev.detect_device_type(None if args.device == "auto" else args.device)
     )
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    model, model_config = load_model(folder, device=device, dtype=dtype[args.dtype])
+    model, model_config = load_model(source, device=device, dtype=dtype[args.dtype])
     if tokenizer.vocab_size > model_config.vocab_size:
         raise DataError(
             f"tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens but the model "
-            f"{folder} only {model_config.vocab_size}: not the model's tokenizer?"
+            f"{source.path} only {model_config.vocab_size}: not the model's tokenizer?"
         )
     return Generator(model, tokenizer, config)
-
-
-def _tokenizer_of(folder: Path) -> Path:
-    """The model folder, or for a trainer checkpoint without tokenizer files the tokenizer
-    its run trained with (`data.tokenizer` in the run's config.yaml, or the demo's)."""
-    from mindspeed_core.config import read_yaml
-    from mindspeed_llm.models import checkpoint_io
-
-    has_files = (folder / "tokenizer.json").is_file() or any(folder.glob("*.model"))
-    if has_files or not checkpoint_io.is_mindspeed_checkpoint(folder):
-        return folder
-    tokenizer = checkpoint_io.run_tokenizer(folder)
-    config_yaml = checkpoint_io.run_config_path(folder)
-    if tokenizer is None and config_yaml is not None:
-        data = read_yaml(config_yaml)[0].get("data") or {}
-        if not data.get("paths") and not data.get("tokenizer"):  # `mindspeed pretrain`'s demo
-            from mindspeed_llm.demo import cache_root, ensure_demo_data
-
-            tokenizer = ensure_demo_data(cache_root()).tokenizer
-    return tokenizer or folder
 
 
 def _parser() -> argparse.ArgumentParser:

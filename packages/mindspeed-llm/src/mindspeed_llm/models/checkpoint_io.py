@@ -12,6 +12,9 @@ Two kinds of folders hold a model's DCP checkpoint:
 - a trainer run: `<run>/checkpoints/step_<N>/` and `<run>/checkpoints/latest`, with the
   model section in `<run>/config.yaml`.
 
+Step folders and `latest` are named as `mindspeed_core.checkpoint.steps` parses them;
+`models.loading` decides once which kind a folder is and loads its model.
+
 DCP keeps each tensor under its fully-qualified name with its global shape, whatever the
 layout it was saved from, so one checkpoint loads under any tp/pp/ep layout.
 """
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,17 +33,18 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from mindspeed_core.checkpoint import LATEST, ModelState
+from mindspeed_core.checkpoint.steps import checkpoint_root, parse_step
 from mindspeed_core.checkpoint.verify import check_files, check_states, read_metadata
 from mindspeed_core.errors import CheckpointError, ConfigError
 from mindspeed_llm.models.config import TransformerConfig
-from mindspeed_llm.models.hf_io import CONFIG_FILE, MANIFEST_FILE, read_hf_config
+from mindspeed_llm.models.hf_io import CONFIG_FILE, read_hf_config
 from mindspeed_llm.models.registry import build_model_config
 
 MODEL_KEY = "model"
 """The name the trainer (and convert) give the model state inside a checkpoint."""
+MANIFEST_FILE = "mindspeed_manifest.json"
 MANIFEST_FORMAT = "mindspeed-checkpoint"
 MANIFEST_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def is_mindspeed_checkpoint(folder: Path) -> bool:
@@ -49,30 +52,8 @@ def is_mindspeed_checkpoint(folder: Path) -> bool:
     return (
         (folder / MANIFEST_FILE).is_file()
         or (folder / LATEST).is_file()
-        or (bool(_STEP_DIR.match(folder.name)) and (folder / ".metadata").is_file())
+        or (parse_step(folder) is not None and (folder / ".metadata").is_file())
     )
-
-
-def resolve_step_dir(folder: Path) -> Path:
-    """The DCP folder to read: `folder` itself when it is a step_<N>, else what `latest` names.
-
-    Raises:
-        CheckpointError: no `latest` pointer, or it names a missing folder.
-    """
-    if _STEP_DIR.match(folder.name):
-        return folder
-    pointer = folder / LATEST
-    if not pointer.is_file():
-        raise CheckpointError(f"checkpoint folder {folder} has no {LATEST} pointer")
-    step = folder / pointer.read_text().strip()
-    if not _STEP_DIR.match(step.name) or not step.is_dir():
-        raise CheckpointError(f"{pointer} names {step.name!r}, which is not a step folder here")
-    return step
-
-
-def checkpoint_root(folder: Path) -> Path:
-    """The folder that holds `latest` and the step folders."""
-    return folder.parent if _STEP_DIR.match(folder.name) else folder
 
 
 def read_manifest(root: Path) -> dict[str, Any] | None:

@@ -1,68 +1,37 @@
-"""Read Hugging Face model folders and converted MindSpeed checkpoints, tensor by tensor.
+"""Read Hugging Face model folders tensor by tensor, under our names.
 
 A Hugging Face folder holds `config.json` and `model.safetensors` (or shards
-`model-0000k-of-0000n.safetensors` listed in `model.safetensors.index.json`). We read the
-safetensors headers ourselves first, so a truncated or corrupt file is reported by name
-before any tensor is read, and then read one tensor at a time: peak memory stays near the
-largest tensor, not the model.
+`model-0000k-of-0000n.safetensors` listed in `model.safetensors.index.json`). Every file's
+safetensors header is checked first (`mindspeed_core.checkpoint.safetensors`), so a
+truncated or corrupt file is reported by name before any tensor is read; then tensors are
+read one at a time: peak memory stays near the largest tensor, not the model. The family's
+`hf_adapter` maps the names both ways.
 
-A converted MindSpeed checkpoint (written by `mindspeed convert --to mindspeed`) is a
-folder with `mindspeed_manifest.json`, the Hugging Face `config.json` it came from, and a
-DCP checkpoint `step_0/` with a `latest` pointer; a trainer's checkpoint folder
-(`<run>/checkpoints` or one `step_<N>` in it) is read with the run's `config.yaml`.
-
-Nothing here downloads: a Hub name such as `org/model` gets an error asking for a local path.
+Loading a whole model (from this or a MindSpeed checkpoint) is `models.loading`. Nothing
+here downloads: a Hub name such as `org/model` gets an error asking for a local path.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
-import struct
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
 
+from mindspeed_core.checkpoint.safetensors import TensorInfo, read_safetensors_header, read_tensor
 from mindspeed_core.errors import CheckpointError, ConfigError
-from mindspeed_llm.models.config import HF_MODEL_TYPES, TransformerConfig
+from mindspeed_llm.models.config import TransformerConfig
+from mindspeed_llm.models.hf_format import model_types
 from mindspeed_llm.models.registry import get_model_spec
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-MANIFEST_FILE = "mindspeed_manifest.json"
-# safetensors dtype names <-> torch dtypes (those a checkpoint of ours can hold).
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_MAX_HEADER = 100 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor of a safetensors checkpoint lives, from the file header."""
-
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    """Byte offset of the data from the start of the file."""
-    nbytes: int
 
 
 # -- paths --------------------------------------------------------------------------------
@@ -115,11 +84,11 @@ def read_hf_config(path: str | Path, **overrides: Any) -> TransformerConfig:
     if not isinstance(hf, dict):
         raise ConfigError(f"{config_path} must hold a JSON object")
     model_type = hf.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
+    if model_type not in model_types():
         arch = ", ".join(hf.get("architectures") or []) or "none given"
         raise ConfigError(
             f"{config_path}: model_type={model_type!r} (architectures: {arch}) is not "
-            f"supported; supported model types: {', '.join(sorted(HF_MODEL_TYPES))}"
+            f"supported; supported model types: {', '.join(model_types())}"
         )
     try:
         config = TransformerConfig.from_hf(hf, **overrides)
@@ -176,116 +145,6 @@ def iter_hf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         with open(file, "rb") as f:
             for name in names:
                 yield name, read_tensor(index[name], f)
-
-
-def read_tensor(info: TensorInfo, f: BinaryIO | None = None) -> torch.Tensor:
-    """One tensor of a safetensors file, read straight into fresh memory (no mmap, so the
-    process holds only the tensors it keeps)."""
-    if f is None:
-        with open(info.file, "rb") as own:
-            return read_tensor(info, own)
-    tensor = torch.empty(info.shape, dtype=info.dtype)
-    f.seek(info.offset)
-    view = tensor.reshape(-1).view(torch.uint8).numpy()
-    if f.readinto(view) != info.nbytes:
-        raise CheckpointError(f"safetensors file {info.file} is truncated")
-    return tensor
-
-
-def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
-    """Name -> `TensorInfo` from a safetensors header, checking sizes against the file's.
-
-    Raises:
-        CheckpointError: the file is missing, truncated or its header is corrupt.
-    """
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"safetensors file {file} is truncated ({size} bytes)")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > min(_MAX_HEADER, size - 8):
-                raise CheckpointError(
-                    f"safetensors file {file} is truncated or corrupt (header of {header_len} "
-                    f"bytes in a file of {size})"
-                )
-            header = json.loads(f.read(header_len))
-    except FileNotFoundError:
-        raise CheckpointError(f"safetensors file {file} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"safetensors file {file} has a corrupt header: {err}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"safetensors file {file} has a corrupt header")
-    header.pop("__metadata__", None)
-    out = {}
-    for name, entry in header.items():
-        try:
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            start, stop = (int(o) for o in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(
-                f"safetensors file {file}: tensor {name} has an unsupported or corrupt entry "
-                f"{entry!r}"
-            ) from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if stop - start != nbytes or start < 0:
-            raise CheckpointError(f"safetensors file {file}: tensor {name} has corrupt offsets")
-        if 8 + header_len + stop > size:
-            raise CheckpointError(
-                f"safetensors file {file} is truncated ({size} bytes; tensor {name} ends at "
-                f"{8 + header_len + stop})"
-            )
-        out[name] = TensorInfo(file, dtype, shape, 8 + header_len + start, nbytes)
-    return out
-
-
-class SafetensorsWriter:
-    """Writes one safetensors file whose tensors arrive one at a time, in any order.
-
-    The header (names, dtypes, shapes, offsets) is written up front from `entries`, so
-    each tensor goes straight to its place and is dropped: memory stays at one tensor.
-    """
-
-    def __init__(self, file: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
-        to_name = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        self.offsets: dict[str, tuple[int, int]] = {}
-        end = 0
-        for name, dtype, shape in entries:
-            nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {
-                "dtype": to_name[dtype],
-                "shape": list(shape),
-                "data_offsets": [end, end + nbytes],
-            }
-            self.offsets[name] = (end, nbytes)
-            end += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-        self.data_start = 8 + len(raw)
-        self.size = end
-        self.file = file
-        self._f = open(file, "wb")  # noqa: SIM115 (closed by close())
-        self._f.write(struct.pack("<Q", len(raw)) + raw)
-        self._f.truncate(self.data_start + end)
-        self._pending = set(self.offsets)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        start, nbytes = self.offsets[name]
-        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        assert data.numel() == nbytes, (name, data.numel(), nbytes)
-        self._f.seek(self.data_start + start)
-        self._f.write(data.numpy().data)
-        self._pending.discard(name)
-
-    def close(self, check: bool = True) -> None:
-        """Close the file; with `check`, every tensor must have been written (else an
-        internal error). `check=False` after a failure, whose output is discarded anyway."""
-        self._f.close()
-        if check:
-            assert not self._pending, f"{self.file}: never written: {sorted(self._pending)[:5]}"
 
 
 def _files_from_index(index_path: Path) -> list[Path]:
@@ -415,47 +274,6 @@ def to_hf_one(
     return {hf: t for hf, t in adapter.to_hf(probe, config).items() if not t.is_meta}
 
 
-# -- loading a model ----------------------------------------------------------------------
-
-
-def load_model(
-    path: str | Path,
-    *,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
-    **overrides: Any,
-) -> tuple[nn.Module, TransformerConfig]:
-    """Build a model and load its weights from a Hugging Face folder or a MindSpeed checkpoint.
-
-    Args:
-        path: a Hugging Face folder (config.json + safetensors), a converted MindSpeed
-            checkpoint (with mindspeed_manifest.json), or a trainer checkpoint folder
-            (`<run>/checkpoints` or a `step_<N>` in it).
-        device: where the model lives.
-        dtype: parameter dtype; None keeps the stored one (`config.dtype` when the source
-            names it, else float32).
-        overrides: fields of `TransformerConfig` (e.g. `ops_impl="reference"`).
-
-    Returns:
-        (model in eval mode, its config).
-
-    Raises:
-        ConfigError / CheckpointError: see `read_hf_config`, `hf_tensor_index`.
-    """
-    from mindspeed_llm.models import checkpoint_io
-
-    folder = local_dir(path)
-    if checkpoint_io.is_mindspeed_checkpoint(folder):
-        config = checkpoint_io.read_checkpoint_config(folder, **overrides)
-        model = _empty_model(config, device, dtype)
-        checkpoint_io.load_model_weights(model, checkpoint_io.resolve_step_dir(folder))
-        return model.eval(), config
-    config = read_hf_config(folder, **overrides)
-    model = _empty_model(config, device, dtype)
-    load_hf_weights(model, folder, config)
-    return model.eval(), config
-
-
 def load_hf_weights(model: nn.Module, path: str | Path, config: TransformerConfig) -> None:
     """Copy the weights of Hugging Face folder `path` into `model` (plain tensors), one at a time.
 
@@ -476,20 +294,3 @@ def load_hf_weights(model: nn.Module, path: str | Path, config: TransformerConfi
                     f"{tuple(target.shape)} in the model"
                 )
             target.copy_(tensor)
-
-
-def _empty_model(
-    config: TransformerConfig, device: str | torch.device, dtype: torch.dtype | None
-) -> nn.Module:
-    """The family's model, materialised on `device` (weights to be overwritten)."""
-    spec = get_model_spec(config.family)
-    if dtype is None and config.dtype is not None:
-        dtype = getattr(torch, config.dtype, None)
-    with torch.device("meta"):
-        model = spec.build(config)
-    if dtype is not None:
-        model.to(dtype)
-    model.to_empty(device=device)
-    # Recomputes the RoPE tables (in fp32, whatever `dtype`); the weights are replaced.
-    model.init_weights(buffer_device=torch.device(device))
-    return model
