@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from mindspeed_core.errors import DataError
+from mindspeed_core.parallel import dtensor
 from mindspeed_llm.generation.config import GenerationConfig
 from mindspeed_llm.generation.kv_cache import KVCache
 from mindspeed_llm.generation.sampling import next_tokens
@@ -76,7 +77,7 @@ class TokenSteps:
                 f"{context} positions"
             )
         self.max_new_tokens = min(config.max_new_tokens, context - longest)
-        self.device = _local(model.tok_embeddings.weight).device
+        self.device = dtensor.local(model.tok_embeddings.weight).device
         self._stop_ids = frozenset(config.stop_token_ids)
         self._cache: KVCache | None = None
         self._positions: Tensor | None = None
@@ -150,12 +151,12 @@ class TokenSteps:
         ends = lengths.cumsum(0)
         cu_seqlens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
         tokens = torch.tensor([t for r in rows for t in r], device=self.device)[None, :]
-        logits = _full(self.model(tokens, cu_seqlens=cu_seqlens))
+        logits = dtensor.full(self.model(tokens, cu_seqlens=cu_seqlens))
         return logits[0, ends - 1]
 
     @staticmethod
     def _last_logits(logits: Tensor) -> Tensor:
-        return _full(logits)[:, -1]
+        return dtensor.full(logits)[:, -1]
 
 
 def _checked_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
@@ -175,14 +176,6 @@ def _checked_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[
             )
         checked.append(ids)
     return checked
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _full(t: Tensor) -> Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _shared_seed(model: nn.Module, seed: int | None) -> int:

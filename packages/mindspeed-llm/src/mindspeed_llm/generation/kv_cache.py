@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+
+from mindspeed_core.parallel import dtensor
 
 
 class KVCache:
@@ -51,7 +52,7 @@ class KVCache:
         """A cache shaped for `model` (a `Transformer`, whole or tensor parallel)."""
         config = model.config
         weight = next(iter(model.layers.values())).attention.wk.weight
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        local = dtensor.local(weight)
         return cls(
             num_layers=config.num_layers,
             batch=batch,

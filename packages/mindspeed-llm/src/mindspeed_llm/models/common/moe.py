@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
+from mindspeed_core.parallel import dtensor
 from mindspeed_core.training import dense_params, moe_active_params
 from mindspeed_llm.models.common.feed_forward import FeedForward
 from mindspeed_llm.models.config import TransformerConfig
@@ -115,7 +115,7 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         # Under expert parallel without FSDP of the experts nothing casts their weights
         # to the compute dtype (bf16 runs), so do it here; a no-op otherwise.
-        w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (dtensor.local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         counts = num_tokens_per_expert
         gate = grouped_matmul(x, w1, counts, impl=self.impl)
         up = grouped_matmul(x, w3, counts, impl=self.impl)
@@ -284,7 +284,3 @@ def active_params(model: nn.Module) -> int:
     first = next(iter(layers))
     experts = sum(p.numel() for m in layers for p in m.experts.parameters())
     return moe_active_params(total, experts, first.num_experts, first.top_k)
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
