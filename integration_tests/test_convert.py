@@ -2,61 +2,34 @@
 --model.hf_path` converts back to a folder transformers loads, and the real command turns
 bad input into one line and exit code 2, leaving nothing behind."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from mindspeed_core.testing import import_sibling
-from mindspeed_core.training import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 models_hf = import_sibling(str(ROOT / "packages/mindspeed-llm/tests/conftest.py"), "models_hf")
 pytestmark = pytest.mark.distributed
-MINDSPEED = Path(sys.executable).with_name("mindspeed")
-
-
-def _env(tmp_path: Path) -> dict:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MINDSPEED_DEVICE": "cpu",
-        "MINDSPEED_CACHE": str(tmp_path / "cache"),
-    }
-
-
-def _convert(tmp_path, *args) -> subprocess.CompletedProcess:
-    cmd = [str(MINDSPEED), "convert", *map(str, args)]
-    return subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
-
-
-def _pretrain(tmp_path: Path, run: Path, *args: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["-m", "mindspeed_llm.pretrain", "--train.steps=3", "--train.micro_batch=2"]
-    cmd += ["--train.global_batch=4", "--data.seq_len=32", "--optim.warmup_steps=0"]
-    cmd += ["--train.eval_interval=0", "--logging.progress=false", "--logging.tensorboard=false"]
-    cmd += ["--logging.log_interval=1", f"--logging.run_dir={run}", *args]
-    done = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return read_metrics(run / "metrics.jsonl")
+# 3 steps of 2 x 2 sequences of 32 tokens, no warmup, no validation
+SHORT = ["--train.steps=3", "--train.global_batch=4", "--data.seq_len=32"]
+SHORT += ["--optim.warmup_steps=0", "--train.eval_interval=0"]
 
 
 @pytest.mark.slow
-def test_tp2_and_fsdp_runs_start_from_hf_weights_and_convert_back(tmp_path):
+def test_tp2_and_fsdp_runs_start_from_hf_weights_and_convert_back(torchrun, mindspeed, tmp_path):
     """tp=2 from `model.hf_path`, FSDP over 2 ranks from the converted checkpoint: the same
     step-1 loss (the HF model's), and each run's checkpoint converts back to transformers."""
     import transformers
 
-    from mindspeed_llm.models.hf_io import load_model
+    from mindspeed_llm.models.loading import load_model
 
     hf = models_hf.make_hf("llama")
     hf.save_pretrained(tmp_path / "hf")
     ours = tmp_path / "ours"
-    done = _convert(
-        tmp_path, "--input", tmp_path / "hf", "--output", ours, "--to", "mindspeed", "--tp", "2"
+    done = mindspeed(
+        "convert", "--input", tmp_path / "hf", "--output", ours, "--to", "mindspeed", "--tp", "2"
     )
     assert done.returncode == 0, done.stderr[-3000:]
     layouts = {
@@ -71,11 +44,11 @@ def test_tp2_and_fsdp_runs_start_from_hf_weights_and_convert_back(tmp_path):
     ids = models_hf.tokens()
     for name, args in layouts.items():
         run = tmp_path / name
-        records = _pretrain(tmp_path, run, *args)
+        records = torchrun(2, run, *SHORT, *args)
         assert [r["step"] for r in records] == [1, 2, 3]
         first[name] = records[0]["loss"]
         back = tmp_path / f"{name}-hf"
-        done = _convert(tmp_path, "--input", run / "checkpoints", "--output", back, "--to", "hf")
+        done = mindspeed("convert", "--input", run / "checkpoints", "--output", back, "--to", "hf")
         assert done.returncode == 0, done.stderr[-3000:]
         trained, _ = load_model(run / "checkpoints")
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(
@@ -95,7 +68,7 @@ def test_tp2_and_fsdp_runs_start_from_hf_weights_and_convert_back(tmp_path):
         ("truncated", ["model.safetensors is truncated"]),
     ],
 )
-def test_the_command_reports_bad_input_on_one_line(tmp_path, case, fragments):
+def test_the_command_reports_bad_input_on_one_line(mindspeed, tmp_path, case, fragments):
     if case == "hub":
         source = "meta-llama/Llama-3.2-1B"
     else:
@@ -103,7 +76,9 @@ def test_the_command_reports_bad_input_on_one_line(tmp_path, case, fragments):
         models_hf.make_hf("llama").save_pretrained(source)
         file = source / "model.safetensors"
         file.write_bytes(file.read_bytes()[:-10])
-    done = _convert(tmp_path, "--input", source, "--output", tmp_path / "out", "--to", "mindspeed")
+    done = mindspeed(
+        "convert", "--input", source, "--output", tmp_path / "out", "--to", "mindspeed"
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr

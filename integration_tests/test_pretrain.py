@@ -2,59 +2,18 @@
 
 Runs the real entry point with torchrun on CPU (gloo) and compares the losses the
 runs write to metrics.jsonl. The demo corpus is built once per session into a
-temporary cache.
+temporary cache (conftest.py).
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from mindspeed_core.training import read_metrics
-
 pytestmark = pytest.mark.distributed
 RTOL = 1e-4  # fp32; different layouts reduce in different orders
-STEPS = 20
-COMMON = [
-    f"--train.steps={STEPS}",
-    "--train.micro_batch=2",
-    "--train.global_batch=8",
-    "--data.seq_len=64",
-    "--optim.warmup_steps=2",
-    "--train.eval_interval=10",
-    "--train.eval_batches=2",
-    "--logging.log_interval=1",
-    "--logging.progress=false",
-    "--logging.tensorboard=false",
-    "--checkpoint.interval=0",
-]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("mindspeed-cache")
-
-
-def _env(cache: Path) -> dict:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MINDSPEED_DEVICE": "cpu",
-        "MINDSPEED_CACHE": str(cache),
-    }
-
-
-def _torchrun(cache: Path, nproc: int, run_dir: Path, *args: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc-per-node={nproc}", "-m", "mindspeed_llm.pretrain"]
-    cmd += [*COMMON, f"--logging.run_dir={run_dir}", *args]
-    done = subprocess.run(cmd, env=_env(cache), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return read_metrics(run_dir / "metrics.jsonl")
+STEPS = 20  # conftest's PRETRAIN_ARGS: 20 steps, validation at 10 and 20
 
 
 def _losses(records, key="loss"):
@@ -67,10 +26,10 @@ def _assert_close(got: dict, want: dict, steps):
 
 
 @pytest.fixture(scope="module")
-def straight(cache, tmp_path_factory):
+def straight(torchrun, tmp_path_factory):
     """One process, 20 steps without interruption: the reference."""
     run = tmp_path_factory.mktemp("straight")
-    records = _torchrun(cache, 1, run)
+    records = torchrun(1, run)
     return run, records
 
 
@@ -95,22 +54,22 @@ def test_the_straight_run_learns_and_fills_its_run_directory(straight):
     ],
     ids=["tp2", "dp_shard2", "tp2_dp_shard2"],
 )
-def test_layouts_give_the_losses_of_one_process(straight, cache, tmp_path, nproc, layout):
-    records = _torchrun(cache, nproc, tmp_path / "run", *layout)
+def test_layouts_give_the_losses_of_one_process(straight, torchrun, tmp_path, nproc, layout):
+    records = torchrun(nproc, tmp_path / "run", *layout)
     _assert_close(_losses(records), _losses(straight[1]), range(1, STEPS + 1))
     _assert_close(_losses(records, "valid_loss"), _losses(straight[1], "valid_loss"), (10, 20))
 
 
-def test_resume_continues_exactly_in_the_same_and_another_layout(straight, cache, tmp_path):
+def test_resume_continues_exactly_in_the_same_and_another_layout(straight, torchrun, tmp_path):
     run = tmp_path / "run"
-    first = _torchrun(cache, 1, run, "--train.exit_at_step=10")
+    first = torchrun(1, run, "--train.exit_at_step=10")
     assert max(_losses(first)) == 10
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_10"
     other = tmp_path / "other"  # a new run in another layout, starting from that checkpoint
-    resumed_elsewhere = _torchrun(
-        cache, 2, other, "--parallel.tp=2", f"--checkpoint.load={run / 'checkpoints' / 'step_10'}"
+    resumed_elsewhere = torchrun(
+        2, other, "--parallel.tp=2", f"--checkpoint.load={run / 'checkpoints' / 'step_10'}"
     )
-    resumed = _torchrun(cache, 1, run)  # the same run again: picks up checkpoints/latest
+    resumed = torchrun(1, run)  # the same run again: picks up checkpoints/latest
     want = _losses(straight[1])
     _assert_close(_losses(resumed), want, range(1, STEPS + 1))
     _assert_close(_losses(resumed_elsewhere), want, range(11, STEPS + 1))
@@ -118,12 +77,6 @@ def test_resume_continues_exactly_in_the_same_and_another_layout(straight, cache
 
 
 # -- bad input: one line, exit code 2, nothing written ---------------------------------
-
-
-def _cli(cache: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).with_name("mindspeed")
-    cmd = [str(exe), "pretrain", *COMMON, f"--logging.run_dir={tmp_path / 'run'}", *args]
-    return subprocess.run(cmd, env=_env(cache), capture_output=True, text=True, timeout=120)
 
 
 def _assert_user_error(done, *fragments, tmp_path):
@@ -150,9 +103,11 @@ def _copy_dataset(demo, tmp_path) -> Path:
     return prefix
 
 
-def test_a_missing_data_path_is_named(cache, tmp_path, demo):
+def test_a_missing_data_path_is_named(pretrain_cli, tmp_path, demo):
     missing = tmp_path / "nowhere" / "corpus"
-    done = _cli(cache, tmp_path, f"--data.paths=[{missing}]", f"--data.tokenizer={demo[0]}")
+    done = pretrain_cli(
+        tmp_path / "run", f"--data.paths=[{missing}]", f"--data.tokenizer={demo[0]}"
+    )
     _assert_user_error(done, str(missing), tmp_path=tmp_path)
 
 
@@ -168,26 +123,26 @@ def test_a_missing_data_path_is_named(cache, tmp_path, demo):
     ],
     ids=["bad_magic", "truncated_idx", "short_bin"],
 )
-def test_a_damaged_dataset_is_named(cache, tmp_path, demo, damage, fragment):
+def test_a_damaged_dataset_is_named(pretrain_cli, tmp_path, demo, damage, fragment):
     prefix = _copy_dataset(demo, tmp_path)
     damage(prefix)
-    done = _cli(cache, tmp_path, f"--data.paths=[{prefix}]", f"--data.tokenizer={demo[0]}")
+    done = pretrain_cli(tmp_path / "run", f"--data.paths=[{prefix}]", f"--data.tokenizer={demo[0]}")
     _assert_user_error(done, f"{prefix}{fragment}", tmp_path=tmp_path)
 
 
-def test_configuration_mistakes_are_named(cache, tmp_path, demo):
-    done = _cli(cache, tmp_path, "--train.global_batch=7")
+def test_configuration_mistakes_are_named(pretrain_cli, tmp_path, demo):
+    done = pretrain_cli(tmp_path / "run", "--train.global_batch=7")
     _assert_user_error(done, "train.global_batch=7 is not divisible", tmp_path=tmp_path)
     empty = tmp_path / "no-checkpoints"
-    done = _cli(cache, tmp_path, f"--checkpoint.load={empty}")
+    done = pretrain_cli(tmp_path / "run", f"--checkpoint.load={empty}")
     _assert_user_error(done, f"checkpoint.load={empty} holds no checkpoint", tmp_path=tmp_path)
-    done = _cli(cache, tmp_path, "--data.seq_len=100000")
+    done = pretrain_cli(tmp_path / "run", "--data.seq_len=100000")
     _assert_user_error(
         done, "data.seq_len=100000 exceeds", "max_position_embeddings", tmp_path=tmp_path
     )
 
 
-def test_a_tokenizer_larger_than_the_model_is_refused(cache, tmp_path, demo):
+def test_a_tokenizer_larger_than_the_model_is_refused(pretrain_cli, tmp_path, demo):
     config = tmp_path / "small" / "config.json"  # a Hugging Face config with 256 tokens
     config.parent.mkdir()
     config.write_text(
@@ -204,21 +159,15 @@ def test_a_tokenizer_larger_than_the_model_is_refused(cache, tmp_path, demo):
             }
         )
     )
-    done = _cli(cache, tmp_path, f"--model.hf_config={config.parent}")
+    done = pretrain_cli(tmp_path / "run", f"--model.hf_config={config.parent}")
     _assert_user_error(done, str(demo[0]), "512 tokens", "vocab_size is 256", tmp_path=tmp_path)
 
 
-def test_the_demo_checkpoint_generates(straight, cache):
+def test_the_demo_checkpoint_generates(straight, mindspeed):
     """`mindspeed generate` on a demo run's checkpoints finds the demo tokenizer itself."""
     run, _ = straight
-    exe = Path(sys.executable).with_name("mindspeed")
-    cmd = [str(exe), "generate", "--model", str(run / "checkpoints"), "alice had"]
-    done = subprocess.run(
-        [*cmd, "--max-new-tokens", "8"],
-        env=_env(cache),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done = mindspeed(
+        "generate", "--model", run / "checkpoints", "alice had", "--max-new-tokens", "8"
     )
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(done.stdout)

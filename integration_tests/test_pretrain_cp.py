@@ -14,13 +14,8 @@ SHORT = [f"--train.steps={STEPS}", "--train.eval_interval=3"]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("mindspeed-cache")
-
-
-@pytest.fixture(scope="module")
-def one_process(cache, tmp_path_factory):
-    return pretrain._torchrun(cache, 1, tmp_path_factory.mktemp("one"), *SHORT)
+def one_process(torchrun, tmp_path_factory):
+    return torchrun(1, tmp_path_factory.mktemp("one"), *SHORT)
 
 
 _SLOW = pytest.mark.slow  # four processes: CI runs them while its time budget holds
@@ -45,8 +40,8 @@ _SLOW = pytest.mark.slow  # four processes: CI runs them while its time budget h
     ],
     ids=["ring", "ulysses", "hybrid_2x2", "dp_shard2_cp2", "tp2_sp_loss_parallel_cp2"],
 )
-def test_cp_gives_the_losses_of_one_process(one_process, cache, tmp_path, nproc, layout):
-    records = pretrain._torchrun(cache, nproc, tmp_path / "run", *SHORT, *layout)
+def test_cp_gives_the_losses_of_one_process(one_process, torchrun, tmp_path, nproc, layout):
+    records = torchrun(nproc, tmp_path / "run", *SHORT, *layout)
     want = pretrain._losses(one_process)
     assert sorted(want) == list(range(1, STEPS + 1))
     pretrain._assert_close(pretrain._losses(records), want, range(1, STEPS + 1))
@@ -73,6 +68,6 @@ def test_cp_gives_the_losses_of_one_process(one_process, cache, tmp_path, nproc,
     ],
     ids=["seq_len", "heads", "ulysses_degree", "window"],
 )
-def test_bad_context_parallel_layouts_are_one_line(cache, tmp_path, args, fragments):
-    done = pretrain._cli(cache, tmp_path, *args)
+def test_bad_context_parallel_layouts_are_one_line(pretrain_cli, tmp_path, args, fragments):
+    done = pretrain_cli(tmp_path / "run", *args)
     pretrain._assert_user_error(done, *fragments, tmp_path=tmp_path)

@@ -6,53 +6,27 @@ shorter run: 6 steps of 4 micro-batches, validation at steps 3 and 6.
 """
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from mindspeed_core.testing import import_sibling
-from mindspeed_core.training import read_metrics
 
 pretrain = import_sibling(__file__, "test_pretrain")
 pytestmark = pytest.mark.distributed
 STEPS = 6
-ARGS = [
-    f"--train.steps={STEPS}",
-    "--train.micro_batch=2",
-    "--train.global_batch=8",
-    "--data.seq_len=64",
-    "--optim.warmup_steps=2",
-    "--train.eval_interval=3",
-    "--train.eval_batches=2",
-    "--logging.log_interval=1",
-    "--logging.progress=false",
-    "--logging.tensorboard=false",
-    "--checkpoint.interval=0",
-]
+SHORT = [f"--train.steps={STEPS}", "--train.eval_interval=3"]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("mindspeed-cache")
-
-
-def _torchrun(cache: Path, nproc: int, run_dir: Path, *args: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc-per-node={nproc}", "-m", "mindspeed_llm.pretrain"]
-    cmd += [*ARGS, f"--logging.run_dir={run_dir}", *args]
-    done = subprocess.run(
-        cmd, env=pretrain._env(cache), capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return read_metrics(run_dir / "metrics.jsonl")
+def pp_run(torchrun):
+    """`pp_run(nproc, run_dir, *args)`: the short run of this file."""
+    return lambda nproc, run_dir, *args: torchrun(nproc, run_dir, *SHORT, *args)
 
 
 @pytest.fixture(scope="module")
-def straight(cache, tmp_path_factory):
+def straight(pp_run, tmp_path_factory):
     """One process, uninterrupted: the reference."""
-    return _torchrun(cache, 1, tmp_path_factory.mktemp("straight"))
+    return pp_run(1, tmp_path_factory.mktemp("straight"))
 
 
 def _assert_same_run(records, reference, steps=range(1, STEPS + 1)):
@@ -75,36 +49,20 @@ def _assert_same_run(records, reference, steps=range(1, STEPS + 1)):
     ],
     ids=["pp2_1f1b", "pp2_gpipe_8_microbatches", "pp2_dp_shard2"],
 )
-def test_pipeline_gives_the_losses_of_one_process(straight, cache, tmp_path, nproc, layout):
-    _assert_same_run(_torchrun(cache, nproc, tmp_path / "run", *layout), straight)
+def test_pipeline_gives_the_losses_of_one_process(straight, pp_run, tmp_path, nproc, layout):
+    _assert_same_run(pp_run(nproc, tmp_path / "run", *layout), straight)
 
 
-def test_a_pp2_checkpoint_resumes_in_one_process(straight, cache, tmp_path):
+def test_a_pp2_checkpoint_resumes_in_one_process(
+    straight, pp_run, converts_to_transformers, tmp_path
+):
+    """... and converts to transformers: both stages' weights are in the checkpoint."""
     run = tmp_path / "pp2"
-    first = _torchrun(cache, 2, run, "--parallel.pp=2", "--train.exit_at_step=3")
+    first = pp_run(2, run, "--parallel.pp=2", "--train.exit_at_step=3")
     _assert_same_run(first, straight, range(1, 4))
-    resumed = _torchrun(
-        cache, 1, tmp_path / "one", f"--checkpoint.load={run / 'checkpoints' / 'step_3'}"
-    )
+    resumed = pp_run(1, tmp_path / "one", f"--checkpoint.load={run / 'checkpoints' / 'step_3'}")
     _assert_same_run(resumed, straight, range(4, STEPS + 1))
-    _assert_converts_to_transformers(run / "checkpoints" / "step_3", tmp_path / "hf")
-
-
-def _assert_converts_to_transformers(step_dir: Path, out: Path) -> None:
-    """Both stages' weights are in the checkpoint: `mindspeed convert --to hf` gives a
-    model transformers loads with our logits."""
-    import torch
-    import transformers
-
-    from mindspeed_llm.models.hf_io import load_model
-    from mindspeed_tools.convert import mindspeed_to_hf
-
-    mindspeed_to_hf(step_dir, out, dtype=torch.float32)
-    ours, config = load_model(step_dir)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
-    ids = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=1e-5, rtol=0)
+    converts_to_transformers(run / "checkpoints" / "step_3", tmp_path / "hf")
 
 
 @pytest.mark.parametrize(
@@ -138,25 +96,21 @@ def _assert_converts_to_transformers(step_dir: Path, out: Path) -> None:
         "zero_bubble_with_recompute",
     ],
 )
-def test_bad_pipeline_settings_are_one_line(cache, tmp_path, args, fragments):
-    exe = Path(sys.executable).with_name("mindspeed")
-    cmd = [str(exe), "pretrain", *ARGS, f"--logging.run_dir={tmp_path / 'run'}", *args]
-    done = subprocess.run(
-        cmd, env=pretrain._env(cache), capture_output=True, text=True, timeout=300
-    )
+def test_bad_pipeline_settings_are_one_line(pretrain_cli, tmp_path, args, fragments):
+    done = pretrain_cli(tmp_path / "run", *SHORT, *args)
     pretrain._assert_user_error(done, *fragments, tmp_path=tmp_path)
 
 
 @pytest.mark.slow
-def test_fp16_pipeline_gives_the_losses_of_one_process(cache, tmp_path):
+def test_fp16_pipeline_gives_the_losses_of_one_process(pp_run, tmp_path):
     """Autocast and loss scaling through the schedule: the loss reported is unscaled."""
-    one = _torchrun(cache, 1, tmp_path / "one", "--train.precision=fp16")
-    pp2 = _torchrun(cache, 2, tmp_path / "pp2", "--train.precision=fp16", "--parallel.pp=2")
+    one = pp_run(1, tmp_path / "one", "--train.precision=fp16")
+    pp2 = pp_run(2, tmp_path / "pp2", "--train.precision=fp16", "--parallel.pp=2")
     _assert_same_run(pp2, one)
 
 
 @pytest.mark.slow
-def test_interleaved_virtual_stages_with_an_uneven_split(cache, tmp_path):
+def test_interleaved_virtual_stages_with_an_uneven_split(pp_run, tmp_path):
     """4 layers on 4 stages of 2 ranks, split 2 + 1 + 1 + 0 (the last holds only the head)."""
     config = tmp_path / "four" / "config.json"
     config.parent.mkdir()
@@ -175,11 +129,11 @@ def test_interleaved_virtual_stages_with_an_uneven_split(cache, tmp_path):
         )
     )
     model = f"--model.hf_config={config.parent}"
-    one = _torchrun(cache, 1, tmp_path / "one", model)
+    one = pp_run(1, tmp_path / "one", model)
     layout = [
         "--parallel.pp=2",
         "--parallel.pp_schedule=Interleaved1F1B",
         "--parallel.virtual_stages=2",
         "--parallel.layers_per_stage=[2,1,1,0]",
     ]
-    _assert_same_run(_torchrun(cache, 2, tmp_path / "pp2", model, *layout), one)
+    _assert_same_run(pp_run(2, tmp_path / "pp2", model, *layout), one)
