@@ -9,8 +9,7 @@ torchtitan.
 
 The plan of a given architecture belongs beside the model, not here (e.g.
 `mindspeed_llm.models.common.tp_plan` for MindSpeed's decoder, as torchtitan keeps
-its Llama plan in `models/llama3/infra/parallelize.py`); core only applies and
-checks plans.
+each model's plan in that model's folder); core only applies and checks plans.
 """
 
 from __future__ import annotations
