@@ -50,6 +50,11 @@ def test_bad_folders(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ConfigError, match=r"config.json.*'gpt2'.*supported.*llama.*qwen3"):
         read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 8}))
+    with pytest.raises(
+        ConfigError, match=r"config.json: the Hugging Face config has no 'hidden_size'"
+    ):
+        read_hf_config(tmp_path)
 
 
 def test_truncated_safetensors_is_named(tmp_path):

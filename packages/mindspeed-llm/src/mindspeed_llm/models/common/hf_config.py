@@ -71,15 +71,20 @@ def _required(hf: dict[str, Any], key: str) -> Any:
 
 
 def _read_common(hf: dict[str, Any]) -> dict[str, Any]:
+    fields = {
+        key: _required(hf, hf_key)
+        for key, hf_key in (
+            ("vocab_size", "vocab_size"),
+            ("hidden_size", "hidden_size"),
+            ("intermediate_size", "intermediate_size"),
+            ("num_layers", "num_hidden_layers"),
+            ("num_heads", "num_attention_heads"),
+        )
+    }
     theta, scaling = _read_rope(hf)
-    heads = _required(hf, "num_attention_heads")
     return {
-        "vocab_size": _required(hf, "vocab_size"),
-        "hidden_size": _required(hf, "hidden_size"),
-        "intermediate_size": _required(hf, "intermediate_size"),
-        "num_layers": _required(hf, "num_hidden_layers"),
-        "num_heads": heads,
-        "num_kv_heads": hf.get("num_key_value_heads") or heads,
+        **fields,
+        "num_kv_heads": hf.get("num_key_value_heads") or fields["num_heads"],
         "head_dim": hf.get("head_dim"),
         "max_position_embeddings": hf.get("max_position_embeddings", 4096),
         "rope_theta": theta,
