@@ -1,0 +1,186 @@
+"""`mindspeed eval`: benchmark a model on local files.
+
+    mindspeed eval                                     # the pretrain demo's model, demo task
+    mindspeed eval --model DIR --task mmlu --data mmlu/ [--mode ppl|direct|chat] [--shots 5]
+    mindspeed eval --model DIR --task humaneval --data he/ --allow-code-execution
+    mindspeed eval --model DIR --task lm-eval:NAME --data yaml_dir/   # lm-eval's registry
+    torchrun --nproc-per-node 4 -m mindspeed_eval.cli --model DIR --task mmlu --data d --tp 2
+
+Prints a per-subject table and writes `{task}_results.json` (every item's answer) and
+`{task}_summary.md` to `--output` (default runs/eval).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mindspeed_core.cli import ArgumentParser, Command, debug_enabled, guarded
+from mindspeed_core.errors import CheckpointError, ConfigError
+from mindspeed_eval.tasks import LM_EVAL_PREFIX, MODES, TASKS, get_task
+
+DEMO_RUN = Path("runs/pretrain")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog="mindspeed eval", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--model",
+        help=f"HF folder, converted checkpoint or run checkpoints (default: {DEMO_RUN}/checkpoints)",
+    )
+    p.add_argument(
+        "--task", default="demo", help=f"{', '.join(TASKS)} or {LM_EVAL_PREFIX}NAME (default: demo)"
+    )
+    p.add_argument("--data", help="the benchmark's local folder (lm-eval: a folder of task YAML)")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        help="ppl: score choices; direct: n-shot + generate; chat: chat template + generate",
+    )
+    p.add_argument(
+        "--shots", type=int, help="few-shot examples from the dev files (default: the task's)"
+    )
+    p.add_argument(
+        "--fewshot-template", help="MindSpeed-LLM few-shot template JSON ({subject: text})"
+    )
+    p.add_argument("--limit", type=int, help="at most this many items per task (quick runs)")
+    p.add_argument("--output", default="runs/eval", help="folder for the results JSON and summary")
+    p.add_argument(
+        "--allow-code-execution",
+        action="store_true",
+        help="run generated code (humaneval) in the sandbox",
+    )
+    p.add_argument("--samples", type=int, default=1, help="generations per item (pass@k)")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (0.8 when --samples > 1)"
+    )
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed")
+    m = p.add_argument_group("model")
+    m.add_argument("--tokenizer", help="tokenizer file or folder (default: found with the model)")
+    m.add_argument("--device", default="auto", help="cpu, cuda, npu or auto")
+    m.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    m.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    m.add_argument("--max-length", type=int, help="longest input (default: the model's context)")
+    m.add_argument("--tp", type=int, default=1, help="tensor parallel degree (under torchrun)")
+    m.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        _parser().print_help()
+        return 0
+    args = _parser().parse_args(argv)
+    if args.task.startswith(LM_EVAL_PREFIX):
+        return _lm_eval(args)
+    task = get_task(args.task)
+    if args.task == "humaneval" and not args.allow_code_execution:
+        raise ConfigError(
+            "humaneval runs model-written code: pass --allow-code-execution to run it in the "
+            "sandbox (subprocess without network, as an unprivileged user, with time, memory "
+            "and process limits)"
+        )
+    if args.data is None and args.task != "demo":
+        raise ConfigError(f"--task {args.task} needs --data DIR ({task.layout})")
+    shots = task.default_shots if args.shots is None else args.shots
+    fewshot = _fewshot(args.fewshot_template)
+    data = Path(args.data) if args.data else None
+    if data is not None and not data.exists():
+        raise ConfigError(f"--data {data} does not exist")
+    items = task.load(data, shots=shots, fewshot=fewshot)[: args.limit]
+    scorer = _scorer(args)
+    from mindspeed_eval.runner import RunOptions, run_task
+
+    started = time.perf_counter()
+    options = RunOptions(
+        mode=args.mode, samples=args.samples, temperature=args.temperature, seed=args.seed,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    result = run_task(task, items, scorer, options)
+    if scorer.mesh.is_main:
+        _report(args, result, shots, time.perf_counter() - started)
+    return 0
+
+
+def _scorer(args):
+    from mindspeed_eval.loading import load_for_eval
+    from mindspeed_eval.scorer import Scorer, ScorerConfig
+
+    model = args.model or str(_demo_checkpoints())
+    loaded = load_for_eval(
+        model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype, tp=args.tp
+    )
+    return Scorer(loaded, ScorerConfig(batch_size=args.batch_size, max_length=args.max_length))
+
+
+def _demo_checkpoints() -> Path:
+    """The pretrain demo's checkpoints; trained first (as `mindspeed pretrain` does) if absent."""
+    checkpoints = DEMO_RUN / "checkpoints"
+    if not (checkpoints / "latest").is_file():
+        print(
+            f"no model at {checkpoints}: training the demo first (`mindspeed pretrain`, a few minutes)",
+            file=sys.stderr,
+        )
+        done = subprocess.run([sys.executable, "-m", "mindspeed_llm.pretrain"], check=False)
+        if done.returncode != 0 or not (checkpoints / "latest").is_file():
+            raise CheckpointError(f"the demo run did not leave checkpoints in {checkpoints}")
+    return checkpoints
+
+
+def _fewshot(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    from mindspeed_eval.tasks.base import read_json
+
+    content = read_json(Path(path))
+    if not isinstance(content, dict):
+        raise ConfigError(f"--fewshot-template {path} must hold a JSON object {{subject: text}}")
+    return content
+
+
+def _report(args, result, shots: int, seconds: float) -> None:
+    from mindspeed_eval.report import table, write_outputs
+
+    header = {"model": args.model or str(DEMO_RUN / "checkpoints"), "data": args.data, "shots": shots,
+              "items": len(result.grades), "seconds": round(seconds, 2)}  # fmt: skip
+    print(f"{result.task} ({result.mode}, {shots}-shot) on {header['model']}")
+    print(table(result))
+    paths = write_outputs(Path(args.output), result, header)
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+
+
+def _lm_eval(args) -> int:
+    from mindspeed_eval.lmeval_tasks import run_lm_eval
+
+    name = args.task[len(LM_EVAL_PREFIX) :]
+    scorer = _scorer(args)
+    results = run_lm_eval(
+        scorer, name, include=Path(args.data) if args.data else None,
+        num_fewshot=args.shots, limit=args.limit, apply_chat_template=args.mode == "chat",
+    )  # fmt: skip
+    if results is not None and scorer.mesh.is_main:
+        from lm_eval.utils import make_table
+
+        from mindspeed_eval.report import _atomic_write
+
+        print(make_table(results))
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+        text = json.dumps(
+            {k: results[k] for k in ("results", "versions", "n-shot") if k in results},
+            indent=1,
+            default=str,
+        )
+        print(f"wrote {_atomic_write(Path(args.output) / f'lm-eval_{name}_results.json', text)}")
+    return 0
+
+
+command = Command(help="evaluate a model on benchmarks (no arguments: the pretrain demo)", run=main)
+
+
+if __name__ == "__main__":  # torchrun -m mindspeed_eval.cli ...
+    argv = sys.argv[1:]
+    sys.exit(guarded(main, [a for a in argv if a != "--debug"], debug=debug_enabled(argv)))

@@ -1,0 +1,180 @@
+"""Load the model to evaluate: the one place mindspeed-eval reads weights and tokenizers.
+
+`load_for_eval(path)` takes a Hugging Face folder, a converted MindSpeed checkpoint or a
+trainer run's checkpoints folder (`runs/x/checkpoints` or one `step_<N>` in it), finds
+its tokenizer, and returns the model in eval mode. Under torchrun with `tp > 1` the model
+is tensor parallel over groups of `tp` neighbouring ranks (logits replicated); the other
+axis is data parallel: each group scores its own share of the requests (`EvalMesh`).
+
+Model and tokenizer lookup mirror `mindspeed generate`; when mindspeed-llm grows one
+resolver for both (`mindspeed_llm.models.loading`), `_read_model` is the function to
+re-point.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mindspeed_core.errors import ConfigError, DataError, ParallelError
+from mindspeed_llm.models.config import TransformerConfig
+from mindspeed_llm.tokenizer import Tokenizer
+
+DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class EvalMesh:
+    """Which share of the work this process does: data-parallel rank and size over groups
+    of `tp` ranks that hold one tensor-parallel copy of the model."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp: int = 1
+    dp_group: object | None = None
+    """Process group of the ranks with this rank's tp index (None: one group)."""
+
+    @property
+    def is_main(self) -> bool:
+        """The process that prints and writes (global rank 0)."""
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to score, with what scoring needs to know about it."""
+
+    model: nn.Module
+    config: TransformerConfig
+    tokenizer: Tokenizer
+    folder: Path
+    """The model folder given (an HF folder or a checkpoint folder)."""
+    device: torch.device
+    mesh: EvalMesh
+
+
+def load_for_eval(
+    path: str | os.PathLike,
+    *,
+    tokenizer: str | os.PathLike | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    tp: int = 1,
+) -> LoadedModel:
+    """The model at `path` and its tokenizer, in eval mode, sharded if `tp > 1`.
+
+    Args:
+        path: HF folder, converted checkpoint, or a run's checkpoints (or step) folder.
+        tokenizer: tokenizer file or folder (default: found next to the model).
+        device: "auto", "cpu", "cuda" or "npu".
+        dtype: "auto" (as stored), "fp32", "bf16" or "fp16".
+        tp: tensor-parallel degree; > 1 needs torchrun with a world size divisible by it.
+
+    Raises:
+        ConfigError / CheckpointError / DataError: not a model folder, no tokenizer, or a
+            tokenizer larger than the model's vocabulary (the message names the folder).
+    """
+    from mindspeed_core import device as dev
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    mesh = _mesh(tp)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device_t = dev.get_device(
+        local_rank, dev.detect_device_type(None if device == "auto" else device)
+    )
+    model, config, tok, folder = _read_model(path, tokenizer, device_t, DTYPES[dtype])
+    if tok.vocab_size > config.vocab_size:
+        raise DataError(
+            f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model {folder} only "
+            f"{config.vocab_size}: not the model's tokenizer?"
+        )
+    if tp > 1:
+        _tensor_parallel(model, config, tp)
+    return LoadedModel(model, config, tok, folder, device_t, mesh)
+
+
+def _read_model(path, tokenizer, device: torch.device, dtype: torch.dtype | None):
+    """(model, config, tokenizer, folder): the single call into llm's loading."""
+    from mindspeed_llm.models import checkpoint_io
+    from mindspeed_llm.models.hf_io import load_model, local_dir, read_hf_config
+    from mindspeed_llm.tokenizer import load_tokenizer
+
+    folder = local_dir(path)
+    if not checkpoint_io.is_mindspeed_checkpoint(folder):
+        read_hf_config(folder)  # a folder that is no model fails here, before the tokenizer
+    tok = load_tokenizer(tokenizer or _tokenizer_of(folder))
+    model, config = load_model(folder, device=device, dtype=dtype)
+    return model, config, tok, folder
+
+
+def _tokenizer_of(folder: Path) -> Path:
+    """The model folder, or for a trainer checkpoint without tokenizer files the tokenizer
+    its run trained with (`data.tokenizer` in the run's config.yaml, or the demo's).
+
+    A copy of `mindspeed_tools.generate._tokenizer_of` (eval must not import tools): to be
+    replaced by mindspeed-llm's model resolver when it lands.
+    """
+    from mindspeed_core.config import read_yaml
+    from mindspeed_llm.models import checkpoint_io
+
+    has_files = (folder / "tokenizer.json").is_file() or any(folder.glob("*.model"))
+    if has_files or not checkpoint_io.is_mindspeed_checkpoint(folder):
+        return folder
+    tokenizer = checkpoint_io.run_tokenizer(folder)
+    config_yaml = checkpoint_io.run_config_path(folder)
+    if tokenizer is None and config_yaml is not None:
+        data = read_yaml(config_yaml)[0].get("data") or {}
+        if not data.get("paths") and not data.get("tokenizer"):  # `mindspeed pretrain`'s demo
+            from mindspeed_llm.demo import cache_root, ensure_demo_data
+
+            tokenizer = ensure_demo_data(cache_root()).tokenizer
+    return tokenizer or folder
+
+
+def _mesh(tp: int) -> EvalMesh:
+    """Start the process group under torchrun and split the ranks into dp x tp."""
+    if tp < 1:
+        raise ConfigError(f"tp must be at least 1, got {tp}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        if tp > 1:
+            raise ParallelError(f"tp={tp} needs {tp} processes: launch with torchrun")
+        return EvalMesh()
+    if world % tp:
+        raise ParallelError(f"tp={tp} does not divide the {world} processes torchrun started")
+    if not dist.is_initialized():
+        from mindspeed_core.distributed import init_distributed
+
+        init_distributed()
+    rank = dist.get_rank()
+    dp_size = world // tp
+    groups = [dist.new_group([d * tp + t for d in range(dp_size)]) for t in range(tp)]
+    return EvalMesh(dp_rank=rank // tp, dp_size=dp_size, tp=tp, dp_group=groups[rank % tp])
+
+
+def _tensor_parallel(model: nn.Module, config: TransformerConfig, tp: int) -> None:
+    """Shard the model's projections over this rank's group of `tp` neighbours, logits
+    replicated. Only tensor parallel: data parallel here means different requests, so no
+    DDP/FSDP wrapper (their collectives would tie the groups' forwards together)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from mindspeed_core import device as dev
+    from mindspeed_core.parallel import apply_tp, llama_tp_plan
+
+    if config.num_experts or config.tie_word_embeddings:
+        raise ParallelError(
+            "tp > 1 evaluation supports dense models with untied embeddings; use tp=1 and "
+            "data parallel for this model"
+        )
+    world = dist.get_world_size()
+    mesh = init_device_mesh(
+        dev.detect_device_type(None), (world // tp, tp), mesh_dim_names=("dp", "tp")
+    )
+    plan = llama_tp_plan(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, tp=tp)
+    apply_tp(model, mesh["tp"], plan)

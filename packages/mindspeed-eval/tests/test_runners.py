@@ -1,0 +1,153 @@
+"""`mindspeed eval` runners on local files made here, through the CLI: MMLU's accuracy and
+per-item log-likelihoods equal lm-eval's Hugging Face backend on the same CSVs (through
+the task configs of `lmeval_tasks`); each other layout is read and graded; bad input is
+one line with exit 2."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from mindspeed_core.cli import run as cli
+from mindspeed_core.testing import import_sibling
+
+helpers = import_sibling(__file__, "eval_helpers")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return helpers.make_model_dir(tmp_path_factory.mktemp("runners") / "model")
+
+
+def _results(folder: Path, task: str) -> dict:
+    return json.loads((folder / f"{task}_results.json").read_text())
+
+
+def test_mmlu_accuracy_equals_lm_eval_hf_backend(model_dir, tmp_path, monkeypatch, capsys):
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    from mindspeed_eval.lmeval_tasks import mmlu_task_configs
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data = helpers.write_mmlu(tmp_path / "mmlu", num_test=8, num_dev=3)
+    out = tmp_path / "out"
+    argv = ["eval", "--model", str(model_dir), "--task", "mmlu", "--data", str(data)]
+    assert cli([*argv, "--shots", "2", "--output", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    ours = _results(out, "mmlu")
+    assert "anatomy" in printed and f"{ours['metrics']['accuracy']:.4f}" in printed
+    assert (out / "mmlu_summary.md").read_text().startswith("# mmlu (ppl)")
+
+    hf = HFLM(pretrained=str(model_dir), device="cpu", dtype="float32", batch_size=4)
+    configs = mmlu_task_configs(data, shots=2)
+    theirs = lm_eval.simple_evaluate(model=hf, tasks=configs, log_samples=True)
+    for subject, row in ours["subjects"].items():
+        assert row["accuracy"] == theirs["results"][f"mindspeed_mmlu_{subject}"]["acc,none"]
+    items = [i for i in ours["items"] if i["subject"] == "anatomy"]
+    samples = sorted(theirs["samples"]["mindspeed_mmlu_anatomy"], key=lambda s: s["doc_id"])
+    assert len(items) == len(samples) == 8
+    for item, sample in zip(items, samples, strict=True):
+        for ll, resp in zip(item["loglikelihoods"], sample["resps"], strict=True):
+            assert math.isclose(ll, float(resp[0][0]), abs_tol=1e-4)
+
+
+def _write_layouts(root: Path) -> dict[str, Path]:
+    """One tiny folder per other benchmark, in MindSpeed-LLM's layouts."""
+    paths = {
+        name: root / name for name in ("ceval", "boolq", "bbh", "agieval", "gsm8k", "humaneval")
+    }
+    for path in paths.values():
+        path.mkdir(parents=True)
+    for split in ("val", "dev"):
+        (paths["ceval"] / split).mkdir()
+        rows = ["id,question,A,B,C,D,answer,explanation"]
+        rows += [f"{i},问题 {i} 是什么,甲,乙,丙,丁,{'ABCD'[i % 4]}," for i in range(4)]
+        (paths["ceval"] / split / f"law_{split}.csv").write_text("\n".join(rows) + "\n")
+    boolq = [
+        {"question": "is water wet", "passage": "Water is wet.", "answer": i % 2 == 0}
+        for i in range(4)
+    ]
+    (paths["boolq"] / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in boolq))
+    bbh = {
+        "examples": [
+            {"input": "not ( True ) is", "target": "False"},
+            {"input": "True is", "target": "True"},
+        ]
+    }
+    (paths["bbh"] / "boolean_expressions.json").write_text(json.dumps(bbh))
+    agi = [{"passage": None, "question": "Which is red?", "options": ["(A)sky", "(B)apple"], "label": "B"},
+           {"passage": "", "question": "Which two?", "options": ["(A)x", "(B)y", "(C)z"], "label": ["A", "C"]}]  # fmt: skip
+    (paths["agieval"] / "sat-en.jsonl").write_text("".join(json.dumps(r) + "\n" for r in agi))
+    gsm = [{"question": "What is 2 plus 3?", "answer": "2 + 3 = 5\n#### 5"}]
+    for name in ("test.jsonl", "train.jsonl"):
+        (paths["gsm8k"] / name).write_text(json.dumps(gsm[0]) + "\n")
+    task = {"task_id": "t/0", "prompt": "def add(a, b):\n", "entry_point": "add",
+            "test": "def check(f):\n    assert f(1, 2) == 3\n"}  # fmt: skip
+    (paths["humaneval"] / "he.jsonl").write_text(json.dumps(task) + "\n")
+    return paths
+
+
+def test_each_layout_is_read_and_graded(model_dir, tmp_path, capsys):
+    from mindspeed_eval.loading import load_for_eval
+    from mindspeed_eval.scorer import Scorer
+
+    paths = _write_layouts(tmp_path / "data")
+    out = tmp_path / "out"
+    base = ["eval", "--model", str(model_dir), "--output", str(out), "--no-progress"]
+    expected_items = {"ceval": 4, "boolq": 4, "bbh": 2, "agieval": 2, "gsm8k": 1, "humaneval": 1}
+    for task, path in paths.items():
+        extra = ["--allow-code-execution", "--samples", "2"] if task == "humaneval" else []
+        assert cli([*base, "--task", task, "--data", str(path), *extra]) == 0, task
+        result = _results(out, task)
+        assert len(result["items"]) == expected_items[task] * (2 if task == "humaneval" else 1)
+    capsys.readouterr()
+    # ppl answers are the most likely choice of our own scorer
+    scorer = Scorer(load_for_eval(model_dir))
+    for item in _results(out, "boolq")["items"]:
+        assert (
+            item["answer"] == ("Yes", "No")[max(range(2), key=item["loglikelihoods"].__getitem__)]
+        )
+    prompt = "Water is wet.\nQuestion: is water wet?\nAnswer:"
+    lls = [ll for ll, _ in scorer.loglikelihood([(prompt, " Yes"), (prompt, " No")])]
+    assert _results(out, "boolq")["items"][0]["loglikelihoods"] == pytest.approx(lls, abs=1e-5)
+    agieval = _results(out, "agieval")["items"]
+    assert "loglikelihoods" in agieval[0] and "output" in agieval[1]  # multi-label: generated
+    assert set(_results(out, "humaneval")["metrics"]) == {"accuracy", "pass@1"}
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    return err
+
+
+def test_bad_input_is_one_line_and_exit_2(model_dir, tmp_path, capsys):
+    data = helpers.write_mmlu(tmp_path / "mmlu", subjects=("anatomy",))
+    broken = data / "test" / "anatomy_test.csv"
+    broken.write_text(broken.read_text() + "just,four,columns,here\n")
+    argv = ["eval", "--model", str(model_dir), "--task", "mmlu", "--data", str(data)]
+    err = _one_line_error(capsys, argv)
+    assert str(broken) in err and "expected 6 columns" in err
+    err = _one_line_error(
+        capsys, [*argv[:3], "--task", "mmlu", "--data", str(tmp_path / "boolq_like")]
+    )
+    assert "does not exist" in err
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "x.jsonl").write_text("{}\n")
+    err = _one_line_error(capsys, [*argv[:3], "--task", "mmlu", "--data", str(tmp_path / "flat")])
+    assert "_test.csv" in err and "expects" in err
+    err = _one_line_error(capsys, [*argv[:3], "--task", "mmlu-pro", "--data", str(data)])
+    assert "unknown task 'mmlu-pro'" in err
+    assert all(
+        name in err for name in ("mmlu", "ceval", "boolq", "bbh", "agieval", "gsm8k", "humaneval")
+    )
+    err = _one_line_error(capsys, ["eval", "--model", str(tmp_path / "flat"), "--task", "demo"])
+    assert str(tmp_path / "flat") in err and "config.json" in err
+    err = _one_line_error(
+        capsys, ["eval", "--model", str(model_dir), "--task", "humaneval", "--data", str(tmp_path)]
+    )
+    assert "--allow-code-execution" in err
