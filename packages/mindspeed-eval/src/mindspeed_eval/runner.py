@@ -131,6 +131,8 @@ def summarise(task: Task, mode: str, grades: list[dict]) -> TaskResult:
     }
     total = len(grades)
     metrics = {"accuracy": sum(bool(g["correct"]) for g in grades) / total if total else 0.0}
+    if total and all("loglikelihoods" in g for g in grades):  # guessing among the choices
+        metrics["chance"] = sum(1 / len(g["loglikelihoods"]) for g in grades) / total
     summary = getattr(task, "summary", None)
     if summary is not None and grades:
         metrics.update(summary(grades))
