@@ -151,3 +151,38 @@ def test_bad_input_is_one_line_and_exit_2(model_dir, tmp_path, capsys):
         capsys, ["eval", "--model", str(model_dir), "--task", "humaneval", "--data", str(tmp_path)]
     )
     assert "--allow-code-execution" in err
+
+
+def test_lm_eval_passthrough_runs_a_local_task_yaml(model_dir, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    docs = [{"question": "Is fire cold", "choices": ["yes", "no"], "answer": 1}] * 3
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    yaml_dir = tmp_path / "tasks"
+    yaml_dir.mkdir()
+    (yaml_dir / "local_yes_no.yaml").write_text(
+        "task: local_yes_no\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}?'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    out = tmp_path / "out"
+    base = ["eval", "--model", str(model_dir), "--data", str(yaml_dir), "--output", str(out)]
+    assert cli([*base, "--task", "lm-eval:local_yes_no", "--no-progress"]) == 0
+    assert "local_yes_no" in capsys.readouterr().out
+    result = json.loads((out / "lm-eval_local_yes_no_results.json").read_text())
+    assert result["results"]["local_yes_no"]["acc,none"] in (0.0, 1.0)  # one doc, thrice
+    err = _one_line_error(capsys, [*base, "--task", "lm-eval:no_such_task_here"])
+    assert "no_such_task_here" in err
+
+
+def test_converted_checkpoint_scores_like_its_hf_folder(model_dir, tmp_path):
+    from mindspeed_eval.loading import load_for_eval
+    from mindspeed_eval.scorer import Scorer
+    from mindspeed_tools.convert import hf_to_mindspeed
+
+    converted = hf_to_mindspeed(model_dir, tmp_path / "converted")
+    pairs = [("The king is", " old"), ("", "Water is blue")]
+    hf = Scorer(load_for_eval(model_dir)).loglikelihood(pairs)
+    ours = Scorer(load_for_eval(converted)).loglikelihood(pairs)
+    assert ours == hf
