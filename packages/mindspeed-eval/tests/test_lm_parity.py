@@ -123,7 +123,8 @@ def test_loglikelihood_tokens_and_generation_equal_hflm(setup, monkeypatch):
     assert any(generated)  # something to compare
 
 
-def test_generated_code_paths_never_import_transformers(setup):
+@pytest.mark.slow
+def test_scoring_never_imports_transformers(setup):
     """The scorer behind MindSpeedLM imports no transformers (a subprocess checks)."""
     import subprocess
     import sys

@@ -97,6 +97,7 @@ def test_each_layout_is_read_and_graded(model_dir, tmp_path, capsys):
     paths = _write_layouts(tmp_path / "data")
     out = tmp_path / "out"
     base = ["eval", "--model", str(model_dir), "--output", str(out), "--no-progress"]
+    base += ["--max-gen-toks", "12"]  # a random model rarely stops by itself
     expected_items = {"ceval": 4, "boolq": 4, "bbh": 2, "agieval": 2, "gsm8k": 1, "humaneval": 1}
     for task, path in paths.items():
         extra = ["--allow-code-execution", "--samples", "2"] if task == "humaneval" else []

@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
         "--temperature", type=float, default=0.0, help="0: greedy (0.8 when --samples > 1)"
     )
     p.add_argument("--seed", type=int, default=1234, help="sampling seed")
+    p.add_argument(
+        "--max-gen-toks", type=int, help="new tokens per generated answer (default: the task's)"
+    )
     m = p.add_argument_group("model")
     m.add_argument("--tokenizer", help="tokenizer file or folder (default: found with the model)")
     m.add_argument("--device", default="auto", help="cpu, cuda, npu or auto")
@@ -98,7 +101,7 @@ def main(argv: list[str]) -> int:
     started = time.perf_counter()
     options = RunOptions(
         mode=args.mode, samples=args.samples, temperature=args.temperature, seed=args.seed,
-        progress=not args.no_progress,
+        max_gen_toks=args.max_gen_toks, progress=not args.no_progress,
     )  # fmt: skip
     result = run_task(task, items, scorer, options)
     if scorer.mesh.is_main:
@@ -165,7 +168,7 @@ def _lm_eval(args) -> int:
     if results is not None and scorer.mesh.is_main:
         from lm_eval.utils import make_table
 
-        from mindspeed_eval.report import _atomic_write
+        from mindspeed_eval.report import atomic_write
 
         print(make_table(results))
         Path(args.output).mkdir(parents=True, exist_ok=True)
@@ -174,7 +177,7 @@ def _lm_eval(args) -> int:
             indent=1,
             default=str,
         )
-        print(f"wrote {_atomic_write(Path(args.output) / f'lm-eval_{name}_results.json', text)}")
+        print(f"wrote {atomic_write(Path(args.output) / f'lm-eval_{name}_results.json', text)}")
     return 0
 
 

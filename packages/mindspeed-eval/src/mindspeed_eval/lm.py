@@ -160,8 +160,7 @@ class MindSpeedLM(TemplateLM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         if chat_template is False or chat_template is None:
             return None
-        self.scorer.apply_chat_template([{"role": "user", "content": ""}])  # loads it
-        return self.scorer._template.source
+        return self.scorer.chat_template.source
 
     # -- data parallel over groups of tp ranks ---------------------------------------
 

@@ -80,7 +80,11 @@ def run_lm_eval(
         os.environ.setdefault(key, value)
     if include is not None and not include.is_dir():
         raise ConfigError(f"--data {include} is not a folder of lm-eval task YAML files")
-    manager = TaskManager(include_path=str(include) if include else None)
+    manager = None
+    if include is not None:  # local tasks first: indexing lm-eval's ~14k built-in files is slow
+        manager = TaskManager(include_path=str(include), include_defaults=False)
+    if manager is None or name not in manager.all_tasks:
+        manager = TaskManager(include_path=str(include) if include else None)
     if name not in manager.all_tasks:
         raise ConfigError(
             f"lm-eval has no task {name!r}"

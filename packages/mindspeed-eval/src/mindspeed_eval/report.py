@@ -63,11 +63,12 @@ def write_outputs(folder: Path, result: TaskResult, header: dict[str, Any]) -> l
         ),
         (f"{result.task}_summary.md", markdown(result, header)),
     ):
-        written.append(_atomic_write(folder / name, text))
+        written.append(atomic_write(folder / name, text))
     return written
 
 
-def _atomic_write(target: Path, text: str) -> Path:
+def atomic_write(target: Path, text: str) -> Path:
+    """Write `text` to `target` through a temporary file renamed onto it."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -28,6 +28,8 @@ class RunOptions:
     """0 greedy; > 0 samples (default 0.8 when samples > 1)."""
     seed: int = 1234
     """Sampling seed."""
+    max_gen_toks: int | None = None
+    """New tokens per generated answer (None: the task's own limit)."""
     progress: bool = True
 
 
@@ -102,7 +104,7 @@ def _generate(
     return scorer.generate_until(
         prompts,
         until=task.until,
-        max_gen_toks=min(task.max_gen_toks, scorer.max_length - 1),
+        max_gen_toks=min(options.max_gen_toks or task.max_gen_toks, scorer.max_length - 1),
         temperature=temperature,
         seed=options.seed if temperature else None,
         progress=options.progress and scorer.mesh.is_main,

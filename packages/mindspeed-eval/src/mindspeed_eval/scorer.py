@@ -119,12 +119,18 @@ class Scorer:
         ctx = self.tok_encode(context)
         return ctx, whole[len(ctx) :]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages` through the model's chat template."""
+    @property
+    def chat_template(self):
+        """The model's `ChatTemplate` (`config.chat_template`, else the tokenizer's folder's,
+        else ChatML), loaded on first use."""
         if self._template is None:
             source = self.config.chat_template or self.tokenizer.path.parent
             self._template = load_chat_template(source)
-        return self._template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self._template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` through the model's chat template."""
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt)
 
     # -- log-likelihoods --------------------------------------------------------------
 
