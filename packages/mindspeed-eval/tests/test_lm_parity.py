@@ -154,3 +154,26 @@ def test_model_args_reach_the_scorer(setup):
         lm.apply_chat_template([{"role": "user", "content": "hi"}]) == "<s>user: hi\n<s>assistant:"
     )
     assert Path(lm.tokenizer_name.replace("__", "/")).name == "tokenizer.json"
+    # lm-eval's command line adds device="cuda:0" and batch_size: a missing device means auto
+    lm = mindspeed_eval.lm.MindSpeedLM.create_from_arg_string(
+        f"model={model_dir}", {"device": "cuda:0", "batch_size": 3}
+    )
+    assert lm.batch_size == 3 and lm.device.type in ("cpu", "cuda")
+
+
+@pytest.mark.slow
+def test_mindspeed_lm_eval_command_line(setup, tmp_path):
+    """`mindspeed-lm-eval --model mindspeed` is lm-eval's command line with ours registered."""
+    import os
+    import subprocess
+    import sys
+
+    model_dir, task = setup
+    (tmp_path / "task.yaml").write_text(json.dumps(task))  # JSON is YAML
+    script = Path(sys.executable).with_name("mindspeed-lm-eval")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    argv = [str(script), "--model", "mindspeed", "--model_args", f"model={model_dir}"]
+    argv += ["--tasks", "mindspeed_test_mc", "--include_path", str(tmp_path)]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mindspeed_test_mc" in out.stdout and "acc" in out.stdout

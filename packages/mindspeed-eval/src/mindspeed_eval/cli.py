@@ -13,6 +13,7 @@ Prints a per-subject table and writes `{task}_results.json` (every item's answer
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -160,6 +161,10 @@ def _lm_eval(args) -> int:
     from mindspeed_eval.lmeval_tasks import run_lm_eval
 
     name = args.task[len(LM_EVAL_PREFIX) :]
+    if importlib.util.find_spec("lm_eval") is None:  # before the model is loaded
+        raise ConfigError(
+            "--task lm-eval:NAME needs lm-eval: pip install 'mindspeed-eval[lm-eval]'"
+        )
     scorer = _scorer(args)
     results = run_lm_eval(
         scorer, name, include=Path(args.data) if args.data else None,

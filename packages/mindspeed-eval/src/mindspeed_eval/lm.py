@@ -23,6 +23,8 @@ transformers.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,7 @@ from mindspeed_eval.loading import load_for_eval
 from mindspeed_eval.scorer import Scorer, ScorerConfig
 
 DEFAULT_MAX_GEN_TOKS = 256
+logger = logging.getLogger(__name__)
 
 
 def _flag(value) -> bool | None:
@@ -72,7 +75,7 @@ class MindSpeedLM(TemplateLM):
             if model is None:
                 raise ValueError("MindSpeedLM needs model=DIR (or a scorer)")
             loaded = load_for_eval(
-                model, tokenizer=tokenizer, device=device, dtype=dtype, tp=int(tp)
+                model, tokenizer=tokenizer, device=_device_type(device), dtype=dtype, tp=int(tp)
             )
             config = ScorerConfig(
                 batch_size=_batch_size(batch_size),
@@ -184,6 +187,18 @@ class MindSpeedLM(TemplateLM):
 
     def _progress(self, disable_tqdm: bool) -> bool:
         return not disable_tqdm and self.scorer.mesh.is_main
+
+
+def _device_type(device: str | None) -> str:
+    """lm-eval's `--device` ("cuda:0" by default) as a device type; one that is not
+    present means auto (HFLM falls back the same way)."""
+    from mindspeed_core import device as dev
+
+    kind = str(device or "auto").split(":")[0]
+    if kind != "auto" and not dev.is_available(kind):
+        logger.warning("device %r is not available here; using what is (auto)", device)
+        return "auto"
+    return kind
 
 
 def _batch_size(value: int | str) -> int:
