@@ -6,9 +6,8 @@ its tokenizer, and returns the model in eval mode. Under torchrun with `tp > 1` 
 is tensor parallel over groups of `tp` neighbouring ranks (logits replicated); the other
 axis is data parallel: each group scores its own share of the requests (`EvalMesh`).
 
-Model and tokenizer lookup mirror `mindspeed generate`; when mindspeed-llm grows one
-resolver for both (`mindspeed_llm.models.loading`), `_read_model` is the function to
-re-point.
+Model and tokenizer lookup are mindspeed-llm's (`mindspeed_llm.models.loading`), the
+same as `mindspeed generate`'s.
 """
 
 from __future__ import annotations
@@ -101,40 +100,13 @@ def load_for_eval(
 
 def _read_model(path, tokenizer, device: torch.device, dtype: torch.dtype | None):
     """(model, config, tokenizer, folder): the single call into llm's loading."""
-    from mindspeed_llm.models import checkpoint_io
-    from mindspeed_llm.models.hf_io import load_model, local_dir, read_hf_config
+    from mindspeed_llm.models.loading import load_model, resolve_model_source
     from mindspeed_llm.tokenizer import load_tokenizer
 
-    folder = local_dir(path)
-    if not checkpoint_io.is_mindspeed_checkpoint(folder):
-        read_hf_config(folder)  # a folder that is no model fails here, before the tokenizer
-    tok = load_tokenizer(tokenizer or _tokenizer_of(folder))
-    model, config = load_model(folder, device=device, dtype=dtype)
-    return model, config, tok, folder
-
-
-def _tokenizer_of(folder: Path) -> Path:
-    """The model folder, or for a trainer checkpoint without tokenizer files the tokenizer
-    its run trained with (`data.tokenizer` in the run's config.yaml, or the demo's).
-
-    A copy of `mindspeed_tools.generate._tokenizer_of` (eval must not import tools): to be
-    replaced by mindspeed-llm's model resolver when it lands.
-    """
-    from mindspeed_core.config import read_yaml
-    from mindspeed_llm.models import checkpoint_io
-
-    has_files = (folder / "tokenizer.json").is_file() or any(folder.glob("*.model"))
-    if has_files or not checkpoint_io.is_mindspeed_checkpoint(folder):
-        return folder
-    tokenizer = checkpoint_io.run_tokenizer(folder)
-    config_yaml = checkpoint_io.run_config_path(folder)
-    if tokenizer is None and config_yaml is not None:
-        data = read_yaml(config_yaml)[0].get("data") or {}
-        if not data.get("paths") and not data.get("tokenizer"):  # `mindspeed pretrain`'s demo
-            from mindspeed_llm.demo import cache_root, ensure_demo_data
-
-            tokenizer = ensure_demo_data(cache_root()).tokenizer
-    return tokenizer or folder
+    source = resolve_model_source(path)  # a folder that is no model fails here
+    tok = load_tokenizer(tokenizer or source.tokenizer)
+    model, config = load_model(source, device=device, dtype=dtype)
+    return model, config, tok, source.path
 
 
 def _mesh(tp: int) -> EvalMesh:
@@ -165,7 +137,8 @@ def _tensor_parallel(model: nn.Module, config: TransformerConfig, tp: int) -> No
     from torch.distributed.device_mesh import init_device_mesh
 
     from mindspeed_core import device as dev
-    from mindspeed_core.parallel import apply_tp, llama_tp_plan
+    from mindspeed_core.parallel import apply_tp
+    from mindspeed_llm.models.common.tp_plan import llama_tp_plan
 
     if config.num_experts or config.tie_word_embeddings:
         raise ParallelError(
