@@ -225,3 +225,32 @@ def _cpu_name() -> str:
     import platform
 
     return platform.processor() or platform.machine()
+
+
+def profiler_activities(device_type: str) -> list:
+    """torch.profiler activities for a device type: the CPU, plus its kernels."""
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    elif device_type == "npu":  # torch_npu registers as PrivateUse1 (untested here)
+        activities.append(ProfilerActivity.PrivateUse1)
+    return activities
+
+
+def record_memory_history(device: torch.device, enabled: bool) -> bool:
+    """Start or stop the allocator's history for memory snapshots; False where the device
+    keeps none (CPU)."""
+    if device.type != "cuda":
+        return False
+    torch.cuda.memory._record_memory_history(enabled="all" if enabled else None)
+    return True
+
+
+def dump_memory_snapshot(device: torch.device, path) -> bool:
+    """Write the allocator history (pytorch.org/memory_viz format); False where none."""
+    if device.type != "cuda":
+        return False
+    torch.cuda.memory._dump_snapshot(str(path))
+    return True
