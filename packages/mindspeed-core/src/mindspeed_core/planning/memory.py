@@ -1,0 +1,306 @@
+"""Predicted memory per rank of one training step: parameters, gradients, optimizer states,
+activations and buffers, and the peak.
+
+The activation terms are what our modules actually keep for backward (read from
+mindspeed-llm's decoder and mindspeed-ops' autograd functions, and checked in the tests
+against saved-tensor hooks), per block of T tokens on a rank (T = micro_batch x seq / cp):
+
+===================== ========================================= ===========================
+tensor                saved by                                  bytes (e = compute dtype)
+===================== ========================================= ===========================
+block input x         rms_norm (x, fp32 rstd)                   T h e / sp + 4 T / sp
+norm output           wq/wk/wv matmuls (gathered under sp)      T h e
+q, k after RoPE, v    attention (q, k, v, out, fp32 lse)        T (hq + 2 hkv) e
+attention output      attention and wo                          T hq e + 4 T Hq
+residual h            rms_norm                                  T h e / sp + 4 T / sp
+norm output           w1/w3 matmuls                             T h e
+w1 x, w3 x, swiglu    swiglu (both inputs), w2 (its input)      3 T I e
+qk-norm (Qwen3)       rms_norm over q and k heads               T (hq + hkv) e + 4 T (Hq + Hkv)
+===================== ========================================= ===========================
+
+(hq = Hq/tp x head_dim, hkv likewise, I = intermediate/tp, sp = tp under sequence parallel.)
+Rotary keeps only positions and the shared tables. Full recompute keeps the block input;
+selective keeps it and the matmul outputs (q, k, v projections, wo, w1, w3, w2; our
+attention op is not in torchtitan's save list, so it is recomputed). During a block's
+backward the recomputed activations are live again, with the gradient buffers.
+
+The peak is the largest of these moments of a steady-state step (optimizer states exist,
+gradients were set to None by zero_grad): the start of the loss backward, each block's
+backward (activations of the blocks before it, gradients of those after it, FSDP's
+gathered parameters and gradients, the block's recomputed activations and gradient
+buffers), and the optimizer step (foreach AdamW keeps one parameter-sized temporary).
+With gradient accumulation or a pipeline, the later micro-batches also hold every
+gradient; a pipeline rank holds the activations of its in-flight micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mindspeed_core.planning.shape import Job, Layout, ModelShape, ceil_div
+
+_FP32 = 4
+_INT64 = 8
+# mindspeed_ops.cross_entropy: fp32 elements of one chunk of logits (CPU / accelerators).
+_CE_CHUNK = {"scores": 1 << 22, "flash": 1 << 26}
+
+
+@dataclass(kw_only=True)
+class MemoryEstimate:
+    """Bytes per rank (the busiest rank: the first pipeline stage by default)."""
+
+    params: int
+    """Master parameters on the device (sharded; fp32)."""
+    grads: int
+    """Sharded gradients after the step's reductions (fp32)."""
+    optimizer: int
+    """AdamW's two moments (fp32)."""
+    activations: int
+    """Saved for backward at the end of the forward (all in-flight micro-batches)."""
+    buffers: int
+    """Other persistent device memory: RoPE tables, pipeline receive buffers."""
+    peak: int
+    """The largest live total during the step (see the module docstring)."""
+    host: int = 0
+    """Host memory taken by offloading (optimizer states, activations)."""
+    phases: dict[str, int] = field(default_factory=dict)
+    """Live total at each moment considered (for reading the estimate)."""
+
+    def as_gib(self) -> dict[str, float]:
+        names = ("params", "grads", "optimizer", "activations", "buffers", "peak", "host")
+        return {k: getattr(self, k) / 2**30 for k in names}
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Per-block and per-head quantities of one rank (bytes unless stated)."""
+
+    layer_params: int  # elements of one block on this rank (after tp, before FSDP)
+    head_params: int  # embedding + output + final norm on this rank (elements)
+    saved: int  # one block's saved activations, this recompute mode
+    saved_none: int  # the same without recompute (live again during its backward)
+    attn_part: int  # what a block keeps up to its attention kernel, this recompute mode
+    backward_mlp: int  # a block's backward at swiglu: its activations + gradient buffers
+    backward_attn: int  # ... at the attention kernel (the MLP's activations are gone)
+    forward_temp: int  # workspace inside the attention kernel's forward
+    head_saved: int  # final norm, output-layer input, logits kept by the loss
+    loss_temp: int  # the loss backward: logits gradient and its fp32 chunk
+    embed_saved: int  # token and position ids
+
+
+def _heads(shape: ModelShape, tp: int) -> tuple[int, int]:
+    return ceil_div(shape.num_heads, tp), max(ceil_div(shape.num_kv_heads, tp), 1)
+
+
+def _block_saved(shape: ModelShape, layout: Layout, job: Job, tokens: int, ac: str) -> int:
+    """Bytes one block keeps for backward for `tokens` tokens of this rank."""
+    e, h, tp = job.element_size, shape.hidden_size, layout.tp
+    sp = tp if layout.sequence_parallel and tp > 1 else 1
+    heads, kv_heads = _heads(shape, tp)
+    hq, hkv = heads * shape.head_dim, kv_heads * shape.head_dim
+    inter = _mlp_width(shape, tp)
+    residual = tokens * h * e // sp + _FP32 * tokens // sp
+    if ac == "full":
+        return tokens * h * e // sp
+    if ac == "selective":
+        mm = tokens * (hq + 2 * hkv) * e + 2 * tokens * h * e + 2 * tokens * inter * e
+        return tokens * h * e // sp + mm
+    attn = tokens * h * e + tokens * (2 * hq + 2 * hkv) * e + _FP32 * tokens * heads
+    if shape.qk_norm:
+        attn += tokens * (hq + hkv) * e + _FP32 * tokens * (heads + kv_heads)
+    mlp = tokens * h * e + 3 * tokens * inter * e + _moe_extra(shape, layout, job, tokens)
+    return 2 * residual + attn + mlp
+
+
+def _attention_saved(shape: ModelShape, layout: Layout, job: Job, tokens: int) -> int:
+    """What a block without recompute keeps up to and including its attention kernel."""
+    e, h, tp = job.element_size, shape.hidden_size, layout.tp
+    sp = tp if layout.sequence_parallel and tp > 1 else 1
+    heads, kv_heads = _heads(shape, tp)
+    hq, hkv = heads * shape.head_dim, kv_heads * shape.head_dim
+    saved = tokens * h * e // sp + _FP32 * tokens // sp + tokens * h * e
+    saved += tokens * (2 * hq + 2 * hkv) * e + _FP32 * tokens * heads
+    if shape.qk_norm:
+        saved += tokens * (hq + hkv) * e + _FP32 * tokens * (heads + kv_heads)
+    return saved
+
+
+def _mlp_width(shape: ModelShape, tp: int) -> int:
+    if shape.num_experts:  # routed tokens: top-k rows of the expert width (no tp on experts)
+        return shape.num_experts_per_tok * shape.moe_intermediate_size + (
+            shape.shared_expert_intermediate_size
+        )
+    return ceil_div(shape.intermediate_size, tp)
+
+
+def _moe_extra(shape: ModelShape, layout: Layout, job: Job, tokens: int) -> int:
+    """Router scores and the dispatched copies of the routed rows (MoE only)."""
+    if not shape.num_experts:
+        return 0
+    rows = tokens * shape.num_experts_per_tok
+    return _FP32 * tokens * shape.num_experts + 2 * rows * shape.hidden_size * job.element_size
+
+
+def _attention_workspace(shape: ModelShape, layout: Layout, job: Job, tokens: int) -> int:
+    """fp32 score matrices of the composed kernel, one document (here: one sequence)."""
+    if job.attention_workspace == "flash":
+        return 0
+    heads, _ = _heads(shape, layout.tp)
+    seg = min(job.seq_len // layout.cp, tokens)
+    return 2 * _FP32 * heads * seg * seg
+
+
+def _sizes(shape: ModelShape, layout: Layout, job: Job) -> _Sizes:
+    e, h, tp = job.element_size, shape.hidden_size, layout.tp
+    tokens = layout.micro_batch * job.seq_len // layout.cp
+    heads, kv_heads = _heads(shape, tp)
+    hq, hkv = heads * shape.head_dim, kv_heads * shape.head_dim
+    inter = _mlp_width(shape, tp)
+    sp = tp if layout.sequence_parallel and tp > 1 else 1
+    vocab = ceil_div(shape.vocab_size, tp) if layout.loss_parallel or tp == 1 else shape.vocab_size
+    workspace = _attention_workspace(shape, layout, job, tokens)
+    saved_none = _block_saved(shape, layout, job, tokens, "none")
+    attn_none = _attention_saved(shape, layout, job, tokens)
+    # swiglu's backward: d(residual), d(its output), and its two input gradients (w2's
+    # saved input is already freed)
+    backward_mlp = saved_none + tokens * h * e + 2 * tokens * inter * e
+    # attention's backward: d(residual), d(out), dq/dk/dv, the kernel's fp32 workspace
+    backward_attn = attn_none + tokens * (2 * h + 2 * hq + 2 * hkv) * e + 3 * workspace // 2
+    layer_elems = _tp_layer_params(shape, tp)
+    chunk_rows = max(1, _CE_CHUNK[job.attention_workspace] // vocab)
+    head_saved = tokens * h * e // sp + _FP32 * tokens // sp + tokens * h * e + tokens * vocab * e
+    head_saved += _FP32 * tokens  # the loss's log-sum-exp
+    return _Sizes(
+        layer_params=layer_elems,
+        head_params=_tp_head_params(shape, tp),
+        saved=_block_saved(shape, layout, job, tokens, layout.ac),
+        saved_none=saved_none,
+        attn_part=attn_none if layout.ac == "none" else 0,
+        backward_mlp=backward_mlp,
+        backward_attn=backward_attn,
+        forward_temp=workspace,
+        head_saved=head_saved,
+        loss_temp=tokens * vocab * e + min(chunk_rows, tokens) * vocab * _FP32,
+        embed_saved=2 * _INT64 * tokens,
+    )
+
+
+def _tp_layer_params(shape: ModelShape, tp: int) -> int:
+    """Elements of one (dense-average) block on a tensor-parallel rank."""
+    norms = 2 * shape.hidden_size + (2 * shape.head_dim if shape.qk_norm else 0)
+    dense = (shape.layer_params(False) - norms) // tp + norms
+    if not shape.num_moe_layers:
+        return dense
+    moe = shape.layer_params(True)
+    total = (shape.num_layers - shape.num_moe_layers) * dense + shape.num_moe_layers * moe
+    return total // shape.num_layers
+
+
+def _tp_head_params(shape: ModelShape, tp: int) -> int:
+    tables = 1 if shape.tie_word_embeddings else 2
+    return tables * ceil_div(shape.vocab_size, tp) * shape.hidden_size + shape.hidden_size
+
+
+def rank_layers(shape: ModelShape, layout: Layout) -> list[tuple[int, bool, bool]]:
+    """(blocks, has the embedding, has the output layer) of each pipeline rank."""
+    stages = layout.pp * layout.virtual_stages
+    base, extra = divmod(shape.num_layers, stages)
+    counts = [base + (1 if s < extra else 0) for s in range(stages)]
+    out = []
+    for r in range(layout.pp):
+        mine = range(r, stages, layout.pp)
+        out.append((sum(counts[s] for s in mine), 0 in mine, stages - 1 in mine))
+    return out
+
+
+def in_flight(layout: Layout, rank: int, num_microbatches: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at once (in units of the
+    rank's whole set of blocks)."""
+    pp, v = layout.pp, layout.virtual_stages
+    if pp == 1:
+        return 1.0
+    if layout.pp_schedule == "GPipe":
+        return float(num_microbatches)
+    if v == 1:
+        return float(min(pp - rank, num_microbatches))
+    warmup = (v - 1) * pp + 2 * (pp - 1 - rank)  # torch's Interleaved1F1B warm-up chunks
+    return min(warmup + 1, num_microbatches * v) / v
+
+
+def estimate_memory(shape: ModelShape, layout: Layout, job: Job) -> MemoryEstimate:
+    """Predicted bytes of the busiest rank of `layout` training `shape` on `job`."""
+    estimates = [
+        _estimate_rank(shape, layout, job, r, blocks, first, last)
+        for r, (blocks, first, last) in enumerate(rank_layers(shape, layout))
+    ]
+    return max(estimates, key=lambda m: m.peak)
+
+
+def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstimate:
+    s = _sizes(shape, layout, job)
+    e, fsdp = job.element_size, layout.fsdp
+    head_elems = (s.head_params if first or last else 0) if layout.pp > 1 else s.head_params
+    if layout.pp > 1 and first and last:
+        head_elems = s.head_params
+    elems = blocks * s.layer_params + head_elems
+    params = _FP32 * ceil_div(elems, fsdp)
+    optimizer = 2 * params
+    host = 0
+    if layout.optimizer_offload:
+        host, params, optimizer = params + params + optimizer, 0, 0
+    grads_full = 0 if layout.optimizer_offload else params
+    tables = _FP32 * shape.max_position_embeddings * shape.head_dim
+    accum = max(job.grad_accum(layout), 1)
+    p2p = _p2p_buffers(shape, layout, job, first, last, accum)
+    # compute copies: FSDP's gathered blocks (param dtype) or autocast's bf16 weights
+    unit = e if fsdp > 1 or layout.dp_replicate > 1 else _FP32
+    gathered_block = s.layer_params * unit if fsdp > 1 else 0
+    root = head_elems * unit if fsdp > 1 else 0
+    autocast = elems * e if e != _FP32 and fsdp == 1 and layout.dp_replicate == 1 else 0
+    base = params + optimizer + tables + p2p + root + autocast
+    flight = in_flight(layout, rank, accum)
+    # later micro-batches (or any pipeline step) already hold every gradient
+    grads_live = grads_full if (accum > 1 or layout.pp > 1) else 0
+    saved_blocks = blocks * s.saved
+    head_act = (s.head_saved if last else 0) + (s.embed_saved if first else 0)
+    activations = int(flight * (saved_blocks + head_act))
+    if layout.activation_offload:  # every block's saved tensors wait in host memory
+        host += int(flight * saved_blocks)
+        activations -= int(flight * saved_blocks)
+    before = (blocks - 1) * s.saved * flight if blocks else 0  # the other blocks' activations
+    embed = s.embed_saved * flight if first else 0
+    phases = {}
+    if blocks:  # the last block's attention kernel in forward
+        phases["attention_forward"] = (
+            base + grads_live + before + embed + s.attn_part + s.forward_temp + gathered_block
+        )
+    if last:  # FSDP gathers the root (embedding, output) again only after the loss backward
+        phases["loss_backward"] = base - root + grads_live + activations + s.loss_temp
+    fsdp_temp = 2 * gathered_block + s.layer_params * (unit + _FP32) if fsdp > 1 else 0
+    ddp_temp = s.layer_params * _FP32 if layout.dp_replicate > 1 and fsdp == 1 else 0
+    if blocks:  # the last block's backward, its activations (recomputed) live again
+        head_grad = (s.head_params * unit if last else 0) if fsdp > 1 else 0
+        out_grad = head_grad + (_FP32 * ceil_div(head_elems, fsdp) if last and not grads_live else 0)
+        moment = max(s.backward_mlp, s.backward_attn)
+        if layout.activation_offload:
+            before = 2 * s.saved if blocks > 1 else 0
+        phases["block_backward"] = (
+            base + max(grads_live, out_grad) + before + embed + moment + fsdp_temp + ddp_temp
+        )
+    phases["optimizer_step"] = params + optimizer + tables + p2p + grads_full + params
+    if layout.optimizer_offload:
+        phases["optimizer_step"] = tables + p2p
+    return MemoryEstimate(
+        params=params, grads=grads_full, optimizer=optimizer, activations=activations,
+        buffers=tables + p2p, peak=max(phases.values()), host=host, phases=phases,
+    )  # fmt: skip
+
+
+def _p2p_buffers(shape, layout, job, first, last, num_microbatches) -> int:
+    """torch.distributed.pipelining's receive buffers: one per micro-batch, activations
+    forward (not on the first stage) and gradients backward (not on the last)."""
+    if layout.pp == 1:
+        return 0
+    tokens = layout.micro_batch * job.seq_len // layout.cp
+    one = tokens * shape.hidden_size * job.element_size * num_microbatches * layout.virtual_stages
+    return one * ((0 if first else 1) + (0 if last else 1))
