@@ -8,6 +8,8 @@ directory. Call it on every rank of a process group whose size is the layout's w
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import mindspeed_ops
+from mindspeed_core import device as dev
 from mindspeed_core.optim import build_optimizers
 from mindspeed_core.parallel import (
     ParallelDims,
@@ -24,7 +27,7 @@ from mindspeed_core.parallel import (
     packed_shard_index,
 )
 from mindspeed_core.planning import Job, Layout
-from mindspeed_core.planning.measure import measure_peak, state_tensors
+from mindspeed_core.planning.measure import PeakProbe
 from mindspeed_llm.models import TransformerConfig, get_model_spec
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -141,29 +144,26 @@ def run_layout(
 ) -> dict:
     """Train `steps` steps; this rank's {"peak_bytes": of the last step (after one step
     made the optimizer states), "step_s": [wall time of each step after the first]}."""
-    device = torch.device("cpu") if not torch.cuda.is_available() else _device()
-    run = _build(config, layout, job, device, seed)
+    device = _device()
+    probe = PeakProbe(device) if measure_memory else contextlib.nullcontext()
     times = []
-    peak = None
-    for step in range(steps):
-        _barrier()
-        start = time.perf_counter()
-        if measure_memory and step == steps - 1:
-            persistent = state_tensors(run.parts, run.optimizer)
-            peak = measure_peak(lambda s=step: _step(run, config, layout, job, s, device),
-                                device, persistent)  # fmt: skip
-        else:
-            _step(run, config, layout, job, step, device)
-        _barrier()
-        if step:
-            times.append(time.perf_counter() - start)
-    return {"peak_bytes": peak, "step_s": times}
+    with probe:
+        run = _build(config, layout, job, device, seed)
+        for step in range(steps):
+            _barrier()
+            start = time.perf_counter()
+            last = measure_memory and step == steps - 1
+            with probe.window() if last else contextlib.nullcontext():
+                _step(run, config, layout, job, step, device)
+            _barrier()
+            if step:
+                times.append(time.perf_counter() - start)
+    return {"peak_bytes": probe.peak if measure_memory else None, "step_s": times}
 
 
 def _device() -> torch.device:
-    from mindspeed_core import device as dev
-
-    return dev.get_device(int(dist.get_rank() % max(dev.device_count(dev.detect_device_type()), 1)))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    return dev.get_device(local_rank, dev.detect_device_type())
 
 
 def _barrier() -> None:

@@ -1,67 +1,73 @@
 """The measured side of the estimator: peak device memory of one training step.
 
 On accelerators: the caching allocator's `max_memory_allocated` over the step. On CPU there
-is no allocator statistic, so the step runs under `torch.profiler` with
-`profile_memory=True`: the CPU allocator itself reports every allocation and free to the
-profiler (public API), with the running total of bytes allocated since profiling began.
-The peak is the bytes alive when the step starts (the storages of the tensors passed in:
-parameters, buffers, optimizer states) plus the highest running total. Unlike a
-dispatch-level tracker (torch.distributed._tools.mem_tracker, a private API), this sees
-the temporaries inside custom ops and C++ kernels too.
+is no allocator statistic, so the whole run (model building included) goes under
+`torch.profiler` with `profile_memory=True`: the CPU allocator itself reports every
+allocation and free to the profiler (public API) with the running total of bytes allocated
+since profiling began. Started before anything is built, that total is the process's live
+tensor memory; the peak of a step is its highest value inside the step's window. Unlike a
+dispatch-level tracker (torch.distributed._tools.mem_tracker, a private API) this also
+sees temporaries inside custom ops and C++ kernels, and buffers no module owns (pipeline
+receive buffers, communication buffers).
+
+    probe = PeakProbe(device)
+    with probe:
+        model = build(); train_step()
+        with probe.window():
+            train_step()
+    probe.peak  # bytes
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import json
+import os
+import tempfile
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from mindspeed_core import device as dev
 
-
-def live_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind `tensors` (DTensors: their local shards)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        storage = local.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+_WINDOW = "mindspeed::measured_step"
 
 
-def state_tensors(modules: Iterable[torch.nn.Module], optimizers: Iterable) -> list[torch.Tensor]:
-    """Parameters, buffers and optimizer states: what lives across steps."""
-    out = []
-    for m in modules:
-        out += list(m.parameters()) + list(m.buffers())
-    for opt in optimizers:
-        for state in opt.state.values():
-            out += [v for v in state.values() if torch.is_tensor(v)]
-    return out
+class PeakProbe:
+    """Peak live bytes on `device` inside `window()`, tracked from `__enter__` on."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak: int | None = None
+        self._prof = None
+
+    def __enter__(self) -> PeakProbe:
+        if self.device.type == "cpu":
+            self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._prof.__enter__()
+        return self
+
+    @contextlib.contextmanager
+    def window(self):
+        if self.device.type != "cpu":
+            dev.synchronize(self.device)
+            dev.reset_peak_memory(self.device)
+            yield
+            dev.synchronize(self.device)
+            self.peak = int(dev.memory_stats(self.device)["peak_gb"] * 2**30)
+            return
+        with record_function(_WINDOW):
+            yield
+
+    def __exit__(self, *exc) -> None:
+        if self._prof is None:
+            return
+        self._prof.__exit__(*exc)
+        if exc[0] is None:
+            self.peak = _peak_in_window(self._prof)
 
 
-def measure_peak(step: Callable[[], None], device: torch.device, persistent: Iterable[torch.Tensor]) -> int:
-    """Peak bytes on `device` while `step()` runs; `persistent` are the tensors alive
-    before it (only their bytes are needed on CPU)."""
-    if device.type != "cpu":
-        dev.synchronize(device)
-        dev.reset_peak_memory(device)
-        step()
-        dev.synchronize(device)
-        return int(dev.memory_stats(device)["peak_gb"] * 2**30)
-    from torch.profiler import ProfilerActivity, profile
-
-    baseline = live_bytes(persistent)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    return baseline + _max_total_allocated(prof)
-
-
-def _max_total_allocated(prof) -> int:
-    import json
-    import os
-    import tempfile
-
+def _peak_in_window(prof) -> int:
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -70,5 +76,12 @@ def _max_total_allocated(prof) -> int:
             events = json.load(f)["traceEvents"]
     finally:
         os.remove(path)
-    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    windows = [e for e in events if e.get("name") == _WINDOW and e.get("ph") == "X"]
+    assert windows, "PeakProbe.window() was never entered"
+    lo, hi = windows[-1]["ts"], windows[-1]["ts"] + windows[-1]["dur"]
+    totals = [
+        e["args"]["Total Allocated"]
+        for e in events
+        if e.get("name") == "[memory]" and lo <= e["ts"] <= hi
+    ]
     return max(totals, default=0)

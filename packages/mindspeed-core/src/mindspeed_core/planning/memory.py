@@ -168,7 +168,15 @@ def _sizes(shape: ModelShape, layout: Layout, job: Job) -> _Sizes:
     backward_attn = attn_none + tokens * (2 * h + 2 * hq + 2 * hkv) * e + 3 * workspace // 2
     layer_elems = _tp_layer_params(shape, tp)
     chunk_rows = max(1, _CE_CHUNK[job.attention_workspace] // vocab)
-    head_saved = tokens * h * e // sp + _FP32 * tokens // sp + tokens * h * e + tokens * vocab * e
+    logits = tokens * vocab * e
+    # mindspeed_ops' chunked loss keeps the logits; its backward writes their gradient from
+    # an fp32 chunk. Under loss parallel torch's kernel keeps the fp32 log-softmax and its
+    # backward holds three fp32 copies. (Without loss parallel, tp gathers whole logits; gloo's
+    # gather buffer is sometimes still alive at the peak: up to one more logits copy.)
+    loss_temp = logits + min(chunk_rows, tokens) * vocab * _FP32
+    if tp > 1 and layout.loss_parallel:
+        logits, loss_temp = tokens * vocab * _FP32, 3 * tokens * vocab * _FP32
+    head_saved = tokens * h * e // sp + _FP32 * tokens // sp + tokens * h * e + logits
     head_saved += _FP32 * tokens  # the loss's log-sum-exp
     return _Sizes(
         layer_params=layer_elems,
@@ -180,7 +188,7 @@ def _sizes(shape: ModelShape, layout: Layout, job: Job) -> _Sizes:
         backward_attn=backward_attn,
         forward_temp=workspace,
         head_saved=head_saved,
-        loss_temp=tokens * vocab * e + min(chunk_rows, tokens) * vocab * _FP32,
+        loss_temp=loss_temp,
         embed_saved=2 * _INT64 * tokens,
     )
 
@@ -229,11 +237,15 @@ def in_flight(layout: Layout, rank: int, num_microbatches: int) -> float:
 
 def estimate_memory(shape: ModelShape, layout: Layout, job: Job) -> MemoryEstimate:
     """Predicted bytes of the busiest rank of `layout` training `shape` on `job`."""
-    estimates = [
+    return max(estimate_memory_per_stage(shape, layout, job), key=lambda m: m.peak)
+
+
+def estimate_memory_per_stage(shape: ModelShape, layout: Layout, job: Job) -> list[MemoryEstimate]:
+    """Predicted bytes of a rank of each pipeline rank (index = pp rank)."""
+    return [
         _estimate_rank(shape, layout, job, r, blocks, first, last)
         for r, (blocks, first, last) in enumerate(rank_layers(shape, layout))
     ]
-    return max(estimates, key=lambda m: m.peak)
 
 
 def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstimate:
@@ -259,15 +271,18 @@ def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstim
     autocast = elems * e if e != _FP32 and fsdp == 1 and layout.dp_replicate == 1 else 0
     base = params + optimizer + tables + p2p + root + autocast
     flight = in_flight(layout, rank, accum)
-    # later micro-batches (or any pipeline step) already hold every gradient
-    grads_live = grads_full if (accum > 1 or layout.pp > 1) else 0
+    # A micro-batch after the first holds every gradient, with as many activations in
+    # flight as the first (a pipeline in steady state); a pipeline whose micro-batches are
+    # all in flight at once starts its backward with no gradient yet.
+    grads_live = grads_full if accum > max(flight, 1) else 0
     saved_blocks = blocks * s.saved
     head_act = (s.head_saved if last else 0) + (s.embed_saved if first else 0)
     activations = int(flight * (saved_blocks + head_act))
     if layout.activation_offload:  # every block's saved tensors wait in host memory
         host += int(flight * saved_blocks)
         activations -= int(flight * saved_blocks)
-    before = (blocks - 1) * s.saved * flight if blocks else 0  # the other blocks' activations
+    # the activations of every other block of every in-flight micro-batch
+    before = int((blocks * flight - 1) * s.saved) if blocks else 0
     embed = s.embed_saved * flight if first else 0
     phases = {}
     if blocks:  # the last block's attention kernel in forward
