@@ -254,3 +254,32 @@ def dump_memory_snapshot(device: torch.device, path) -> bool:
         return False
     torch.cuda.memory._dump_snapshot(str(path))
     return True
+
+
+def new_stream(device: torch.device):
+    """A side stream for copies that overlap compute; None on CPU."""
+    if device.type == "cpu":
+        return None
+    return torch.get_device_module(device.type).Stream(device=device)
+
+
+def copy_on_stream(dst: torch.Tensor, src: torch.Tensor, stream) -> object | None:
+    """dst.copy_(src) on `stream` once the current stream has produced `src`; returns the
+    copy's completion event (None on CPU, where the copy is done on return)."""
+    if stream is None:
+        dst.copy_(src)
+        return None
+    module = torch.get_device_module(stream.device.type)
+    stream.wait_stream(module.current_stream(stream.device))
+    with module.stream(stream):
+        dst.copy_(src, non_blocking=True)
+    for t in (src, dst):  # neither may be reused by the allocator before the copy ends
+        if t.device.type != "cpu":
+            t.record_stream(stream)
+    return stream.record_event()
+
+
+def wait_event(event, device: torch.device) -> None:
+    """Make the current stream of `device` wait for `event` (from `copy_on_stream`)."""
+    if event is not None:
+        torch.get_device_module(device.type).current_stream(device).wait_event(event)
