@@ -71,7 +71,7 @@ def _build(config: TransformerConfig, layout: Layout, job: Job, device, seed: in
         from mindspeed_core.memory import offload_activations
 
         for part in parts:
-            offload_activations(part)
+            offload_activations(part, allow_cpu=device.type == "cpu")
     optimizer = build_optimizers(parts, lr=1e-4, weight_decay=0.1)
     return _Run(dims, parts, model, schedule, optimizer, accum)
 

@@ -123,8 +123,8 @@ class ActivationOffload:
         dev.wait_event(packed.event, self.device)
         out = packed.back
         packed.uses -= 1
-        if packed.uses == 0:  # autograd owns the device copy now
-            packed.back, packed.used = None, True
+        if packed.uses == 0:  # autograd owns the device copy now; the host copy may go
+            packed.back, packed.host, packed.used = None, None, True
         if packed.dtensor is not None:
             mesh, placements, shape, stride = packed.dtensor
             out = DTensor.from_local(out, mesh, placements, run_check=False, shape=shape, stride=stride)

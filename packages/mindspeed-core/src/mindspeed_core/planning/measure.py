@@ -21,6 +21,7 @@ receive buffers, communication buffers).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import tempfile
@@ -43,6 +44,7 @@ class PeakProbe:
 
     def __enter__(self) -> PeakProbe:
         if self.device.type == "cpu":
+            gc.collect()  # earlier objects freed now, not inside the window
             self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
             self._prof.__enter__()
         return self
@@ -79,9 +81,11 @@ def _peak_in_window(prof) -> int:
     windows = [e for e in events if e.get("name") == _WINDOW and e.get("ph") == "X"]
     assert windows, "PeakProbe.window() was never entered"
     lo, hi = windows[-1]["ts"], windows[-1]["ts"] + windows[-1]["dur"]
-    totals = [
-        e["args"]["Total Allocated"]
-        for e in events
-        if e.get("name") == "[memory]" and lo <= e["ts"] <= hi
-    ]
-    return max(totals, default=0)
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    if not memory:
+        return 0
+    # The allocator's running total is process-wide and also holds what earlier profiling
+    # sessions allocated: count from its value when this session began.
+    start = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
+    inside = [e["args"]["Total Allocated"] for e in memory if lo <= e["ts"] <= hi]
+    return max(inside, default=start) - start

@@ -42,7 +42,8 @@ from mindspeed_core.planning.shape import Job, Layout, ModelShape, ceil_div
 _FP32 = 4
 _INT64 = 8
 # mindspeed_ops.cross_entropy: fp32 elements of one chunk of logits (CPU / accelerators).
-_CE_CHUNK = {"scores": 1 << 22, "flash": 1 << 26}
+_CE_CHUNK = {"cpu": 1 << 22}
+_CE_CHUNK_ACCELERATOR = 1 << 26
 
 
 @dataclass(kw_only=True)
@@ -143,7 +144,7 @@ def _moe_extra(shape: ModelShape, layout: Layout, job: Job, tokens: int) -> int:
 
 def _attention_workspace(shape: ModelShape, layout: Layout, job: Job, tokens: int) -> int:
     """fp32 score matrices of the composed kernel, one document (here: one sequence)."""
-    if job.attention_workspace == "flash":
+    if job.device != "cpu":
         return 0
     heads, _ = _heads(shape, layout.tp)
     seg = min(job.seq_len // layout.cp, tokens)
@@ -167,7 +168,7 @@ def _sizes(shape: ModelShape, layout: Layout, job: Job) -> _Sizes:
     # attention's backward: d(residual), d(out), dq/dk/dv, the kernel's fp32 workspace
     backward_attn = attn_none + tokens * (2 * h + 2 * hq + 2 * hkv) * e + 3 * workspace // 2
     layer_elems = _tp_layer_params(shape, tp)
-    chunk_rows = max(1, _CE_CHUNK[job.attention_workspace] // vocab)
+    chunk_rows = max(1, _CE_CHUNK.get(job.device, _CE_CHUNK_ACCELERATOR) // vocab)
     logits = tokens * vocab * e
     # mindspeed_ops' chunked loss keeps the logits; its backward writes their gradient from
     # an fp32 chunk. Under loss parallel torch's kernel keeps the fp32 log-softmax and its
@@ -205,6 +206,7 @@ def _tp_layer_params(shape: ModelShape, tp: int) -> int:
 
 
 def _tp_head_params(shape: ModelShape, tp: int) -> int:
+    """Embedding, output layer (unless tied) and final norm on a tensor-parallel rank."""
     tables = 1 if shape.tie_word_embeddings else 2
     return tables * ceil_div(shape.vocab_size, tp) * shape.hidden_size + shape.hidden_size
 
@@ -251,9 +253,10 @@ def estimate_memory_per_stage(shape: ModelShape, layout: Layout, job: Job) -> li
 def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstimate:
     s = _sizes(shape, layout, job)
     e, fsdp = job.element_size, layout.fsdp
-    head_elems = (s.head_params if first or last else 0) if layout.pp > 1 else s.head_params
-    if layout.pp > 1 and first and last:
-        head_elems = s.head_params
+    embedding = ceil_div(shape.vocab_size, layout.tp) * shape.hidden_size
+    tied = shape.tie_word_embeddings and layout.pp == 1
+    head_elems = (embedding if first else 0) + (s.head_params - embedding if last else 0)
+    head_elems = s.head_params if tied else head_elems
     elems = blocks * s.layer_params + head_elems
     params = _FP32 * ceil_div(elems, fsdp)
     optimizer = 2 * params
@@ -278,12 +281,17 @@ def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstim
     saved_blocks = blocks * s.saved
     head_act = (s.head_saved if last else 0) + (s.embed_saved if first else 0)
     activations = int(flight * (saved_blocks + head_act))
-    if layout.activation_offload:  # every block's saved tensors wait in host memory
-        host += int(flight * saved_blocks)
-        activations -= int(flight * saved_blocks)
     # the activations of every other block of every in-flight micro-batch
     before = int((blocks * flight - 1) * s.saved) if blocks else 0
     embed = s.embed_saved * flight if first else 0
+    offload = layout.activation_offload and job.device != "cpu"
+    # On CPU the host copies are device memory: nothing saved, and a block's backward
+    # holds its activations twice (the copy and the one brought back).
+    offload_cpu = s.saved if layout.activation_offload and job.device == "cpu" else 0
+    if offload:  # every block's saved tensors wait in host memory, one comes back at a time
+        host += int(flight * saved_blocks)
+        activations -= int(flight * saved_blocks)
+        before = s.saved if blocks > 1 else 0
     phases = {}
     if blocks:  # the last block's attention kernel in forward
         phases["attention_forward"] = (
@@ -297,10 +305,9 @@ def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstim
         head_grad = (s.head_params * unit if last else 0) if fsdp > 1 else 0
         out_grad = head_grad + (_FP32 * ceil_div(head_elems, fsdp) if last and not grads_live else 0)
         moment = max(s.backward_mlp, s.backward_attn)
-        if layout.activation_offload:
-            before = 2 * s.saved if blocks > 1 else 0
         phases["block_backward"] = (
             base + max(grads_live, out_grad) + before + embed + moment + fsdp_temp + ddp_temp
+            + offload_cpu
         )
     phases["optimizer_step"] = params + optimizer + tables + p2p + grads_full + params
     if layout.optimizer_offload:

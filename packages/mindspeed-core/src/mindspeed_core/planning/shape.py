@@ -155,9 +155,10 @@ class Job:
     """Compute dtype; master weights, gradients and optimizer states stay fp32."""
     packed: bool = True
     """Documents packed with `cu_seqlens` (the trainer's default)."""
-    attention_workspace: str = "flash"
-    """"flash": the attention kernel keeps no seq x seq matrix (CUDA/NPU fused kernels);
-    "scores": it builds fp32 scores per document (the composed CPU kernel)."""
+    device: str = "cuda"
+    """Device type the job runs on: "cpu" (mindspeed-ops' composed attention builds fp32
+    seq x seq scores; host memory is device memory, so offloading saves nothing), "cuda"
+    or "npu" (fused attention without a score matrix)."""
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -165,8 +166,8 @@ class Job:
         for name in ("seq_len", "global_batch"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
-        if self.attention_workspace not in ("flash", "scores"):
-            raise ConfigError(f"attention_workspace={self.attention_workspace!r}")
+        if self.device not in ("cpu", "cuda", "npu"):
+            raise ConfigError(f"device={self.device!r}; choose one of cpu, cuda, npu")
 
     @property
     def element_size(self) -> int:
