@@ -15,10 +15,10 @@ from mindspeed_tools.plan_runner import run_layout
 
 TOLERANCE = 0.15
 DEBUG = {"family": "llama", "flavor": "debug"}
-# ~101M parameters: 12 x 768 blocks, 16k vocabulary
+# ~99M parameters: 12 x 768 blocks, 24k vocabulary
 LLAMA_100M = {"family": "llama", "flavor": "debug", "hidden_size": 768, "num_layers": 12,
               "num_heads": 12, "num_kv_heads": 4, "intermediate_size": 2048,
-              "vocab_size": 16384, "max_position_embeddings": 512}  # fmt: skip
+              "vocab_size": 24576, "max_position_embeddings": 512}  # fmt: skip
 
 
 def _config(spec: dict):

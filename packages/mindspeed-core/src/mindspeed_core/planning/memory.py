@@ -309,6 +309,9 @@ def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstim
             base + max(grads_live, out_grad) + before + embed + moment + fsdp_temp + ddp_temp
             + offload_cpu
         )
+    if fsdp > 1 and head_elems:  # the root's reduce-scatter ends the backward: its gradients
+        # unsharded, flattened and cast for the collective, beside every other shard
+        phases["root_reduce_scatter"] = base + grads_full + head_elems * (unit + 2 * _FP32)
     phases["optimizer_step"] = params + optimizer + tables + p2p + grads_full + params
     if layout.optimizer_offload:
         phases["optimizer_step"] = tables + p2p

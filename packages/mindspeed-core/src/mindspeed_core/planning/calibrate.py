@@ -1,0 +1,113 @@
+"""Fit a `Calibration` to measurements made on the machine at hand.
+
+- compute: step times of single-rank runs at two or more micro-batch sizes; the cost
+  model's compute time is linear in (1 / FLOP/s, overhead per block), fitted by least
+  squares;
+- communication: ring all-gathers of a few sizes over the ranks of a process group:
+  time = latency + bytes x (n - 1) / n / bandwidth, fitted likewise;
+- overlap: one FSDP run; the share of its predicted FSDP traffic that did not show up in
+  the measured step time.
+
+Results are cached per device name (`save` / `load`, JSON under ~/.cache/mindspeed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_core.planning.cost import Calibration, estimate_step_time, step_flops
+from mindspeed_core.planning.memory import rank_layers
+from mindspeed_core.planning.shape import Job, Layout, ModelShape
+
+
+def _least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:
+    a = torch.tensor(rows, dtype=torch.float64)
+    b = torch.tensor(targets, dtype=torch.float64)[:, None]
+    solution = torch.linalg.lstsq(a, b).solution.flatten().tolist()
+    return [max(x, 1e-30) for x in solution]
+
+
+def fit_compute(runs: list[tuple[ModelShape, Layout, Job, float]], calib: Calibration) -> None:
+    """Set `flops_per_s` and `block_overhead_s` from single-rank (shape, layout, job, s)."""
+    rows, targets = [], []
+    for shape, layout, job, seconds in runs:
+        blocks = max(b for b, _, _ in rank_layers(shape, layout))
+        passes = 3 if layout.ac == "none" else 4
+        accum = max(job.grad_accum(layout), 1)
+        rows.append([step_flops(shape, layout, job), blocks * accum * passes / 3])
+        targets.append(seconds)
+    inverse_flops, calib.block_overhead_s = _least_squares(rows, targets)
+    calib.flops_per_s = 1.0 / inverse_flops
+    calib.measured["compute"] = [(layout.describe(), s) for _, layout, _, s in runs]
+
+
+def time_collectives(group=None, sizes=(1 << 18, 1 << 22), repeats: int = 5) -> list[tuple[int, float]]:
+    """(bytes per rank, median seconds) of all_gather_into_tensor over `group` (collective:
+    every rank of it calls this)."""
+    ranks = dist.get_world_size(group)
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else _current_device()
+    out = []
+    for size in sizes:
+        shard = torch.ones(size // 4, device=device)
+        full = torch.empty(size // 4 * ranks, device=device)
+        times = []
+        for _ in range(repeats + 1):
+            dist.barrier(group)
+            start = time.perf_counter()
+            dist.all_gather_into_tensor(full, shard, group=group)
+            if device.type != "cpu":
+                torch.get_device_module(device.type).synchronize()
+            times.append(time.perf_counter() - start)
+        out.append((size * ranks, statistics.median(times[1:])))
+    return out
+
+
+def fit_collectives(timings: list[tuple[int, float]], ranks: int, calib: Calibration) -> None:
+    """Set `latency_s` and `bandwidth` from all-gather timings of the gathered size."""
+    rows = [[1.0, size * (ranks - 1) / ranks] for size, _ in timings]
+    calib.latency_s, inverse_bandwidth = _least_squares(rows, [t for _, t in timings])
+    calib.bandwidth = 1.0 / inverse_bandwidth
+    calib.measured["all_gather"] = timings
+
+
+def fit_overlap(shape: ModelShape, layout: Layout, job: Job, seconds: float, calib: Calibration) -> None:
+    """Set `overlap` from one measured FSDP run."""
+    calib.overlap = 0.0
+    predicted = estimate_step_time(shape, layout, job, calib)
+    hideable = min(predicted.dp_comm + predicted.cp_comm, predicted.compute)
+    if hideable > 0:
+        calib.overlap = min(max((predicted.total - seconds) / hideable, 0.0), 1.0)
+    calib.measured["overlap"] = (layout.describe(), seconds)
+
+
+def cache_path(device_name: str) -> Path:
+    root = Path(os.environ.get("MINDSPEED_CACHE", Path.home() / ".cache" / "mindspeed"))
+    safe = "".join(c if c.isalnum() else "_" for c in device_name)[:80]
+    return root / "calibration" / f"{safe}.json"
+
+
+def save(calib: Calibration, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(calib.to_dict(), indent=1))
+    tmp.replace(path)
+
+
+def load(path: Path) -> Calibration | None:
+    if not path.is_file():
+        return None
+    return Calibration(**json.loads(path.read_text()))
+
+
+def _current_device() -> torch.device:
+    from mindspeed_core import device as dev
+
+    kind = dev.detect_device_type()
+    return torch.device(kind, torch.get_device_module(kind).current_device())

@@ -1,0 +1,194 @@
+"""`mindspeed plan`: which parallel layout to train with, predicted before spending a cluster.
+
+    mindspeed plan                                    # the embedded example (Llama 3 8B)
+    mindspeed plan --model llama:llama3-8b --devices 64 --memory-gb 80 \\
+        --seq-len 4096 --global-batch 512 --precision bf16
+    mindspeed plan --model path/to/hf_folder --devices 8 --memory-gb 24 --calibrate
+
+Every layout the model, batch and trainer allow (tp, pp, cp, ep, dp_shard x dp_replicate,
+recompute, micro-batch) is scored by `mindspeed_core.planning`: predicted peak memory per
+device (kept if it fits --memory-gb) and step time (calibrated cost model). The table lists
+the fastest; the last line is the command that trains with the winner. `--calibrate` first
+measures this machine (a two-layer copy of the model at two micro-batch sizes, all-gathers,
+one FSDP run) and caches the constants per device name; otherwise the cached constants, or
+round defaults for the device type, are used. A budget nothing fits is one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+from pathlib import Path
+
+from mindspeed_core.cli import ArgumentParser, Command
+from mindspeed_core.errors import ConfigError
+from mindspeed_core.planning import Calibration, Job, Layout, plan
+from mindspeed_core.planning import calibrate as cal
+
+HELP = "rank parallel layouts by predicted memory and step time; print the fastest's command"
+DEFAULTS = {"model": "llama:llama3-8b", "devices": 64, "memory_gb": 80.0, "seq_len": 4096,
+            "global_batch": 512, "precision": "bf16", "device": "cuda", "devices_per_node": 8}  # fmt: skip
+logger = logging.getLogger("mindspeed.plan")
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="mindspeed plan", description=HELP)
+    p.add_argument("--model", help="FAMILY[:FLAVOR] or a Hugging Face config.json / folder")
+    p.add_argument("--devices", type=int, help="devices (processes) in all")
+    p.add_argument("--memory-gb", type=float, help="memory per device, GiB")
+    p.add_argument("--seq-len", type=int, help="tokens per sample")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--device", choices=("cpu", "cuda", "npu"), help="device type of the job")
+    p.add_argument("--devices-per-node", type=int, help="tensor parallel stays inside a node")
+    p.add_argument("--offload", action="store_true", help="also consider activation/optimizer offload")
+    p.add_argument("--top", type=int, default=10, help="rows in the table")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine first")
+    p.add_argument("--calibration", type=Path, help="a calibration JSON to use")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def model_config(spec: str):
+    """A TransformerConfig from FAMILY[:FLAVOR] or a Hugging Face config path."""
+    from mindspeed_llm.models import build_model_config
+    from mindspeed_llm.models.config import TransformerConfig
+
+    if Path(spec).exists():
+        return TransformerConfig.from_hf(spec)
+    family, _, flavor = spec.partition(":")
+    return build_model_config(family, flavor=flavor or "debug")
+
+
+def run(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    opts = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in DEFAULTS.items()}
+    if opts["devices"] < 1 or opts["memory_gb"] <= 0:
+        raise ConfigError(f"--devices={opts['devices']} and --memory-gb={opts['memory_gb']} must be positive")
+    from mindspeed_llm.models.shape import model_shape
+
+    config = model_config(opts["model"])
+    job = Job(seq_len=opts["seq_len"], global_batch=opts["global_batch"],
+              precision=opts["precision"], device=opts["device"])  # fmt: skip
+    calib = _calibration(args, config, job)
+    per_node = min(opts["devices_per_node"], opts["devices"])
+    candidates = plan(model_shape(config, opts["model"]), job, opts["devices"], opts["memory_gb"],
+                      calibration=calib, devices_per_node=per_node, offload=args.offload)  # fmt: skip
+    command = pretrain_command(opts, candidates[0].layout, per_node)
+    if args.json:
+        rows = [{"layout": dataclasses.asdict(c.layout), "peak_gib": c.memory.peak / 2**30,
+                 "step_s": c.time.total} for c in candidates[: args.top]]  # fmt: skip
+        print(json.dumps({"calibration": calib.to_dict(), "candidates": rows, "command": command}))
+        return 0
+    print(format_table(candidates[: args.top], job, calib, len(candidates)))
+    print(f"\nfastest: {command}")
+    return 0
+
+
+def format_table(candidates, job: Job, calib: Calibration, total: int) -> str:
+    lines = [f"{total} layouts fit; calibration: {calib.device}",
+             f"{'#':>3} {'layout':<40} {'peak GiB':>9} {'step s':>9} {'tok/s/dev':>10} "
+             f"{'compute':>8} {'comm':>8} {'bubble':>8}"]  # fmt: skip
+    for i, c in enumerate(candidates, 1):
+        t = c.time
+        devices = c.layout.world_size
+        rate = job.global_batch * job.seq_len / t.total / devices
+        comm = t.tp_comm + t.dp_comm + t.cp_comm + t.pp_comm
+        lines.append(f"{i:>3} {c.layout.describe():<40} {c.memory.peak / 2**30:>9.2f} "
+                     f"{t.total:>9.3f} {rate:>10.0f} {t.compute:>8.3f} {comm:>8.3f} {t.bubble:>8.3f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def pretrain_command(opts: dict, layout: Layout, per_node: int) -> str:
+    """The `mindspeed pretrain` command line (under torchrun) that trains with `layout`."""
+    model = opts["model"]
+    if Path(model).exists():
+        source = f"--model.hf_config {model}"
+    else:
+        family, _, flavor = model.partition(":")
+        source = f"--model.family {family} --model.flavor {flavor or 'debug'}"
+    nodes = max(opts["devices"] // per_node, 1)
+    parts = [f"torchrun --nnodes {nodes} --nproc-per-node {min(per_node, opts['devices'])} "
+             f"-m mindspeed_llm.pretrain {source}",
+             f"--data.seq_len {opts['seq_len']} --train.global_batch {opts['global_batch']}",
+             f"--train.micro_batch {layout.micro_batch} --train.precision {opts['precision']}",
+             f"--train.ac {layout.ac}"]  # fmt: skip
+    for name in ("tp", "pp", "cp", "ep", "dp_replicate"):
+        if getattr(layout, name) > 1:
+            parts.append(f"--parallel.{name} {getattr(layout, name)}")
+    if layout.tp > 1:
+        parts.append("--parallel.sequence_parallel true")
+    if layout.activation_offload or layout.optimizer_offload:  # not wired into pretrain yet
+        parts.append(f"# offload: activations={layout.activation_offload} "
+                     f"optimizer={layout.optimizer_offload}")  # fmt: skip
+    return " ".join(parts)
+
+
+def _calibration(args, config, job: Job) -> Calibration:
+    if args.calibration is not None:
+        loaded = cal.load(args.calibration)
+        if loaded is None:
+            raise ConfigError(f"--calibration {args.calibration} does not exist")
+        return loaded
+    name = _device_name(job.device)
+    if args.calibrate:
+        calib = calibrate(config, job, name)
+        cal.save(calib, cal.cache_path(name))
+        return calib
+    return cal.load(cal.cache_path(name)) or Calibration.default(job.device)
+
+
+def _device_name(device_type: str) -> str:
+    from mindspeed_core import device as dev
+
+    here = dev.detect_device_type()
+    return f"{device_type}:{dev.device_name(here)}" if here == device_type else f"{device_type}:other"
+
+
+def calibration_job(config, job: Job):
+    """A two-layer copy of the model (vocabulary capped) and a short job to measure with."""
+    small = dataclasses.replace(config, num_layers=min(config.num_layers, 2),
+                                vocab_size=min(config.vocab_size, 8192))  # fmt: skip
+    seq = min(job.seq_len, 256 if job.device == "cpu" else 2048)
+    small = dataclasses.replace(small, max_position_embeddings=max(seq, 2 * small.num_layers))
+    return small, Job(seq_len=seq, global_batch=8, precision=job.precision, device=job.device)
+
+
+def calibrate(config, job: Job, name: str, world: int = 2) -> Calibration:
+    """Measure this machine: compute at two micro-batch sizes, all-gathers, one FSDP run.
+    CPU only for the multi-process parts (gloo ranks); an accelerator calibrates compute."""
+    from mindspeed_core.testing import run_distributed
+    from mindspeed_llm.models.shape import model_shape
+
+    small, cal_job = calibration_job(config, job)
+    shape = model_shape(small)
+    calib = Calibration.default(job.device)
+    calib.device = name
+    compute = [Layout(micro_batch=1), Layout(micro_batch=4)]
+    times = run_distributed(_step_times, 1, small, compute, cal_job, timeout=1800)[0]
+    cal.fit_compute([(shape, lay, cal_job, t) for lay, t in zip(compute, times, strict=True)], calib)
+    if job.device == "cpu":
+        timings = run_distributed(_collective_times, world, timeout=600)[0]
+        cal.fit_collectives(timings, world, calib)
+        fsdp = Layout(dp_shard=world, micro_batch=2)
+        seconds = max(run_distributed(_step_times, world, small, [fsdp], cal_job, timeout=1800))[0]
+        cal.fit_overlap(shape, fsdp, cal_job, seconds, calib)
+    return calib
+
+
+def _step_times(config, layouts, job, steps: int = 4) -> list[float]:
+    """Median step time of each layout (run on every rank)."""
+    from mindspeed_tools.plan_runner import run_layout
+
+    return [statistics.median(run_layout(config, layout, job, steps=steps,
+                                         measure_memory=False)["step_s"])
+            for layout in layouts]  # fmt: skip
+
+
+def _collective_times():
+    return cal.time_collectives()
+
+
+command = Command(help=HELP, run=run)
