@@ -109,3 +109,17 @@ def test_estimator_offload_and_units():
             == estimate_memory_per_stage(shape, Layout(micro_batch=8), cpu)[0].peak)  # fmt: skip
     with pytest.raises(Exception, match="ac="):
         Layout(ac="some")
+
+
+def test_parallelize_offload_options_refused_on_cpu():
+    """The offload options of parallelize_decoder say why on a CPU-only machine."""
+    from mindspeed_core.errors import ParallelError
+    from mindspeed_core.parallel import ParallelDims
+    from mindspeed_llm.models import get_model_spec
+
+    spec = get_model_spec("llama")
+    dims = ParallelDims().build()
+    with pytest.raises(ParallelError, match="already on the CPU"):
+        spec.parallelize(spec.build(_config(DEBUG)), dims, activation_offload=True)
+    with pytest.raises(ParallelError, match="needs FSDP"):
+        spec.parallelize(spec.build(_config(DEBUG)), dims, cpu_offload=True)

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import distribute_module
 
 from mindspeed_core.errors import ParallelError
+from mindspeed_core.memory import offload_activations
 from mindspeed_core.parallel import (
     ParallelDims,
     PipelineParts,
@@ -47,6 +48,8 @@ def parallelize_decoder(
     loss_parallel: bool = False,
     cp_mode: str = "ring",
     ulysses_degree: int | None = None,
+    activation_offload: bool = False,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Apply the layout `dims` to `model` in place and return it.
 
@@ -63,6 +66,10 @@ def parallelize_decoder(
         cp_mode: context parallel attention when cp > 1: "ring", "ulysses" or "hybrid"
             (`ulysses_degree` ranks inside each ring step); the caller feeds zig-zag
             sequence shards and global positions (see `mindspeed_core.parallel.apply_cp`).
+        activation_offload: each block's saved activations wait in host memory
+            (`mindspeed_core.memory.offload_activations`; accelerators, no recompute).
+        cpu_offload: FSDP2's CPU offload of sharded parameters, gradients and optimizer
+            states (accelerators, with FSDP).
 
     Raises:
         ParallelError: a layout these models do not support yet (ep without experts or
@@ -99,6 +106,8 @@ def parallelize_decoder(
     apply_cp(model, dims.mesh("cp"), mode=cp_mode, ulysses_degree=ulysses_degree,
              attention_fn=attention_fn)  # fmt: skip
     apply_ac(model, ac_mode)
+    if cpu_offload and not dims.fsdp_enabled:
+        raise ParallelError("cpu_offload (optimizer-state offload) needs FSDP: dp_shard x cp > 1")
     if dims.fsdp_enabled:
         apply_fsdp(
             model,
@@ -106,11 +115,14 @@ def parallelize_decoder(
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             ignored_params=experts_ignored_by_fsdp,
+            cpu_offload=cpu_offload,
         )
     else:
         apply_ddp(
             model, dims.mesh("dp_replicate"), param_dtype=param_dtype, reduce_dtype=reduce_dtype
         )
+    if activation_offload:  # last: FSDP's hooks must gather parameters before it looks
+        offload_activations(model)
     return model
 
 
