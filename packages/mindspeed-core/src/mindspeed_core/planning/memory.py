@@ -250,75 +250,100 @@ def estimate_memory_per_stage(shape: ModelShape, layout: Layout, job: Job) -> li
     ]
 
 
-def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstimate:
-    s = _sizes(shape, layout, job)
+@dataclass(frozen=True)
+class _Rank:
+    """Persistent bytes of one pipeline rank and the scalars its moments need."""
+
+    head_elems: int  # embedding / output / final norm elements on this rank
+    params: int
+    optimizer: int
+    grads: int  # sharded gradients after the step
+    host: int  # offloaded optimizer state
+    buffers: int  # RoPE tables and pipeline receive buffers
+    unit: int  # bytes of a gathered (FSDP) or autocast parameter element
+    base: int  # everything live across the step's moments
+
+
+def _persistent(shape, layout, job, s: _Sizes, blocks, first, last) -> _Rank:
     e, fsdp = job.element_size, layout.fsdp
     embedding = ceil_div(shape.vocab_size, layout.tp) * shape.hidden_size
-    tied = shape.tie_word_embeddings and layout.pp == 1
     head_elems = (embedding if first else 0) + (s.head_params - embedding if last else 0)
-    head_elems = s.head_params if tied else head_elems
+    if shape.tie_word_embeddings and layout.pp == 1:
+        head_elems = s.head_params
     elems = blocks * s.layer_params + head_elems
     params = _FP32 * ceil_div(elems, fsdp)
-    optimizer = 2 * params
-    host = 0
-    if layout.optimizer_offload:
-        host, params, optimizer = params + params + optimizer, 0, 0
-    grads_full = 0 if layout.optimizer_offload else params
-    tables = _FP32 * shape.max_position_embeddings * shape.head_dim
+    optimizer, host = 2 * params, 0
+    if layout.optimizer_offload:  # FSDP2 CPU offload: master weights, grads, moments on host
+        host, params, optimizer = 4 * params, 0, 0
     accum = max(job.grad_accum(layout), 1)
-    p2p = _p2p_buffers(shape, layout, job, first, last, accum)
-    # compute copies: FSDP's gathered blocks (param dtype) or autocast's bf16 weights
+    buffers = _FP32 * shape.max_position_embeddings * shape.head_dim
+    buffers += _p2p_buffers(shape, layout, job, first, last, accum)
+    # compute copies: FSDP's gathered root (param dtype) or autocast's bf16 weights
     unit = e if fsdp > 1 or layout.dp_replicate > 1 else _FP32
-    gathered_block = s.layer_params * unit if fsdp > 1 else 0
     root = head_elems * unit if fsdp > 1 else 0
     autocast = elems * e if e != _FP32 and fsdp == 1 and layout.dp_replicate == 1 else 0
-    base = params + optimizer + tables + p2p + root + autocast
-    flight = in_flight(layout, rank, accum)
+    return _Rank(head_elems=head_elems, params=params, optimizer=optimizer,
+                 grads=0 if layout.optimizer_offload else params, host=host, buffers=buffers,
+                 unit=unit, base=params + optimizer + buffers + root + autocast)  # fmt: skip
+
+
+def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstimate:
+    s = _sizes(shape, layout, job)
+    r = _persistent(shape, layout, job, s, blocks, first, last)
+    fsdp, flight = layout.fsdp, in_flight(layout, rank, max(job.grad_accum(layout), 1))
     # A micro-batch after the first holds every gradient, with as many activations in
     # flight as the first (a pipeline in steady state); a pipeline whose micro-batches are
     # all in flight at once starts its backward with no gradient yet.
-    grads_live = grads_full if accum > max(flight, 1) else 0
+    grads_live = r.grads if max(job.grad_accum(layout), 1) > max(flight, 1) else 0
     saved_blocks = blocks * s.saved
     head_act = (s.head_saved if last else 0) + (s.embed_saved if first else 0)
     activations = int(flight * (saved_blocks + head_act))
     # the activations of every other block of every in-flight micro-batch
     before = int((blocks * flight - 1) * s.saved) if blocks else 0
     embed = s.embed_saved * flight if first else 0
-    offload = layout.activation_offload and job.device != "cpu"
-    # On CPU the host copies are device memory: nothing saved, and a block's backward
-    # holds its activations twice (the copy and the one brought back).
-    offload_cpu = s.saved if layout.activation_offload and job.device == "cpu" else 0
-    if offload:  # every block's saved tensors wait in host memory, one comes back at a time
+    host = r.host
+    if layout.activation_offload and job.device != "cpu":
+        # every block's saved tensors wait in host memory, one block comes back at a time
         host += int(flight * saved_blocks)
         activations -= int(flight * saved_blocks)
         before = s.saved if blocks > 1 else 0
+    gathered_block = s.layer_params * r.unit if fsdp > 1 else 0
     phases = {}
     if blocks:  # the last block's attention kernel in forward
-        phases["attention_forward"] = (
-            base + grads_live + before + embed + s.attn_part + s.forward_temp + gathered_block
-        )
+        phases["attention_forward"] = (r.base + grads_live + before + embed + s.attn_part
+                                       + s.forward_temp + gathered_block)  # fmt: skip
     if last:  # FSDP gathers the root (embedding, output) again only after the loss backward
-        phases["loss_backward"] = base - root + grads_live + activations + s.loss_temp
-    fsdp_temp = 2 * gathered_block + s.layer_params * (unit + _FP32) if fsdp > 1 else 0
-    ddp_temp = s.layer_params * _FP32 if layout.dp_replicate > 1 and fsdp == 1 else 0
+        root = r.head_elems * r.unit if fsdp > 1 else 0
+        phases["loss_backward"] = r.base - root + grads_live + activations + s.loss_temp
     if blocks:  # the last block's backward, its activations (recomputed) live again
-        head_grad = (s.head_params * unit if last else 0) if fsdp > 1 else 0
-        out_grad = head_grad + (_FP32 * ceil_div(head_elems, fsdp) if last and not grads_live else 0)
-        moment = max(s.backward_mlp, s.backward_attn)
-        phases["block_backward"] = (
-            base + max(grads_live, out_grad) + before + embed + moment + fsdp_temp + ddp_temp
-            + offload_cpu
+        phases["block_backward"] = r.base + before + embed + _block_backward_extra(
+            layout, job, s, r, last, grads_live
         )
-    if fsdp > 1 and head_elems:  # the root's reduce-scatter ends the backward: its gradients
-        # unsharded, flattened and cast for the collective, beside every other shard
-        phases["root_reduce_scatter"] = base + grads_full + head_elems * (unit + 2 * _FP32)
-    phases["optimizer_step"] = params + optimizer + tables + p2p + grads_full + params
-    if layout.optimizer_offload:
-        phases["optimizer_step"] = tables + p2p
+    if fsdp > 1 and r.head_elems:  # the root's reduce-scatter ends the backward: its
+        # gradients unsharded, flattened and cast for the collective, beside every shard
+        phases["root_reduce_scatter"] = r.base + r.grads + r.head_elems * (r.unit + 2 * _FP32)
+    # foreach AdamW keeps one parameter-sized temporary
+    phases["optimizer_step"] = r.params + r.optimizer + r.buffers + r.grads + r.params
     return MemoryEstimate(
-        params=params, grads=grads_full, optimizer=optimizer, activations=activations,
-        buffers=tables + p2p, peak=max(phases.values()), host=host, phases=phases,
+        params=r.params, grads=r.grads, optimizer=r.optimizer, activations=activations,
+        buffers=r.buffers, peak=max(phases.values()), host=host, phases=phases,
     )  # fmt: skip
+
+
+def _block_backward_extra(layout, job, s: _Sizes, r: _Rank, last: bool, grads_live: int) -> int:
+    """Gradients, the block's live activations and buffers, FSDP's and DDP's copies."""
+    fsdp = layout.fsdp
+    head_grad = (r.head_elems * r.unit if last else 0) if fsdp > 1 else 0
+    if last and not grads_live:
+        head_grad += _FP32 * ceil_div(r.head_elems, fsdp)
+    extra = max(grads_live, head_grad) + max(s.backward_mlp, s.backward_attn)
+    if fsdp > 1:  # the block and the next gathered, its unsharded gradients and their copy
+        extra += 2 * s.layer_params * r.unit + s.layer_params * (r.unit + _FP32)
+    elif layout.dp_replicate > 1:
+        extra += s.layer_params * _FP32
+    if layout.activation_offload and job.device == "cpu":
+        extra += s.saved  # host copies are device memory: the block is held twice
+    return extra
 
 
 def _p2p_buffers(shape, layout, job, first, last, num_microbatches) -> int:
