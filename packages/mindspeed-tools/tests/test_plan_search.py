@@ -101,7 +101,7 @@ def test_spearman():
 @pytest.mark.parametrize("world", [2, 4])
 def test_planner_ranks_measured_cpu_grid(world):
     config = build_model_config("llama", flavor="debug", **GRID_MODEL)
-    calib = calibrate(config, GRID_JOB, "test-cpu", world=2)
+    calib = calibrate(config, GRID_JOB, "test-cpu", world=world)
     shape = model_shape(config)
     layouts = GRIDS[world]
     predicted = [estimate_step_time(shape, lay, GRID_JOB, calib).total for lay in layouts]
@@ -118,3 +118,28 @@ def test_planner_ranks_measured_cpu_grid(world):
           f"fastest measured; Spearman {rho:.3f}")  # fmt: skip
     assert measured[chosen] <= 1.10 * min(measured)
     assert rho >= 0.8
+
+
+def test_calibration_fits_recover_known_constants():
+    """fit_compute / fit_collectives get back the constants that generated the times, and
+    the cost model's bubble shrinks with more micro-batches."""
+    from mindspeed_core.planning import Calibration
+    from mindspeed_core.planning import calibrate as cal
+
+    shape = model_shape(build_model_config("llama", flavor="debug", **GRID_MODEL))
+    truth = Calibration(flops_per_s=3e10, block_overhead_s=0.01, latency_s=1e-4, bandwidth=5e8)
+    timings = [(n, truth.latency_s + n / 2 / truth.bandwidth) for n in (1 << 20, 1 << 24)]
+    fitted = Calibration()
+    cal.fit_collectives(timings, 2, fitted)
+    assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=1e-6)
+    assert fitted.latency_s == pytest.approx(truth.latency_s, rel=1e-6)
+    layouts = [Layout(dp_shard=2, micro_batch=m) for m in (1, 4)]
+    runs = [(shape, lay, GRID_JOB, estimate_step_time(shape, lay, GRID_JOB, truth).total)
+            for lay in layouts]  # fmt: skip
+    cal.fit_compute(runs, fitted)
+    assert fitted.flops_per_s == pytest.approx(truth.flops_per_s, rel=1e-4)
+    assert fitted.block_overhead_s == pytest.approx(truth.block_overhead_s, rel=1e-4)
+    job = Job(seq_len=256, global_batch=32, device="cpu")
+    few, many = (estimate_step_time(shape, Layout(pp=2, micro_batch=m), job, truth)
+                 for m in (8, 1))  # fmt: skip
+    assert few.bubble / few.compute > many.bubble / many.compute > 0

@@ -9,8 +9,8 @@ Every layout the model, batch and trainer allow (tp, pp, cp, ep, dp_shard x dp_r
 recompute, micro-batch) is scored by `mindspeed_core.planning`: predicted peak memory per
 device (kept if it fits --memory-gb) and step time (calibrated cost model). The table lists
 the fastest; the last line is the command that trains with the winner. `--calibrate` first
-measures this machine (a two-layer copy of the model at two micro-batch sizes, all-gathers,
-one FSDP run) and caches the constants per device name; otherwise the cached constants, or
+measures this machine (all-gathers, then a two-layer copy of the model under FSDP at two
+micro-batch sizes) and caches the constants per device name; otherwise the cached constants, or
 round defaults for the device type, are used. A budget nothing fits is one line, exit 2.
 """
 
@@ -157,8 +157,8 @@ def calibration_job(config, job: Job):
 
 
 def calibrate(config, job: Job, name: str, world: int = 2) -> Calibration:
-    """Measure this machine: compute at two micro-batch sizes, all-gathers, one FSDP run.
-    CPU only for the multi-process parts (gloo ranks); an accelerator calibrates compute."""
+    """Measure this machine: all-gathers, then FSDP steps at two micro-batch sizes over
+    `world` gloo ranks (CPU); an accelerator in a single process calibrates compute only."""
     from mindspeed_core.testing import run_distributed
     from mindspeed_llm.models.shape import model_shape
 
@@ -166,15 +166,17 @@ def calibrate(config, job: Job, name: str, world: int = 2) -> Calibration:
     shape = model_shape(small)
     calib = Calibration.default(job.device)
     calib.device = name
-    compute = [Layout(micro_batch=1), Layout(micro_batch=4)]
-    times = run_distributed(_step_times, 1, small, compute, cal_job, timeout=1800)[0]
-    cal.fit_compute([(shape, lay, cal_job, t) for lay, t in zip(compute, times, strict=True)], calib)
-    if job.device == "cpu":
-        timings = run_distributed(_collective_times, world, timeout=600)[0]
-        cal.fit_collectives(timings, world, calib)
-        fsdp = Layout(dp_shard=world, micro_batch=2)
-        seconds = max(run_distributed(_step_times, world, small, [fsdp], cal_job, timeout=1800))[0]
-        cal.fit_overlap(shape, fsdp, cal_job, seconds, calib)
+    if job.device != "cpu":  # one process on this accelerator: compute only
+        world = 1
+        steps = [_step_times(small, [Layout(micro_batch=m)], cal_job)[0] for m in (1, 4)]
+    else:
+        cal.fit_collectives(run_distributed(_collective_times, world, timeout=600)[0], world, calib)
+        cal_job = dataclasses.replace(cal_job, global_batch=8 * world)
+        layouts = [Layout(dp_shard=world, micro_batch=m) for m in (1, 4)]
+        per_rank = run_distributed(_step_times, world, small, layouts, cal_job, timeout=1800)
+        steps = [max(rank[i] for rank in per_rank) for i in range(len(layouts))]
+    layouts = [Layout(dp_shard=world, micro_batch=m) for m in (1, 4)]
+    cal.fit_compute([(shape, lay, cal_job, t) for lay, t in zip(layouts, steps, strict=True)], calib)
     return calib
 
 

@@ -1,12 +1,13 @@
 """Fit a `Calibration` to measurements made on the machine at hand.
 
-- compute: step times of single-rank runs at two or more micro-batch sizes; the cost
-  model's compute time is linear in (1 / FLOP/s, overhead per block), fitted by least
-  squares;
+- compute: step times of FSDP runs over the calibration's ranks at two micro-batch sizes
+  (on a CPU, ranks share the cores: measuring at the planned world size folds that in), less
+  their predicted communication; the cost model's compute time is linear in
+  (1 / FLOP/s, overhead per block), fitted by least squares;
 - communication: ring all-gathers of a few sizes over the ranks of a process group:
   time = latency + bytes x (n - 1) / n / bandwidth, fitted likewise;
-- overlap: one FSDP run; the share of its predicted FSDP traffic that did not show up in
-  the measured step time.
+- overlap stays at the device type's default (0 on CPU, where gloo's threads share the
+  cores with compute).
 
 Results are cached per device name (`save` / `load`, JSON under ~/.cache/mindspeed).
 """
@@ -35,14 +36,20 @@ def _least_squares(rows: list[list[float]], targets: list[float]) -> list[float]
 
 
 def fit_compute(runs: list[tuple[ModelShape, Layout, Job, float]], calib: Calibration) -> None:
-    """Set `flops_per_s` and `block_overhead_s` from single-rank (shape, layout, job, s)."""
+    """Set `flops_per_s` and `block_overhead_s` from measured (shape, layout, job, seconds)
+    runs; the communication the cost model predicts for a run (with the bandwidth already
+    calibrated, nothing hidden) is taken off its time first."""
     rows, targets = [], []
+    overlap, calib.overlap = calib.overlap, 0.0
     for shape, layout, job, seconds in runs:
+        predicted = estimate_step_time(shape, layout, job, calib)
+        seconds = max(seconds - (predicted.total - predicted.compute), 0.1 * seconds)
         blocks = max(b for b, _, _ in rank_layers(shape, layout))
         passes = 3 if layout.ac == "none" else 4
         accum = max(job.grad_accum(layout), 1)
         rows.append([step_flops(shape, layout, job), blocks * accum * passes / 3])
         targets.append(seconds)
+    calib.overlap = overlap
     inverse_flops, calib.block_overhead_s = _least_squares(rows, targets)
     calib.flops_per_s = 1.0 / inverse_flops
     calib.measured["compute"] = [(layout.describe(), s) for _, layout, _, s in runs]
@@ -75,16 +82,6 @@ def fit_collectives(timings: list[tuple[int, float]], ranks: int, calib: Calibra
     calib.latency_s, inverse_bandwidth = _least_squares(rows, [t for _, t in timings])
     calib.bandwidth = 1.0 / inverse_bandwidth
     calib.measured["all_gather"] = timings
-
-
-def fit_overlap(shape: ModelShape, layout: Layout, job: Job, seconds: float, calib: Calibration) -> None:
-    """Set `overlap` from one measured FSDP run."""
-    calib.overlap = 0.0
-    predicted = estimate_step_time(shape, layout, job, calib)
-    hideable = min(predicted.dp_comm + predicted.cp_comm, predicted.compute)
-    if hideable > 0:
-        calib.overlap = min(max((predicted.total - seconds) / hideable, 0.0), 1.0)
-    calib.measured["overlap"] = (layout.describe(), seconds)
 
 
 def cache_path(device_name: str) -> Path:
