@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import statistics
 from pathlib import Path
 
@@ -171,6 +172,7 @@ def calibrate(config, job: Job, name: str, world: int = 2) -> Calibration:
         steps = [_step_times(small, [Layout(micro_batch=m)], cal_job)[0] for m in (1, 4)]
     else:
         cal.fit_collectives(run_distributed(_collective_times, world, timeout=600)[0], world, calib)
+        calib.ranks_share_cores = world > (os.cpu_count() or 1)
         cal_job = dataclasses.replace(cal_job, global_batch=8 * world)
         layouts = [Layout(dp_shard=world, micro_batch=m) for m in (1, 4)]
         per_rank = run_distributed(_step_times, world, small, layouts, cal_job, timeout=1800)

@@ -40,6 +40,9 @@ class Calibration:
     """Bytes per second one rank moves in a ring collective."""
     overlap: float = 0.0
     """Fraction of FSDP/ring traffic hidden behind compute (0..1)."""
+    ranks_share_cores: bool = False
+    """Calibrated on a CPU with more ranks than cores: a rank idle in a pipeline bubble
+    lends its core to the others, so the bubble costs no time."""
     host_bandwidth: float = 2e10
     """Bytes per second between device and pinned host memory (offload; not calibrated)."""
     host_adam_s: float = 2e-9
@@ -124,6 +127,7 @@ def estimate_step_time(shape: ModelShape, layout: Layout, job: Job, calib: Calib
     hidden = calib.overlap * min(dp + cp + offload[0], compute)
     stages = layout.pp * layout.virtual_stages
     bubble = compute * (layout.pp - 1) / (accum * stages / layout.pp) if layout.pp > 1 else 0.0
+    bubble = 0.0 if calib.ranks_share_cores else bubble
     total = compute + tp + dp + cp + pp + bubble + sum(offload) - hidden
     return StepTime(compute=compute, tp_comm=tp, dp_comm=dp, cp_comm=cp, pp_comm=pp,
                     bubble=bubble, offload=sum(offload), total=total)  # fmt: skip
