@@ -158,8 +158,9 @@ def calibration_job(config, job: Job):
 
 
 def calibrate(config, job: Job, name: str, world: int = 2) -> Calibration:
-    """Measure this machine: all-gathers, then FSDP steps at two micro-batch sizes over
-    `world` gloo ranks (CPU); an accelerator in a single process calibrates compute only."""
+    """Measure this machine (see `mindspeed_core.planning.calibrate`): all-gathers, single-rank
+    steps at two micro-batch sizes on `world` ranks at once, one tp and one FSDP run. CPU:
+    gloo ranks; an accelerator in one process calibrates compute only."""
     from mindspeed_core.testing import run_distributed
     from mindspeed_llm.models.shape import model_shape
 
@@ -167,27 +168,38 @@ def calibrate(config, job: Job, name: str, world: int = 2) -> Calibration:
     shape = model_shape(small)
     calib = Calibration.default(job.device)
     calib.device = name
+    single = [Layout(micro_batch=m) for m in (1, 4)]
     if job.device != "cpu":  # one process on this accelerator: compute only
-        world = 1
-        steps = [_step_times(small, [Layout(micro_batch=m)], cal_job)[0] for m in (1, 4)]
-    else:
-        cal.fit_collectives(run_distributed(_collective_times, world, timeout=600)[0], world, calib)
-        calib.ranks_share_cores = world > (os.cpu_count() or 1)
-        cal_job = dataclasses.replace(cal_job, global_batch=8 * world)
-        layouts = [Layout(dp_shard=world, micro_batch=m) for m in (1, 4)]
-        per_rank = run_distributed(_step_times, world, small, layouts, cal_job, timeout=1800)
-        steps = [max(rank[i] for rank in per_rank) for i in range(len(layouts))]
-    layouts = [Layout(dp_shard=world, micro_batch=m) for m in (1, 4)]
-    cal.fit_compute([(shape, lay, cal_job, t) for lay, t in zip(layouts, steps, strict=True)], calib)
+        steps = _step_times(small, single, cal_job)
+        cal.fit_compute([(shape, lay, cal_job, t) for lay, t in zip(single, steps, strict=True)], calib)
+        return calib
+    cal.fit_collectives(run_distributed(_collective_times, world, timeout=600)[0], world, calib)
+    calib.ranks_share_cores = world > (os.cpu_count() or 1)
+    steps = _slowest(run_distributed(_step_times, world, small, single, cal_job, True, timeout=1800))
+    cal.fit_compute([(shape, lay, cal_job, t) for lay, t in zip(single, steps, strict=True)], calib)
+    cal_job = dataclasses.replace(cal_job, global_batch=4 * world)
+    parallel = {"fsdp": Layout(dp_shard=world, micro_batch=4),
+                "tp": Layout(tp=world, sequence_parallel=True, loss_parallel=True, micro_batch=4)}  # fmt: skip
+    if config.num_heads % world or config.num_kv_heads % world:
+        del parallel["tp"]
+    layouts = list(parallel.values())
+    steps = _slowest(run_distributed(_step_times, world, small, layouts, cal_job, timeout=1800))
+    for (kind, layout), seconds in zip(parallel.items(), steps, strict=True):
+        cal.fit_overhead(kind, shape, layout, cal_job, seconds, calib)
     return calib
 
 
-def _step_times(config, layouts, job, steps: int = 4) -> list[float]:
-    """Median step time of each layout (run on every rank)."""
+def _slowest(per_rank: list[list[float]]) -> list[float]:
+    return [max(rank[i] for rank in per_rank) for i in range(len(per_rank[0]))]
+
+
+def _step_times(config, layouts, job, alone: bool = False, steps: int = 4) -> list[float]:
+    """Median step time of each layout (run on every rank); `alone`: each rank runs the
+    layout by itself (no process group of its own), all ranks at once."""
     from mindspeed_tools.plan_runner import run_layout
 
-    return [statistics.median(run_layout(config, layout, job, steps=steps,
-                                         measure_memory=False)["step_s"])
+    return [statistics.median(run_layout(config, layout, job, steps=steps, measure_memory=False,
+                                         alone=alone)["step_s"])
             for layout in layouts]  # fmt: skip
 
 

@@ -43,9 +43,11 @@ class _Run:
     accum: int
 
 
-def _build(config: TransformerConfig, layout: Layout, job: Job, device, seed: int) -> _Run:
+def _build(config: TransformerConfig, layout: Layout, job: Job, device, seed: int,
+           alone: bool = False) -> _Run:  # fmt: skip
     dims = ParallelDims(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
-                        dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate).build()  # fmt: skip
+                        dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate,
+                        world_size=layout.world_size if alone else None).build()  # fmt: skip
     torch.manual_seed(seed)
     spec = get_model_spec(config.family)
     with torch.device(device):
@@ -141,14 +143,17 @@ def run_layout(
     steps: int = 3,
     measure_memory: bool = True,
     seed: int = 0,
+    alone: bool = False,
 ) -> dict:
     """Train `steps` steps; this rank's {"peak_bytes": of the last step (after one step
-    made the optimizer states), "step_s": [wall time of each step after the first]}."""
+    made the optimizer states), "step_s": [wall time of each step after the first]}.
+    `alone`: a one-rank layout run by every rank of the process group side by side (the
+    ranks only meet at the step barriers)."""
     device = _device()
     probe = PeakProbe(device) if measure_memory else contextlib.nullcontext()
     times = []
     with probe:
-        run = _build(config, layout, job, device, seed)
+        run = _build(config, layout, job, device, seed, alone)
         for step in range(steps):
             _barrier()
             start = time.perf_counter()

@@ -1,9 +1,11 @@
 """Fit a `Calibration` to measurements made on the machine at hand.
 
-- compute: step times of FSDP runs over the calibration's ranks at two micro-batch sizes
-  (on a CPU, ranks share the cores: measuring at the planned world size folds that in), less
-  their predicted communication; the cost model's compute time is linear in
-  (1 / FLOP/s, overhead per block), fitted by least squares;
+- compute: step times of single-rank runs at two micro-batch sizes, as many at once as the
+  planned world has ranks (on a CPU they share the cores: this folds that in); the cost
+  model's compute time is linear in (1 / FLOP/s, overhead per block), fitted by least
+  squares;
+- overheads of tensor parallel and FSDP beyond their traffic (DTensor dispatch, copies):
+  what one tp run and one FSDP run take beyond the prediction, per block and micro-batch;
 - communication: ring all-gathers of a few sizes over the ranks of a process group:
   time = latency + bytes x (n - 1) / n / bandwidth, fitted likewise;
 - overlap stays at the device type's default (0 on CPU, where gloo's threads share the
@@ -82,6 +84,18 @@ def fit_collectives(timings: list[tuple[int, float]], ranks: int, calib: Calibra
     calib.latency_s, inverse_bandwidth = _least_squares(rows, [t for _, t in timings])
     calib.bandwidth = 1.0 / inverse_bandwidth
     calib.measured["all_gather"] = timings
+
+
+def fit_overhead(kind: str, shape: ModelShape, layout: Layout, job: Job, seconds: float,
+                 calib: Calibration) -> None:
+    """Set `tp_overhead_s` or `fsdp_overhead_s` (kind "tp" / "fsdp") from one measured run:
+    what its time exceeds the prediction by, per block and micro-batch."""
+    setattr(calib, f"{kind}_overhead_s", 0.0)
+    residual = seconds - estimate_step_time(shape, layout, job, calib).total
+    blocks = max(b for b, _, _ in rank_layers(shape, layout))
+    per_block = residual / (blocks * max(job.grad_accum(layout), 1))
+    setattr(calib, f"{kind}_overhead_s", max(per_block, 0.0))
+    calib.measured[kind] = (layout.describe(), seconds)
 
 
 def cache_path(device_name: str) -> Path:

@@ -34,6 +34,12 @@ class Calibration:
     """Achieved training FLOP/s of one rank on large micro-batches."""
     block_overhead_s: float = 1e-4
     """Fixed time per block per micro-batch (forward + backward)."""
+    tp_overhead_s: float = 0.0
+    """Extra time per block per micro-batch under tensor parallel (DTensor dispatch,
+    small collectives), beyond the modelled traffic."""
+    fsdp_overhead_s: float = 0.0
+    """Extra time per block per micro-batch under FSDP (copy-in/out of the gathered
+    parameters and reduced gradients), beyond the modelled traffic."""
     latency_s: float = 1e-4
     """Per collective call."""
     bandwidth: float = 1e9
@@ -120,6 +126,10 @@ def estimate_step_time(shape: ModelShape, layout: Layout, job: Job, calib: Calib
     params = shape.num_params() / layout.tp / layout.pp
     dp = accum * (2 * _ring(params * e, layout.fsdp, calib) + _ring(params * 4, layout.fsdp, calib))
     dp += accum * _ring(params * 4 / layout.fsdp, layout.dp_replicate, calib, 2.0)
+    if layout.fsdp > 1 or layout.dp_replicate > 1:
+        dp += calib.fsdp_overhead_s * blocks * accum
+    if layout.tp > 1:
+        tp += calib.tp_overhead_s * blocks * accum
     kv = tokens_mb * 2 * ceil_div(shape.num_kv_heads, layout.tp) * shape.head_dim * e
     cp = 3 * blocks * accum * (layout.cp - 1) * (calib.latency_s + kv / calib.bandwidth)
     pp = 2 * accum * (calib.latency_s + act / calib.bandwidth) if layout.pp > 1 else 0.0
