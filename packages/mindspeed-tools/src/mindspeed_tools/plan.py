@@ -168,13 +168,13 @@ def calibrate(config, job: Job, name: str, world: int = 2) -> Calibration:
     shape = model_shape(small)
     calib = Calibration.default(job.device)
     calib.device = name
-    single = [Layout(micro_batch=m) for m in (1, 4)]
+    single = [Layout(micro_batch=m) for m in (1, 2, 4)]
     if job.device != "cpu":  # one process on this accelerator: compute only
         steps = _step_times(small, single, cal_job)
         cal.fit_compute([(shape, lay, cal_job, t) for lay, t in zip(single, steps, strict=True)], calib)
         return calib
     cal.fit_collectives(run_distributed(_collective_times, world, timeout=600)[0], world, calib)
-    calib.ranks_share_cores = world > (os.cpu_count() or 1)
+    calib.ranks_share_cores = world >= (os.cpu_count() or 1)
     steps = _slowest(run_distributed(_step_times, world, small, single, cal_job, True, timeout=1800))
     cal.fit_compute([(shape, lay, cal_job, t) for lay, t in zip(single, steps, strict=True)], calib)
     cal_job = dataclasses.replace(cal_job, global_batch=4 * world)

@@ -47,8 +47,9 @@ class Calibration:
     overlap: float = 0.0
     """Fraction of FSDP/ring traffic hidden behind compute (0..1)."""
     ranks_share_cores: bool = False
-    """Calibrated on a CPU with more ranks than cores: a rank idle in a pipeline bubble
-    lends its core to the others, so the bubble costs no time."""
+    """Calibrated on a CPU with no more cores than ranks: the ranks share the cores, so a
+    step takes the ranks' average work (a pipeline rank idle in a bubble or lighter than
+    the busiest lends its core to the others), not the busiest rank's plus the bubble."""
     host_bandwidth: float = 2e10
     """Bytes per second between device and pinned host memory (offload; not calibrated)."""
     host_adam_s: float = 2e-9
@@ -91,8 +92,8 @@ def _ring(bytes_: float, ranks: int, calib: Calibration, factor: float = 1.0) ->
     return calib.latency_s + factor * bytes_ * (ranks - 1) / ranks / calib.bandwidth
 
 
-def step_flops(shape: ModelShape, layout: Layout, job: Job) -> float:
-    """Training FLOPs of the busiest rank in one step."""
+def step_flops(shape: ModelShape, layout: Layout, job: Job, average: bool = False) -> float:
+    """Training FLOPs of the busiest rank in one step (`average`: of the average rank)."""
     tokens = job.global_batch * job.seq_len / (layout.dp * layout.cp)
     head_params = shape.vocab_size * shape.hidden_size  # the output layer's matmul
     block_params = (shape.active_params() - head_params) / shape.num_layers
@@ -104,17 +105,19 @@ def step_flops(shape: ModelShape, layout: Layout, job: Job) -> float:
     elif layout.ac == "selective":
         per_block += attention / 3
     stages = rank_layers(shape, layout)
-    busiest = max(b * per_block + (6 * head_params if last else 0) for b, _, last in stages)
-    return busiest * tokens / layout.tp
+    work = [b * per_block + (6 * head_params if last else 0) for b, _, last in stages]
+    return (sum(work) / len(work) if average else max(work)) * tokens / layout.tp
 
 
 def estimate_step_time(shape: ModelShape, layout: Layout, job: Job, calib: Calibration) -> StepTime:
     """Predicted seconds per step (see the module docstring)."""
     accum = max(job.grad_accum(layout), 1)
     tokens_mb = layout.micro_batch * job.seq_len / layout.cp
-    blocks = max(b for b, _, _ in rank_layers(shape, layout))
+    counts = [b for b, _, _ in rank_layers(shape, layout)]
+    blocks = sum(counts) / len(counts) if calib.ranks_share_cores else max(counts)
     passes = 3 if layout.ac == "none" else 4  # forward, backward (2x), recomputed forward
-    compute = step_flops(shape, layout, job) / calib.flops_per_s
+    shared = calib.ranks_share_cores
+    compute = step_flops(shape, layout, job, average=shared) / calib.flops_per_s
     compute += calib.block_overhead_s * blocks * accum * passes / 3
     e, h = job.element_size, shape.hidden_size
     act = tokens_mb * h * e
