@@ -134,13 +134,11 @@ def test_bad_ep_layouts_refused_before_any_group():
     ],
 )
 def test_pretrain_refuses_moe_layouts_it_does_not_build(family, parallel, message):
-    from mindspeed_llm.train.config import ParallelSection, PretrainConfig
-    from mindspeed_llm.train.trainer import _check_experts
+    from mindspeed_core.parallel import ParallelConfig
+    from mindspeed_llm.models.common.layout import check_layout
 
-    cfg = PretrainConfig(parallel=ParallelSection(**parallel))
-    cfg.model.family = family
     with pytest.raises(ConfigError, match=message):
-        _check_experts(cfg, build_model_config(family, flavor="debug"))
+        check_layout(build_model_config(family, flavor="debug"), ParallelConfig(**parallel))
     assert not dist.is_initialized()
 
 

@@ -8,7 +8,22 @@ from mindspeed_core.config import load_config
 from mindspeed_core.distributed import destroy_distributed, init_distributed
 from mindspeed_core.training import read_metrics
 from mindspeed_llm.train.config import PretrainConfig
+from mindspeed_llm.train.objectives import LossOutput, NextToken
 from mindspeed_llm.train.trainer import Trainer, TrainingError
+
+
+class _Poisoned(NextToken):
+    """Next-token loss, nan on the steps in `bad_steps` (a test double of a diverging run)."""
+
+    def __init__(self, bad_steps):
+        super().__init__()
+        self.bad_steps, self.trainer = bad_steps, None
+
+    def loss(self, outputs, targets, ctx):
+        out = super().loss(outputs, targets, ctx)
+        if self.trainer.state.step + 1 in self.bad_steps:
+            return LossOutput(out.loss_sum * math.nan)
+        return out
 
 
 def _trainer(tmp_path, monkeypatch, bad_steps, steps=6):
@@ -30,14 +45,9 @@ def _trainer(tmp_path, monkeypatch, bad_steps, steps=6):
             f"--logging.run_dir={tmp_path / 'run'}",
         ],
     )
-    trainer = Trainer(cfg, init_distributed(device_type="cpu"))
-    real_loss = trainer._loss
-
-    def poisoned(batch):
-        loss = real_loss(batch)
-        return loss * math.nan if trainer.state.step + 1 in bad_steps else loss
-
-    monkeypatch.setattr(trainer, "_loss", poisoned)
+    objective = _Poisoned(bad_steps)
+    trainer = Trainer(cfg, init_distributed(device_type="cpu"), objective=objective)
+    objective.trainer = trainer
     return trainer
 
 

@@ -44,9 +44,10 @@ def _first_loss(tmp_path, monkeypatch, *args, steps=1):
     )
     trainer = Trainer(cfg, init_distributed(device_type="cpu"))
     try:
-        position = trainer.loader.state_dict()
-        batch = trainer.loader.next_micro_batch()
-        trainer.loader.load_state_dict(position)
+        loader = trainer.data.loader
+        position = loader.state_dict()
+        batch = loader.next_micro_batch()
+        loader.load_state_dict(position)
         summary = trainer.run()
     finally:
         destroy_distributed()

@@ -1,5 +1,8 @@
 """`mindspeed pretrain` / `python -m mindspeed_llm.pretrain`: pretrain a decoder LLM.
 
+Pretraining is the shared trainer (`mindspeed_llm.train`) with the GPT data of Megatron
+indexed datasets (`train.pretrain_data`) and the next-token objective.
+
 With no arguments it trains the `debug` Llama on the embedded demo corpus on CPU.
 Several processes: `torchrun --standalone --nproc-per-node 2 -m mindspeed_llm.pretrain
 --parallel.tp 2`.
@@ -27,13 +30,16 @@ def pretrain(cfg: PretrainConfig) -> dict[str, float]:
     """Run pretraining in this process (one rank of a torchrun job, or alone)."""
     import torch.distributed as dist
 
+    from mindspeed_llm.train.objectives import NextToken
+    from mindspeed_llm.train.pretrain_data import PretrainData
     from mindspeed_llm.train.trainer import Trainer
 
     owns_group = not dist.is_initialized()
     device = None if cfg.train.device == "auto" else cfg.train.device
     info = init_distributed(device_type=device) if owns_group else current_distributed(device)
     try:
-        summary = Trainer(cfg, info).run()
+        objective = NextToken(cfg.train.loss_normalization)
+        summary = Trainer(cfg, info, data=PretrainData, objective=objective).run()
         if summary["first_loss"] is None:
             logger.info(
                 "nothing to do: the checkpoint is already at step %d of %d; raise "

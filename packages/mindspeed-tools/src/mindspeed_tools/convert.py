@@ -34,9 +34,11 @@ from mindspeed_core.checkpoint import LATEST
 from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.distributed import setup_logging
-from mindspeed_core.errors import ConfigError, ParallelError
-from mindspeed_llm.models import TransformerConfig, hf_io
+from mindspeed_core.errors import ConfigError
+from mindspeed_core.parallel import ParallelConfig
 from mindspeed_llm.models import checkpoint_io as ckpt
+from mindspeed_llm.models import hf_io
+from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.loading import ModelSource, checkpoint_source
 from mindspeed_tools.dcp_stream import load_streaming, save_streaming
 
@@ -78,11 +80,11 @@ def hf_to_mindspeed(
     tokenizer files. Tensors keep their dtype unless `dtype` is given.
 
     Raises:
-        ConfigError / CheckpointError: bad source (named); ParallelError: a layout this
-            model cannot take.
+        ConfigError / CheckpointError: bad source (named); LayoutError: a layout
+            this model cannot be trained under (`models.common.layout.check_layout`).
     """
     config = hf_io.read_hf_config(source)
-    check_layout(config, tp=tp, pp=pp, ep=ep)
+    check_layout(config, ParallelConfig(tp=tp, pp=pp, ep=ep), flag="--{}")
     weights = hf_io.HFWeights(source, config)
     prefix = ckpt.MODEL_KEY + "."
     shapes = {prefix + n: (dtype or d, shape) for n, (d, shape) in weights.shapes.items()}
@@ -112,47 +114,6 @@ def hf_to_mindspeed(
         (tmp / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     logger.info("wrote %s (%d tensors, layout tp=%d pp=%d ep=%d)", output, len(shapes), tp, pp, ep)
     return Path(output)
-
-
-def check_layout(config: TransformerConfig, *, tp: int, pp: int, ep: int) -> None:
-    """Refuse a tp/pp/ep layout this model cannot be trained under.
-
-    Raises:
-        ParallelError: the offending degree and the model size it does not fit.
-    """
-    for name, degree in (("tp", tp), ("pp", pp), ("ep", ep)):
-        if degree < 1:
-            raise ParallelError(f"--{name}={degree} must be >= 1")
-    num_experts = getattr(config, "num_experts", 0)
-    if tp > 1:
-        fields = ["num_heads", "num_kv_heads", "vocab_size"]
-        moe_layers = [
-            bool(num_experts) and config.is_moe_layer(i) for i in range(config.num_layers)
-        ]
-        if not all(moe_layers):  # some dense feed-forward (all, for a dense model)
-            fields.append("intermediate_size")
-        if any(moe_layers):
-            fields.append("moe_intermediate_size")
-        for field in fields:
-            if getattr(config, field) % tp:
-                raise ParallelError(
-                    f"--tp={tp} does not divide {field}={getattr(config, field)} of this model"
-                )
-        if config.tie_word_embeddings:
-            raise ParallelError(f"--tp={tp}: tensor parallel with tied embeddings is not supported")
-    if pp > config.num_layers:
-        raise ParallelError(f"--pp={pp} exceeds the model's {config.num_layers} layers")
-    if pp > 1 and config.tie_word_embeddings:
-        raise ParallelError(f"--pp={pp}: pipeline parallel with tied embeddings is not supported")
-    if ep > 1 and not num_experts:
-        raise ParallelError(f"--ep={ep}: this {config.family} model has no experts")
-    if num_experts and (tp > 1 or pp > 1):
-        raise ParallelError(
-            f"--tp={tp} --pp={pp}: {config.family} (MoE) models train with tp=1 and pp=1 for "
-            "now (use --ep); the trainer refuses other layouts"
-        )
-    if num_experts and num_experts % ep:
-        raise ParallelError(f"--ep={ep} does not divide num_experts={num_experts}")
 
 
 # -- MindSpeed -> Hugging Face ------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Optimizers, learning-rate schedules, gradient clipping and fp16 loss scaling."""
 
 from mindspeed_core.optim.clip import clip_grad_norm_, total_grad_norm
+from mindspeed_core.optim.config import OptimConfig
 from mindspeed_core.optim.loss_scale import DynamicLossScaler
 from mindspeed_core.optim.optimizer import OptimizersContainer, build_optimizers, param_groups
 from mindspeed_core.optim.scheduler import (
@@ -14,6 +15,7 @@ __all__ = [
     "DECAY_STYLES",
     "DynamicLossScaler",
     "LRSchedulersContainer",
+    "OptimConfig",
     "OptimizersContainer",
     "build_lr_schedulers",
     "build_optimizers",

@@ -10,6 +10,7 @@ be a DTensor into this rank's shard or the whole value.
 
 from mindspeed_core.parallel.ac import AC_MODES, apply_ac
 from mindspeed_core.parallel.blocks import find_blocks
+from mindspeed_core.parallel.config import ParallelConfig
 from mindspeed_core.parallel.context_parallel import (
     CP_MODES,
     ContextParallel,
@@ -33,6 +34,7 @@ from mindspeed_core.parallel.pipeline import (
     SCHEDULES,
     PipelineParts,
     build_pipeline_schedule,
+    check_microbatches,
     check_pipeline,
     split_model,
     split_pipeline,
@@ -46,6 +48,7 @@ __all__ = [
     "CP_MODES",
     "ContextParallel",
     "MESH_NAMES",
+    "ParallelConfig",
     "ParallelDims",
     "PipelineParts",
     "SCHEDULES",
@@ -61,6 +64,7 @@ __all__ = [
     "apply_tp",
     "cp_degrees",
     "build_pipeline_schedule",
+    "check_microbatches",
     "check_pipeline",
     "find_blocks",
     "gather_tokens",

@@ -134,12 +134,17 @@ def check_pipeline(
     num_stages = pp * stages_per_rank
     counts = stage_layer_counts(num_layers, num_stages, layers_per_stage)
     if n_microbatches is not None:
-        _check_microbatches(schedule, n_microbatches, pp, num_stages)
+        check_microbatches(schedule, n_microbatches, pp, num_stages)
     return counts
 
 
-def _check_microbatches(schedule: str, n: int, pp: int, num_stages: int) -> None:
-    """The conditions torch's schedules impose, said in our terms and checked early."""
+def check_microbatches(schedule: str, n: int, pp: int, num_stages: int) -> None:
+    """The microbatch counts torch's schedules accept, said in our terms and checked early.
+
+    Raises:
+        ParallelError: fewer microbatches than stages (1F1B, DualPipeV), or a count an
+            interleaved schedule cannot group by pp.
+    """
     if n < 1:
         raise ParallelError(f"pipeline microbatches={n} must be >= 1")
     if schedule in ("1F1B", "DualPipeV") and n < num_stages:
@@ -306,12 +311,16 @@ def build_pipeline_schedule(
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
     schedule: str = "1F1B",
+    *,
+    scale_grads: bool = True,
 ):
     """A torch pipeline schedule over this rank's `stages`.
 
-    `loss_fn(output, target)` is the mean loss of one microbatch; gradients are
-    divided by `n_microbatches` (``scale_grads=True``), so one `step` gives the
+    With `scale_grads` (the default) `loss_fn(output, target)` is the mean loss of one
+    microbatch and gradients are divided by `n_microbatches`, so one `step` gives the
     gradients of the mean loss over all microbatches, like gradient accumulation.
+    Without it the gradients are the sum of what each microbatch's loss gives: for a
+    `loss_fn` already normalised over the whole step (e.g. by its token count).
 
     Raises:
         ParallelError: see `check_pipeline`.
@@ -320,11 +329,13 @@ def build_pipeline_schedule(
     if not stages:
         raise ParallelError("build_pipeline_schedule needs at least one stage")
     _check_schedule_kind(schedule, len(stages))
-    _check_microbatches(schedule, n_microbatches, stages[0].group_size, stages[0].num_stages)
+    check_microbatches(schedule, n_microbatches, stages[0].group_size, stages[0].num_stages)
     cls = SCHEDULES[schedule]
     if schedule in _SINGLE_STAGE:
-        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(
+            stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads
+        )
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def _check_schedule_kind(schedule: str, stages_per_rank: int) -> None:

@@ -9,6 +9,7 @@ uninterrupted run would have seen.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,19 +18,30 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 
 class PretrainLoader(Stateful):
-    """Yields (batch, seq + 1) int64 token tensors for one rank.
+    """Yields this rank's micro-batches: (batch, seq + 1) int64 token tensors, or what
+    `collate` makes of them (`next_batch`).
 
     Args:
         dataset: indexable, `dataset[i]["tokens"]` is a (seq + 1,) array.
         micro_batch: samples per micro-batch on this rank.
         dp_rank / dp_size: this rank's place among the data-parallel ranks.
+        collate: (batch, seq + 1) tokens -> a batch (see `mindspeed_llm.data.collate`).
     """
 
-    def __init__(self, dataset, *, micro_batch: int, dp_rank: int, dp_size: int):
+    def __init__(
+        self,
+        dataset,
+        *,
+        micro_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        collate: Callable[[torch.Tensor], Any] | None = None,
+    ):
         self.dataset = dataset
         self.micro_batch = micro_batch
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.collate = collate
         self.consumed = 0
 
     def next_micro_batch(self) -> torch.Tensor:
@@ -38,6 +50,10 @@ class PretrainLoader(Stateful):
         rows = [self._sample(start + j) for j in range(self.micro_batch)]
         self.consumed += self.micro_batch * self.dp_size
         return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+    def next_batch(self):
+        """The next micro-batch, collated."""
+        return self.collate(self.next_micro_batch())
 
     def _sample(self, index: int) -> np.ndarray:
         return np.asarray(self.dataset[index % len(self.dataset)]["tokens"])

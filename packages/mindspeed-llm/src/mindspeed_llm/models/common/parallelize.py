@@ -1,5 +1,6 @@
 """Parallelise a `Transformer` (dense or MoE) from outside: (pipeline split) -> TP -> EP ->
-CP -> activation checkpointing -> FSDP/DDP.
+CP -> activation checkpointing -> FSDP/DDP, with two hooks for trainers: `before_tp` (swap
+the head) and `after_tp` (inject adapters such as LoRA).
 
 The order is torchtitan's: tensor parallel first (DTensor plans on whole modules), then
 recompute wrappers on each block, then data parallel, which shards whatever parameters
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import distribute_module
+from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from mindspeed_core.errors import ParallelError
 from mindspeed_core.memory import offload_activations
@@ -29,12 +31,15 @@ from mindspeed_core.parallel import (
     apply_expert_fsdp,
     apply_fsdp,
     apply_tp,
-    check_pipeline,
     split_pipeline,
 )
+from mindspeed_llm.models.common.layout import check_layout, layout_of
 from mindspeed_llm.models.common.moe import MoE
 from mindspeed_llm.models.common.tp_plan import llama_tp_plan
 from mindspeed_ops import attention
+
+ModelHook = Callable[[nn.Module, ParallelDims], None]
+"""`hook(model, dims)`: changes `model` in place at a fixed point of the parallelize order."""
 
 
 def parallelize_decoder(
@@ -50,6 +55,8 @@ def parallelize_decoder(
     ulysses_degree: int | None = None,
     activation_offload: bool = False,
     cpu_offload: bool = False,
+    before_tp: ModelHook | None = None,
+    after_tp: ModelHook | None = None,
 ) -> nn.Module:
     """Apply the layout `dims` to `model` in place and return it.
 
@@ -70,39 +77,41 @@ def parallelize_decoder(
             (`mindspeed_core.memory.offload_activations`; accelerators, no recompute).
         cpu_offload: FSDP2's CPU offload of sharded parameters, gradients and optimizer
             states (accelerators, with FSDP).
+        before_tp: called on the whole, still plain model first: the place to swap the
+            head, e.g. `model.output = nn.Linear(hidden, 1)` for a reward model or critic.
+            A head that is not vocabulary-sized stays replicated under TP (its input is
+            gathered), so it needs `loss_parallel=False`.
+        after_tp: called after tensor parallel and before expert parallel, context
+            parallel, recompute and FSDP: the place to inject adapters (LoRA). Here the
+            TP-planned weights are already DTensors whose placements the adapter can
+            copy, and FSDP will shard (and gather) whatever parameters it then finds;
+            before TP would not work, because torch's ColwiseParallel shards every
+            parameter under a planned module, an adapter's included, along dim 0.
 
     Raises:
-        ParallelError: a layout these models do not support yet (ep without experts or
-            with tp/dp_replicate, tp with experts), a whole model
-            under pp > 1 (see `pipeline_decoder`), or options that need tensor parallel
-            without it.
+        LayoutError: a layout `check_layout` refuses (see `models.common.layout`); a
+            pipeline stage (pp > 1) is not checked again: `pipeline_decoder` checked the
+            whole model.
+        ParallelError: a whole model under pp > 1 (see `pipeline_decoder`), or options
+            that need tensor parallel without it.
     """
     if dims.pp > 1 and None not in (model.tok_embeddings, model.output):
         raise ParallelError(
             f"pp={dims.pp}: split the model into stages with pipeline_decoder, not parallelize_decoder"
         )
+    if dims.pp == 1:  # a pipeline stage was checked whole by pipeline_decoder
+        layout = layout_of(dims, cp_mode=cp_mode, ulysses_degree=ulysses_degree)
+        check_layout(model.config, layout, flag="{}")
+    if before_tp is not None:
+        before_tp(model, dims)
     if dims.tp == 1 and (sequence_parallel or loss_parallel):
         raise ParallelError("sequence_parallel and loss_parallel need tp > 1")
-    config = model.config
     if dims.tp > 1:
-        if config.num_experts:
-            raise ParallelError(f"tp={dims.tp} for MoE models is not supported yet; use ep")
-        if config.tie_word_embeddings:
-            raise ParallelError(
-                "tensor parallel with tie_word_embeddings=true is not supported yet"
-            )
-        plan = llama_tp_plan(
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            tp=dims.tp,
-            sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel,
-        )
-        apply_tp(model, dims.mesh("tp"), _owned_entries(plan, model))
-        if config.qk_norm:
-            _replicate_qk_norms(model, dims.mesh("tp"))
+        _tensor_parallel(model, dims.mesh("tp"), sequence_parallel, loss_parallel)
+    if after_tp is not None:
+        after_tp(model, dims)
     experts_ignored_by_fsdp = _expert_parallel(model, dims, param_dtype, reduce_dtype)
-    attention_fn = functools.partial(attention, impl=config.ops_impl)
+    attention_fn = functools.partial(attention, impl=model.config.ops_impl)
     apply_cp(model, dims.mesh("cp"), mode=cp_mode, ulysses_degree=ulysses_degree,
              attention_fn=attention_fn)  # fmt: skip
     apply_ac(model, ac_mode)
@@ -126,6 +135,29 @@ def parallelize_decoder(
     return model
 
 
+def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    config = model.config
+    plan = llama_tp_plan(
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        tp=tp_mesh.size(),
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+    )
+    head = getattr(model, "output", None)
+    if head is not None and getattr(head, "out_features", config.vocab_size) != config.vocab_size:
+        if loss_parallel:
+            raise ParallelError("loss_parallel needs the vocabulary head; this model's was swapped")
+        # A small head (a value head) is not worth sharding: gather its input, keep it whole.
+        seq = Shard(1) if sequence_parallel else Replicate()
+        plan["output"] = PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    apply_tp(model, tp_mesh, _owned_entries(plan, model))
+    if config.qk_norm:
+        _replicate_qk_norms(model, tp_mesh)
+
+
 def pipeline_decoder(
     model: nn.Module,
     dims: ParallelDims,
@@ -134,34 +166,37 @@ def pipeline_decoder(
     schedule: str = "1F1B",
     stages_per_rank: int = 1,
     layers_per_stage: Sequence[int] | None = None,
+    before_tp: ModelHook | None = None,
+    after_tp: ModelHook | None = None,
     **options,
 ) -> PipelineParts:
     """This rank's pipeline stages of `model`, each parallelised like a whole model.
 
     torchtitan's order: split first (`split_pipeline`: each stage a copy holding its own
     layers under their original names), then TP -> AC -> FSDP/DDP on every stage with
-    `parallelize_decoder(stage, dims, **options)`. Initialise `model` whole before (with
-    the run's seed) and a pipelined run starts from one process's weights.
+    the options of `parallelize_decoder`. Initialise `model` whole before (with the
+    run's seed) and a pipelined run starts from one process's weights.
+
+    Args:
+        before_tp: called once on the whole model, before the split (a swapped head then
+            lands on the last stage); see `parallelize_decoder`.
+        after_tp: called on every stage after its tensor parallel; see
+            `parallelize_decoder`.
 
     Raises:
-        ParallelError: pp=1, tied embeddings (they would sit on two stages), or a layout
-            `check_pipeline` refuses (recompute under zero-bubble schedules included).
+        ParallelError: pp=1; LayoutError: a layout `check_layout` refuses (tied
+            embeddings, a split or schedule `check_pipeline` refuses, recompute under
+            zero-bubble schedules).
     """
     if dims.pp == 1:
         raise ParallelError("pipeline_decoder needs pp > 1; use parallelize_decoder")
-    if model.config.tie_word_embeddings:
-        raise ParallelError(
-            "pipeline parallel with tie_word_embeddings=true is not supported: the embedding "
-            "and the output projection would sit on different stages"
-        )
-    check_pipeline(
-        num_layers=len(model.layers),
-        pp=dims.pp,
-        stages_per_rank=stages_per_rank,
-        schedule=schedule,
-        layers_per_stage=layers_per_stage,
-        recompute=options.get("ac_mode", "none") != "none",
-    )
+    layout = layout_of(dims, **options)
+    layout.pp_schedule, layout.virtual_stages = schedule, stages_per_rank
+    layout.layers_per_stage = list(layers_per_stage or [])
+    ac_mode = options.get("ac_mode", "none")
+    check_layout(model.config, layout, recompute=ac_mode != "none", flag="{}")
+    if before_tp is not None:
+        before_tp(model, dims)
     parts = split_pipeline(
         model,
         dims.mesh("pp"),
@@ -171,7 +206,7 @@ def pipeline_decoder(
         layers_per_stage=layers_per_stage,
     )
     for part in parts.model_parts:
-        parallelize_decoder(part, dims, **options)
+        parallelize_decoder(part, dims, after_tp=after_tp, **options)
     return parts
 
 
@@ -189,13 +224,6 @@ def _expert_parallel(
     experts = [m.experts for m in model.modules() if isinstance(m, MoE)]
     if dims.ep == 1:
         return set()
-    if not experts:
-        raise ParallelError(f"ep={dims.ep} needs a MoE model (num_experts > 0)")
-    if dims.dp_replicate > 1 or dims.tp > 1:
-        raise ParallelError(
-            f"ep={dims.ep} with dp_replicate={dims.dp_replicate} or tp={dims.tp} > 1 is not "
-            "supported yet; use dp_shard (and cp)"
-        )
     apply_ep(experts, dims.mesh("ep"))
     return apply_expert_fsdp(
         experts,

@@ -1,0 +1,202 @@
+"""Build what a training run holds: the model on its layout, then optimizer and checkpoints.
+
+`build_model` goes model config -> whole model with the run's seed (and Hugging Face
+weights) -> the family's parallelize (TP -> `after_tp` -> EP -> CP -> recompute -> FSDP)
+or pipeline split, with `before_tp` for a new head first. With `frozen=True` it gives an
+optimizer-less copy under the same layout (a DPO or KL reference). `build_train_parts`
+adds AdamW, the LR schedule, the fp16 loss scaler and the train counters, and
+`TrainParts.states` names everything a checkpoint holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from mindspeed_core.checkpoint import ModelState, RNGState, TrainState
+from mindspeed_core.errors import ConfigError
+from mindspeed_core.optim import (
+    DynamicLossScaler,
+    LRSchedulersContainer,
+    OptimConfig,
+    OptimizersContainer,
+)
+from mindspeed_core.parallel import ParallelConfig, ParallelDims, PipelineParts
+from mindspeed_core.training import flops_per_token, set_seed
+from mindspeed_llm.models import TransformerConfig, build_model_config, get_model_spec
+from mindspeed_llm.models.common.moe import LoadTracker, active_params
+from mindspeed_llm.models.common.parallelize import ModelHook
+from mindspeed_llm.models.hf_io import load_hf_weights, read_hf_config
+from mindspeed_llm.train.config import ModelSection
+from mindspeed_llm.train.objectives import LossContext
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+__all__ = ["DTYPES", "BuiltModel", "TrainParts", "build_model", "build_train_parts", "model_config"]
+
+
+@dataclass
+class BuiltModel:
+    """One rank's share of a model, parallelised."""
+
+    config: TransformerConfig
+    device: torch.device
+    model: nn.Module | None
+    """The whole (parallelised) model; None under pipeline parallel."""
+    parts: list[nn.Module]
+    """What to optimise and checkpoint: [model], or this rank's pipeline stages."""
+    pipeline: PipelineParts | None
+    """The stages to schedule (pp > 1)."""
+    pipeline_schedule: str | None
+    """Their schedule's name (pp > 1)."""
+    loss: LossContext
+    """How a loss reads the outputs (vocab-sharded logits, ops backend)."""
+    autocast: torch.dtype | None
+    """Compute dtype under torch.autocast (None: none; FSDP casts on its own)."""
+    flops_per_token: int
+    """Training FLOPs per token (MoE: the experts a token uses)."""
+    router: LoadTracker | None = None
+    """MoE models: expert loads of the step and the aux loss's bookkeeping."""
+
+
+def model_config(model: ModelSection) -> TransformerConfig:
+    """The model to build: from model.hf_path's config.json, model.hf_config, or a flavor."""
+    if model.hf_path is not None:
+        return read_hf_config(model.hf_path, ops_impl=model.ops_impl)
+    flavor = None if model.hf_config is not None else model.flavor
+    return build_model_config(model.family, flavor, model.hf_config, ops_impl=model.ops_impl)
+
+
+def build_model(
+    config: TransformerConfig,
+    dims: ParallelDims,
+    device: torch.device,
+    *,
+    parallel: ParallelConfig,
+    precision: str = "fp32",
+    ac: str = "none",
+    seed: int = 1234,
+    seq_len: int,
+    hf_path: Path | None = None,
+    before_tp: ModelHook | None = None,
+    after_tp: ModelHook | None = None,
+    frozen: bool = False,
+) -> BuiltModel:
+    """Build `config` on `device`, load `hf_path`'s weights, parallelise it on `dims`.
+
+    Args:
+        parallel: sequence/loss parallel, cp mode and pipeline options (degrees: `dims`).
+        precision: "fp32", "bf16" or "fp16": FSDP's parameter dtype when sharded, else
+            autocast's.
+        ac: activation recompute per block ("none", "full", "selective").
+        seed: every rank draws the whole model with it (then keeps its share), so every
+            layout starts from one process's weights.
+        seq_len: tokens per sample (for FLOPs).
+        hf_path: a Hugging Face folder whose weights replace the drawn ones.
+        before_tp: swap the head before anything is split (see `parallelize_decoder`).
+        after_tp: inject adapters after TP, before CP/recompute/FSDP (LoRA).
+        frozen: no gradients, eval mode, no recompute: a reference model.
+    """
+    set_seed(seed, dims, vary_along=())
+    spec = get_model_spec(config.family)
+    with torch.device(device):
+        model = spec.build(config)
+    if hf_path is not None:  # whole, before any split or sharding
+        load_hf_weights(model, hf_path, config)
+    flops = flops_per_token(active_params(model), config.num_layers, config.hidden_size, seq_len)
+    dtype = DTYPES[precision]
+    sharded = dims.fsdp_enabled or dims.dp_replicate > 1
+    loss_parallel = dims.tp > 1 and parallel.loss_parallel
+    options = _parallelize_options(parallel, dims, dtype, "none" if frozen else ac)
+    options.update(loss_parallel=loss_parallel)
+    options.update({k: v for k, v in (("before_tp", before_tp), ("after_tp", after_tp)) if v})
+    if dims.pp > 1:
+        pipeline = _pipeline(spec, model, dims, device, parallel, options)
+        whole, parts = None, pipeline.model_parts
+    else:
+        pipeline, whole = None, spec.parallelize(model, dims, **options)
+        parts = [whole]
+    if frozen:
+        for part in parts:
+            part.requires_grad_(False).eval()
+    router = None
+    if config.num_experts and not frozen:
+        router = LoadTracker(whole, config.router_bias_update_rate)
+    return BuiltModel(
+        config=config,
+        device=torch.device(device),
+        model=whole,
+        parts=parts,
+        pipeline=pipeline,
+        pipeline_schedule=parallel.pp_schedule if pipeline is not None else None,
+        loss=LossContext(loss_parallel=loss_parallel, ops_impl=config.ops_impl),
+        autocast=dtype if dtype != torch.float32 and not sharded else None,
+        flops_per_token=flops,
+        router=router,
+    )
+
+
+def _parallelize_options(parallel: ParallelConfig, dims, dtype, ac: str) -> dict:
+    options = {
+        "ac_mode": ac,
+        "param_dtype": dtype if dtype != torch.float32 else None,
+        "sequence_parallel": dims.tp > 1 and parallel.sequence_parallel,
+    }
+    if dims.cp > 1:
+        options.update(cp_mode=parallel.cp_mode, ulysses_degree=parallel.ulysses_degree)
+    return options
+
+
+def _pipeline(spec, model, dims, device, parallel: ParallelConfig, options) -> PipelineParts:
+    """This rank's stages (TP/AC/FSDP inside each)."""
+    if spec.pipeline is None:
+        raise ConfigError(f"model.family={spec.name} does not support parallel.pp > 1")
+    return spec.pipeline(
+        model,
+        dims,
+        device=device,
+        schedule=parallel.pp_schedule,
+        stages_per_rank=parallel.virtual_stages,
+        layers_per_stage=parallel.layers_per_stage or None,
+        **options,
+    )
+
+
+@dataclass
+class TrainParts:
+    """A trainable model and what steps it: optimizer, schedule, loss scaler, counters."""
+
+    model: BuiltModel
+    optimizer: OptimizersContainer
+    scheduler: LRSchedulersContainer
+    scaler: DynamicLossScaler | None
+    state: TrainState = field(default_factory=TrainState)
+
+    def states(self, data: Stateful | None, device: torch.device) -> dict[str, Stateful]:
+        """Everything a checkpoint holds, under the names of the checkpoint layout."""
+        states = {
+            "model": ModelState(self.model.parts),
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "train": self.state,
+        }
+        if data is not None:
+            states["data"] = data
+        states["rng"] = RNGState(device)
+        if self.scaler is not None:
+            states["loss_scaler"] = self.scaler
+        return states
+
+
+def build_train_parts(
+    model: BuiltModel, optim: OptimConfig, *, total_steps: int, precision: str = "fp32"
+) -> TrainParts:
+    """AdamW over `model`'s trainable parameters, its LR schedule over `total_steps`,
+    and a dynamic loss scaler for fp16."""
+    optimizer, scheduler = optim.build(model.parts, total_steps)
+    scaler = DynamicLossScaler() if precision == "fp16" else None
+    return TrainParts(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)

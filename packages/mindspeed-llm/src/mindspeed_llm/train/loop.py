@@ -1,0 +1,160 @@
+"""The training loop of every trainer: steps -> metrics, validation, checkpoints, resume.
+
+    resume (checkpoint.load) -> config.yaml, metrics.jsonl (run directory)
+    until train.steps (or train.exit_at_step):
+        step on the data source's next micro-batches
+        validation every train.eval_interval steps and at the last step
+        metrics.jsonl / TensorBoard / progress bar every logging.log_interval steps
+        checkpoint every checkpoint.interval steps
+    a last checkpoint, the loss curve
+
+A `DataSource` gives this rank's micro-batches of each step, the validation batches,
+and its position (checkpointed as "data", so a resumed run sees the same samples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from mindspeed_core import device as dev
+from mindspeed_core.checkpoint import CheckpointManager
+from mindspeed_core.training import MetricsWriter, ThroughputMeter
+from mindspeed_llm.data.collate import Batch
+from mindspeed_llm.train.build import DTYPES
+from mindspeed_llm.train.config import LoggingSection, TrainSection
+from mindspeed_llm.train.run_dir import RunDirectory, resume
+from mindspeed_llm.train.step import TrainStep
+
+__all__ = ["DataSource", "TrainLoop"]
+
+
+class DataSource(Protocol):
+    """What the loop reads: the protocol pretraining's `PretrainData` follows."""
+
+    seq_len: int
+    """Tokens per row (FLOPs, context-parallel checks)."""
+
+    def next_step(self) -> list[Batch]:
+        """This rank's micro-batches of the next optimizer step."""
+
+    def validation(self) -> Iterable[list[Batch]] | None:
+        """The validation set, a step's micro-batches at a time (the same every call);
+        None: no validation."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class TrainLoop:
+    """Runs `step` on `data` for `train.steps` steps.
+
+    Args:
+        step: the optimizer step (model, objective, optimizer inside).
+        data: this rank's batches.
+        checkpoints: saves and resumes the states of the run.
+        run_dir: the run directory.
+        cfg: the whole config, written to config.yaml.
+        train / logging: the sections the loop reads (steps, cadences, load).
+        load: `checkpoint.load`.
+        command: names the progress bar.
+    """
+
+    def __init__(
+        self,
+        step: TrainStep,
+        data: DataSource,
+        *,
+        checkpoints: CheckpointManager,
+        run_dir: RunDirectory,
+        cfg: Any,
+        train: TrainSection,
+        logging: LoggingSection,
+        load: Any = "auto",
+        command: str = "train",
+    ):
+        self.step, self.data, self.checkpoints, self.run_dir = step, data, checkpoints, run_dir
+        self.cfg, self.train, self.logging, self.load = cfg, train, logging, load
+        self.command = command
+        self.state = step.state
+
+    def run(self) -> dict[str, float]:
+        """Train to `train.steps`; returns the first and last loss of this run and the step."""
+        resumed = resume(self.checkpoints, self.load, self.checkpoints.states)
+        metrics = self.run_dir.start(self.cfg, resumed)
+        try:
+            summary = self._loop(metrics)
+        finally:
+            metrics.close()
+        self._finish()
+        return summary
+
+    def _loop(self, metrics: MetricsWriter) -> dict[str, float]:
+        model = self.step.model
+        peak = dev.peak_flops(model.device, DTYPES[self.train.precision])
+        meter = ThroughputMeter(model.flops_per_token, peak)
+        bar = tqdm(
+            total=self.train.steps,
+            initial=self.state.step,
+            disable=not (metrics.enabled and self.logging.progress),
+            desc=self.command,
+            dynamic_ncols=True,
+        )
+        first = last = None
+        tokens_since_log = 0
+        stop = min(self.train.steps, self.train.exit_at_step or self.train.steps)
+        while self.state.step < stop:
+            result = self.step(self.data.next_step())
+            self.state.step += 1
+            self.state.tokens_seen += result.num_tokens
+            tokens_since_log += result.num_tokens
+            bar.update(1)
+            record = {"loss": result.loss, "lr": self.step.parts.scheduler.get_last_lr()}
+            record.update(grad_norm=result.grad_norm, **result.metrics)
+            validation = self.data.validation() if self._eval_due() else None
+            if validation is not None:
+                record["valid_loss"] = self.step.evaluate(validation)
+            if self._log_due() or "valid_loss" in record:
+                self._log(metrics, meter, bar, record, tokens_since_log)
+                tokens_since_log = 0
+            first = result.loss if first is None else first
+            last = result.loss
+            self.checkpoints.save(self.state.step)
+        bar.close()
+        return {"first_loss": first, "final_loss": last, "steps": self.state.step}
+
+    def _log(self, metrics, meter, bar, record: dict, tokens: int) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rate = meter.update(tokens // world)
+        record.update(
+            tokens_per_s=rate["tokens_per_s"] * world,
+            mfu=rate["mfu"],
+            mem_gb=dev.memory_stats(self.step.model.device)["peak_gb"],
+        )
+        metrics.log(self.state.step, record)
+        bar.set_postfix(
+            loss=f"{record['loss']:.3f}",
+            tok_s=f"{record['tokens_per_s']:.0f}",
+            mfu=f"{rate['mfu']:.1%}",
+        )
+
+    def _log_due(self) -> bool:
+        interval = self.logging.log_interval
+        return self.state.step % max(interval, 1) == 0 or self.state.step == self.train.steps
+
+    def _eval_due(self) -> bool:
+        interval = self.train.eval_interval
+        if interval <= 0:
+            return False
+        return self.state.step % interval == 0 or self.state.step == self.train.steps
+
+    def _finish(self) -> None:
+        interval = self.checkpoints.interval
+        if interval == 0 or self.state.step % interval:
+            self.checkpoints.save(self.state.step, force=True)
+        self.checkpoints.close()
+        self.run_dir.finish()

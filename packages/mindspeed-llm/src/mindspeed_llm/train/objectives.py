@@ -1,0 +1,140 @@
+"""Objectives: what a trainer optimises, apart from how a step runs.
+
+The step (`train.step`) makes the loss of an optimizer step
+
+    loss = sum over the step's supervised units of their loss / number of those units
+
+over every micro-batch and every data-parallel and context-parallel rank, so it is the
+same in every layout and under any gradient accumulation. An objective says what a
+unit is and what it costs, in three parts that also fit a pipeline, whose last stage
+sees only the model's outputs and that stage's targets:
+
+- `num_units(batch)`: the units a micro-batch supervises, from the batch alone, before
+  any forward (tokens with a label; sequences; preference pairs);
+- `targets(batch)`: what the loss reads besides the outputs, a dict of tensors; one
+  shaped like `input_ids` is per token and is sharded with the inputs under context
+  parallel (labels, per-token weights or advantages);
+- `loss(outputs, targets, ctx)`: the SUM of the units' losses in this micro-batch, with
+  optional metric sums (reported divided by the step's units too).
+
+The model's own auxiliary losses (MoE routers) are added by the step, for every
+objective. `NextToken` is pretraining's and SFT's (masking through labels = -100).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import mindspeed_ops
+from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
+
+__all__ = ["LossContext", "LossOutput", "NextToken", "Objective", "segment_ids", "token_nll"]
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """How the outputs were computed; what a loss needs to read them."""
+
+    loss_parallel: bool = False
+    """The logits are vocabulary-sharded DTensors (tp > 1 with loss parallel)."""
+    ops_impl: str = "auto"
+    """The mindspeed_ops backend of the model."""
+
+
+@dataclass
+class LossOutput:
+    loss_sum: Tensor
+    """Scalar: the sum of this micro-batch's unit losses (differentiable)."""
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    """Sums over the same units of values to report (no gradient), e.g. correct pairs."""
+
+
+class Objective(ABC):
+    """A training objective; see the module docstring for the contract."""
+
+    metric_names: tuple[str, ...] = ()
+    """The keys of `LossOutput.metrics` (every rank reduces them, in this order)."""
+
+    @abstractmethod
+    def num_units(self, batch: Batch) -> Tensor:
+        """Scalar count (int or float) of the units `batch` supervises."""
+
+    @abstractmethod
+    def targets(self, batch: Batch) -> dict[str, Tensor]:
+        """What `loss` reads besides the outputs."""
+
+    @abstractmethod
+    def loss(self, outputs: Tensor, targets: dict[str, Tensor], ctx: LossContext) -> LossOutput:
+        """The sum of the unit losses of one micro-batch (or its context-parallel share)."""
+
+
+def token_nll(logits: Tensor, labels: Tensor, ctx: LossContext, reduction: str = "sum") -> Tensor:
+    """Cross entropy of (..., vocab) logits against labels (-100 ignored): "sum", or
+    "none" for (tokens,) fp32 values (0 where ignored). Loss-parallel logits go through
+    torch's vocab-parallel kernel, others through `mindspeed_ops.cross_entropy`."""
+    logits, labels = logits.flatten(0, -2), labels.flatten()
+    if ctx.loss_parallel:
+        nll = F.cross_entropy(logits.float(), labels, reduction=reduction)
+        return _plain(nll) if reduction == "none" else nll
+    return mindspeed_ops.cross_entropy(logits, labels, reduction=reduction, impl=ctx.ops_impl)
+
+
+def segment_ids(cu_seqlens: Tensor, num_tokens: int) -> Tensor:
+    """(num_tokens,) index of the packed document each flattened token belongs to."""
+    positions = torch.arange(num_tokens, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].long(), positions, right=True)
+
+
+class NextToken(Objective):
+    """Next-token cross entropy; positions labelled -100 are not supervised.
+
+    Args:
+        normalization: "token": every supervised token weighs the same (the step's loss
+            is the mean over its supervised tokens); "sample": the mean over each
+            sequence (a packed document of `cu_seqlens`) first, then the mean over the
+            sequences that have a supervised token, as MindSpeed-LLM weighs SFT data.
+    """
+
+    def __init__(self, normalization: Literal["token", "sample"] = "token"):
+        if normalization not in ("token", "sample"):
+            raise ValueError(f"normalization={normalization!r} is not 'token' or 'sample'")
+        self.normalization = normalization
+
+    def num_units(self, batch: Batch) -> Tensor:
+        supervised = batch["labels"] != IGNORE_INDEX
+        if self.normalization == "token":
+            return supervised.sum()
+        docs = segment_ids(batch["cu_seqlens"], supervised.numel())
+        per_doc = torch.zeros(len(batch["cu_seqlens"]) - 1, device=docs.device)
+        return (per_doc.index_add_(0, docs, supervised.flatten().float()) > 0).sum()
+
+    def targets(self, batch: Batch) -> dict[str, Tensor]:
+        if self.normalization == "token":
+            return {"labels": batch["labels"]}
+        return {"labels": batch["labels"], "weights": _sample_weights(batch)}
+
+    def loss(self, outputs: Tensor, targets: dict[str, Tensor], ctx: LossContext) -> LossOutput:
+        if self.normalization == "token":
+            return LossOutput(token_nll(outputs, targets["labels"], ctx))
+        nll = token_nll(outputs, targets["labels"], ctx, reduction="none")
+        return LossOutput((nll * targets["weights"].flatten()).sum())
+
+
+def _sample_weights(batch: Batch) -> Tensor:
+    """Per token: 1 / (supervised tokens of its document), 0 where unsupervised."""
+    supervised = (batch["labels"] != IGNORE_INDEX).flatten().float()
+    docs = segment_ids(batch["cu_seqlens"], supervised.numel())
+    counts = torch.zeros(len(batch["cu_seqlens"]) - 1, device=docs.device)
+    counts.index_add_(0, docs, supervised)
+    return (supervised / counts[docs].clamp(min=1)).view_as(batch["labels"])
+
+
+def _plain(t: Tensor) -> Tensor:
+    """A loss computed under loss parallel is a replicated DTensor; take its value."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -1,0 +1,87 @@
+"""The run directory of a training command, in one place, and where a run resumes from.
+
+    <run_dir>/config.yaml        the fully resolved config (rank 0, at start)
+    <run_dir>/metrics.jsonl      one JSON object per logged step (lines after a resumed
+                                 step are dropped, so a rerun never duplicates steps)
+    <run_dir>/tb/                TensorBoard events
+    <run_dir>/checkpoints/       step_<N>/ and latest (unless checkpoint.dir says otherwise)
+    <run_dir>/loss_curve.png     at the end
+
+`resume` applies `checkpoint.load`: the run's own checkpoints win (running the same
+command again continues the run), else a given folder, where one holding only model
+weights (a `mindspeed convert` output) starts a fresh run at step 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.stateful import Stateful
+
+from mindspeed_core.checkpoint import CheckpointManager
+from mindspeed_core.config import dump_yaml
+from mindspeed_core.distributed import is_rank0
+from mindspeed_core.errors import ConfigError
+from mindspeed_core.training import MetricsWriter
+from mindspeed_llm.models import checkpoint_io
+from mindspeed_llm.train.plots import plot_loss_curve
+
+logger = logging.getLogger("mindspeed.train")
+
+__all__ = ["RunDirectory", "resume"]
+
+
+class RunDirectory:
+    """Writes a run's files; only rank 0 touches the disk."""
+
+    def __init__(self, path: str | Path, *, tensorboard: bool = True):
+        self.path = Path(path)
+        self.tensorboard = tensorboard
+
+    def start(self, cfg: Any, resumed_step: int | None) -> MetricsWriter:
+        """Write config.yaml and open metrics.jsonl (kept up to `resumed_step`)."""
+        if is_rank0():
+            self.path.mkdir(parents=True, exist_ok=True)
+            dump_yaml(cfg, self.path / "config.yaml")
+        return MetricsWriter(self.path, tensorboard=self.tensorboard, resume_step=resumed_step)
+
+    def finish(self) -> None:
+        """The loss curve of the whole run."""
+        if is_rank0():
+            plot_loss_curve(self.path / "metrics.jsonl", self.path / "loss_curve.png")
+
+
+def resume(checkpoints: CheckpointManager, load: str | Path, states: dict[str, Stateful]):
+    """Load what `checkpoint.load` says into `states`; the step to go on from, or None
+    for a fresh run."""
+    if load == "none":
+        return None
+    if load == "auto" or checkpoints.latest_step() is not None:
+        step = checkpoints.load()
+    else:
+        step = _load_from(Path(load), states)
+        if step is None:  # model weights only: a fresh run starting at step 0
+            step = 0
+    if step is not None:
+        logger.info("resumed from step %d", step)
+    return step
+
+
+def _load_from(path: Path, states: dict[str, Stateful]) -> int | None:
+    """checkpoint.load given as a folder of checkpoints or one step_<N> folder.
+
+    A checkpoint holding only the model (e.g. from `mindspeed convert`) gives the weights;
+    training then starts at step 0 with a fresh optimizer (returns None).
+    """
+    is_step = path.name.startswith("step_") and path.name[5:].isdigit()
+    root = path.parent if is_step else path
+    step = int(path.name[5:]) if is_step else CheckpointManager(states, root).latest_step()
+    if step is None:
+        raise ConfigError(f"checkpoint.load={path} holds no checkpoint")
+    if checkpoint_io.saved_states(root / f"step_{step}") == {"model"}:
+        CheckpointManager({"model": states["model"]}, root).load(step)
+        logger.info("loaded the model weights of %s; training starts at step 0", path)
+        return None
+    return CheckpointManager(states, root).load(step)

@@ -1,0 +1,305 @@
+"""One optimizer step of any objective: accumulation or the pipeline schedule, context-
+parallel sharding, autocast and loss parallel, fp16 scaling, clipping, non-finite skip.
+
+The loss of a step is the sum of its units' losses over the number of units in the
+whole step. That count is taken from the batches before any forward: summed over this
+rank's micro-batches, then over the data-parallel ranks (`dp` mesh; context-parallel and
+tensor-parallel peers read the same batches). FSDP/DDP average gradients over the
+`loss` mesh (dp x cp), so each rank backpropagates `loss_sum * |loss| / count`, and the
+averaged gradient is that of the global mean, whatever the layout and accumulation.
+Under context parallel each rank's `loss_sum` covers its share of the tokens (the count
+is still the whole batch's, not the shard's numel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mindspeed_core.checkpoint import TrainState
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.optim import clip_grad_norm_
+from mindspeed_core.parallel import ParallelDims, build_pipeline_schedule, loss_parallel_context
+from mindspeed_llm.data.collate import Batch, concat_batches, shard_context_parallel, split_batch
+from mindspeed_llm.models.common.moe import moe_aux_loss
+from mindspeed_llm.train.build import TrainParts
+from mindspeed_llm.train.objectives import LossOutput, Objective, _plain
+
+logger = logging.getLogger("mindspeed.train")
+
+__all__ = ["StepResult", "TrainStep", "TrainingError"]
+
+
+class TrainingError(MindSpeedError):
+    """Training cannot go on (e.g. the loss stayed inf/nan)."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """The step's objective over every rank (the model's aux losses left out)."""
+    grad_norm: float
+    """Before clipping; nan when the step was skipped."""
+    num_units: float
+    """The step's supervised units over every data-parallel rank."""
+    num_tokens: int
+    """Input tokens of the step over every data-parallel rank."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's metric sums over the step's units, and the router's statistics."""
+
+
+class TrainStep:
+    """Steps `parts` on micro-batches with `objective`.
+
+    Args:
+        parts: the model, optimizer, schedule, scaler and counters (`build_train_parts`).
+        objective: what to optimise.
+        dims: the built layout.
+        clip_grad: max global gradient norm (0: measure only).
+        n_microbatches: pipeline microbatches per step (pp > 1).
+        max_nonfinite_steps: inf/nan losses in a row that stop training.
+    """
+
+    def __init__(
+        self,
+        parts: TrainParts,
+        objective: Objective,
+        dims: ParallelDims,
+        *,
+        clip_grad: float = 1.0,
+        n_microbatches: int | None = None,
+        max_nonfinite_steps: int = 5,
+    ):
+        self.parts, self.model, self.objective, self.dims = parts, parts.model, objective, dims
+        self.clip_grad = clip_grad
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self.n_microbatches = n_microbatches
+        self.schedule = None
+        if self.model.pipeline is not None:
+            if n_microbatches is None:
+                raise ValueError("a pipelined model needs n_microbatches per step")
+            self.schedule = build_pipeline_schedule(
+                self.model.pipeline.stages,
+                n_microbatches,
+                self._pipeline_loss,
+                self.model.pipeline_schedule,
+                scale_grads=False,  # the loss is already normalised over the whole step
+            )
+        self._pp: dict = {}
+
+    @property
+    def state(self) -> TrainState:
+        return self.parts.state
+
+    def __call__(self, micro_batches: Sequence[Batch]) -> StepResult:
+        """One optimizer step on this rank's micro-batches of the step."""
+        self.parts.optimizer.zero_grad()
+        units, tokens = self._count(micro_batches)
+        weight = self.dims.degree("loss") / units if units else 0.0
+        if self.schedule is not None:
+            loss_sum, sums = self._pipeline(micro_batches, weight, train=True)
+        else:
+            loss_sum, sums = self._forward_backward(micro_batches, weight)
+        loss, metrics = self._reduce(loss_sum, sums, units)
+        metrics.update(self._router_step())
+        grad_norm = self._optimizer_step(loss)
+        return StepResult(loss, grad_norm, units, int(tokens), metrics)
+
+    @torch.no_grad()
+    def evaluate(self, steps: Sequence[Sequence[Batch]]) -> float:
+        """The objective over the micro-batches of `steps` (forward only, every rank)."""
+        units, loss_sum = 0.0, torch.zeros((), device=self.model.device)
+        for micro_batches in steps:
+            units += self._count(micro_batches)[0]
+            if self.schedule is not None:
+                loss_sum += self._pipeline(micro_batches, 0.0, train=False)[0]
+            else:
+                for batch in micro_batches:
+                    with self._compute_context():
+                        loss_sum += _plain(self._forward(batch).loss_sum)
+        return self._reduce(loss_sum, {}, units)[0]
+
+    # -- counting and reducing ------------------------------------------------------
+
+    def _count(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
+        """(supervised units, input tokens) of the step over every data-parallel rank."""
+        units = sum(float(self.objective.num_units(b)) for b in micro_batches)
+        tokens = sum(b["input_ids"].numel() for b in micro_batches)
+        counts = torch.tensor([units, tokens], dtype=torch.float64, device=self.model.device)
+        mesh = self.dims.mesh("dp")
+        if mesh is not None:
+            dist.all_reduce(counts, group=mesh.get_group())
+        units, tokens = counts.tolist()
+        return units, tokens
+
+    def _reduce(self, loss_sum, sums: dict, units: float) -> tuple[float, dict[str, float]]:
+        """Sums of this rank's share -> values over every rank, divided by the units."""
+        values = torch.stack(
+            [loss_sum.detach().float(), *(_plain(v).float() for v in sums.values())]
+        )
+        mesh = self.dims.mesh("loss")
+        if mesh is not None:
+            dist.all_reduce(values, group=mesh.get_group())
+        values = (values / units if units else values * math.nan).tolist()
+        return values[0], dict(zip(sums, values[1:], strict=True))
+
+    # -- forward and backward -------------------------------------------------------
+
+    def _forward(self, batch: Batch):
+        """The objective's output on `batch` (this rank's context-parallel share)."""
+        batch = _to(batch, self.model.device)
+        targets = self.objective.targets(batch)
+        if self.dims.cp > 1:
+            batch, targets = shard_context_parallel(
+                batch, self.dims.rank("cp"), self.dims.cp, targets
+            )
+        outputs = self.model.model(
+            batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"]
+        )
+        return self.objective.loss(outputs, targets, self.model.loss)
+
+    def _forward_backward(self, micro_batches, weight: float) -> tuple[torch.Tensor, dict]:
+        """Gradient accumulation: each micro-batch backpropagates its share of the step."""
+        loss_sum, sums = torch.zeros((), device=self.model.device), self._zero_metrics()
+        scaler = self.parts.scaler
+        for batch in micro_batches:
+            with self._compute_context():
+                out = self._forward(batch)
+                objective = out.loss_sum * weight
+                aux = self._aux_loss()
+                if aux is not None:  # the model's own loss, per micro-batch as before
+                    objective = objective + aux / len(micro_batches)
+                (scaler.scale_loss(objective) if scaler else objective).backward()
+            loss_sum += _plain(out.loss_sum).detach()
+            _add(sums, out.metrics)
+        return loss_sum, sums
+
+    def _pipeline(self, micro_batches, weight: float, *, train: bool):
+        """One schedule step (or forward-only pass) over the step's samples.
+
+        Every pipeline rank reads the same batches: the first stage takes the tokens,
+        every stage the positions and document boundaries (torch passes `kwarg_mbs` to
+        each stage's forward), the last the targets. torch's schedules take one tensor
+        per microbatch as target, so the target is the microbatch's index and the loss
+        looks its targets up. The sums are the last stage's, summed over the pp group.
+        """
+        batches = split_batch(_to(concat_batches(list(micro_batches)), self.model.device),
+                              self.n_microbatches)  # fmt: skip
+        args = [(b["input_ids"],) for b in batches]
+        kwargs = [
+            {"position_ids": b["position_ids"], "cu_seqlens": b["cu_seqlens"]} for b in batches
+        ]
+        handles = [torch.tensor(i, device=self.model.device) for i in range(len(batches))]
+        self._pp = {"targets": [self.objective.targets(b) for b in batches], "weight": weight,
+                    "outputs": {}}  # fmt: skip
+        with self._compute_context():
+            if train:  # the losses are all we need: do not keep every microbatch's logits
+                self.schedule.step(arg_mbs=args, kwarg_mbs=kwargs, target_mbs=handles,
+                                   return_outputs=False)  # fmt: skip
+            else:
+                self.schedule.eval(arg_mbs=args, kwarg_mbs=kwargs, target_mbs=handles, losses=[])
+        outputs = [self._pp["outputs"][i] for i in sorted(self._pp["outputs"])]
+        loss_sum, sums = torch.zeros((), device=self.model.device), self._zero_metrics()
+        for out in outputs:
+            loss_sum += out.loss_sum
+            _add(sums, out.metrics)
+        reduced = torch.stack([loss_sum, *sums.values()])
+        dist.all_reduce(reduced, group=self.dims.mesh("pp").get_group())
+        return reduced[0], dict(zip(sums, reduced[1:], strict=True))
+
+    def _pipeline_loss(self, outputs: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss_fn: this microbatch's share of the step (scaled for fp16).
+
+        torch also calls it once on the first microbatch to infer gradient shapes; the
+        real call comes later and replaces what that one recorded.
+        """
+        index = int(handle)
+        out = self.objective.loss(outputs, self._pp["targets"][index], self.model.loss)
+        detached = {k: _plain(v).detach().float() for k, v in out.metrics.items()}
+        self._pp["outputs"][index] = LossOutput(_plain(out.loss_sum).detach().float(), detached)
+        loss = out.loss_sum * self._pp["weight"]
+        return self.parts.scaler.scale_loss(loss) if self.parts.scaler else loss
+
+    # -- the optimizer step ---------------------------------------------------------
+
+    def _optimizer_step(self, loss: float) -> float:
+        """Unscale, clip, step and schedule; nan (and no step) for a non-finite loss or
+        fp16 gradients that overflowed."""
+        parts = self.parts
+        if not math.isfinite(loss):
+            return self._skip(loss)
+        self.state.extra["nonfinite_in_a_row"] = 0
+        params = list(parts.optimizer.parameters())
+        if parts.scaler is not None:
+            found_inf = parts.scaler.unscale_(params)
+            parts.scaler.update(found_inf)
+            if found_inf:  # the fp16 gradients overflowed: skip, the scale went down
+                parts.optimizer.zero_grad()
+                parts.scheduler.step()
+                return float("nan")
+        grad_norm = clip_grad_norm_(params, self.clip_grad, pp_mesh=self.dims.mesh("pp"))
+        parts.optimizer.step()
+        parts.scheduler.step()
+        return float(grad_norm)
+
+    def _skip(self, loss: float) -> float:
+        extra = self.state.extra
+        count = extra.get("nonfinite_in_a_row", 0) + 1
+        extra["nonfinite_in_a_row"] = count
+        extra["nonfinite_total"] = extra.get("nonfinite_total", 0) + 1
+        self.parts.optimizer.zero_grad()
+        step = self.state.step + 1
+        logger.warning("step %d: loss is %s; skipped (%d in a row)", step, loss, count)
+        if count >= self.max_nonfinite_steps:
+            raise TrainingError(
+                f"the loss was inf/nan for {count} steps in a row (up to step {step}); "
+                "lower optim.lr, raise optim.warmup_steps or use train.precision bf16/fp32"
+            )
+        return float("nan")
+
+    # -- the model's side -----------------------------------------------------------
+
+    def _aux_loss(self) -> torch.Tensor | None:
+        """MoE: the router losses of the forward just run (added to the loss, not
+        reported in it), after noting its expert loads."""
+        if self.model.router is None:
+            return None
+        aux = moe_aux_loss(self.model.model, self.model.config)
+        self.model.router.observe(aux)
+        return aux
+
+    def _router_step(self) -> dict:
+        """MoE: expert-load metrics of the step over every data rank; updates the
+        aux-loss-free router biases."""
+        if self.model.router is None:
+            return {}
+        mesh = self.dims.mesh("loss")
+        return self.model.router.step(None if mesh is None else mesh.get_group())
+
+    def _zero_metrics(self) -> dict[str, torch.Tensor]:
+        """Every rank reduces the same keys in the same order, whatever it computed."""
+        return {k: torch.zeros((), device=self.model.device) for k in self.objective.metric_names}
+
+    def _compute_context(self):
+        stack = contextlib.ExitStack()
+        if self.model.autocast is not None:
+            stack.enter_context(torch.autocast(self.model.device.type, dtype=self.model.autocast))
+        stack.enter_context(loss_parallel_context(self.model.loss.loss_parallel))
+        return stack
+
+
+def _to(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _add(sums: dict, metrics: dict) -> None:
+    for key, value in metrics.items():
+        if key not in sums:
+            raise ValueError(f"metric {key!r} is not in the objective's metric_names {list(sums)}")
+        sums[key] = sums[key] + _plain(value).detach().float()
