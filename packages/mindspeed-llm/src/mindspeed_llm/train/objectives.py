@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import mindspeed_ops
+from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 
 __all__ = ["LossContext", "LossOutput", "NextToken", "Objective", "segment_ids", "token_nll"]
@@ -81,7 +82,7 @@ def token_nll(logits: Tensor, labels: Tensor, ctx: LossContext, reduction: str =
     logits, labels = logits.flatten(0, -2), labels.flatten()
     if ctx.loss_parallel:
         nll = F.cross_entropy(logits.float(), labels, reduction=reduction)
-        return _plain(nll) if reduction == "none" else nll
+        return full(nll) if reduction == "none" else nll
     return mindspeed_ops.cross_entropy(logits, labels, reduction=reduction, impl=ctx.ops_impl)
 
 
@@ -133,8 +134,3 @@ def _sample_weights(batch: Batch) -> Tensor:
     counts = torch.zeros(len(batch["cu_seqlens"]) - 1, device=docs.device)
     counts.index_add_(0, docs, supervised)
     return (supervised / counts[docs].clamp(min=1)).view_as(batch["labels"])
-
-
-def _plain(t: Tensor) -> Tensor:
-    """A loss computed under loss parallel is a replicated DTensor; take its value."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t

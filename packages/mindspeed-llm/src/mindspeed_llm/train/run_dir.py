@@ -21,6 +21,7 @@ from typing import Any
 from torch.distributed.checkpoint.stateful import Stateful
 
 from mindspeed_core.checkpoint import CheckpointManager
+from mindspeed_core.checkpoint.steps import checkpoint_root, parse_step, step_dir
 from mindspeed_core.config import dump_yaml
 from mindspeed_core.distributed import is_rank0
 from mindspeed_core.errors import ConfigError
@@ -75,12 +76,13 @@ def _load_from(path: Path, states: dict[str, Stateful]) -> int | None:
     A checkpoint holding only the model (e.g. from `mindspeed convert`) gives the weights;
     training then starts at step 0 with a fresh optimizer (returns None).
     """
-    is_step = path.name.startswith("step_") and path.name[5:].isdigit()
-    root = path.parent if is_step else path
-    step = int(path.name[5:]) if is_step else CheckpointManager(states, root).latest_step()
+    step = parse_step(path)
+    root = checkpoint_root(path)
+    if step is None:
+        step = CheckpointManager(states, root).latest_step()
     if step is None:
         raise ConfigError(f"checkpoint.load={path} holds no checkpoint")
-    if checkpoint_io.saved_states(root / f"step_{step}") == {"model"}:
+    if checkpoint_io.saved_states(step_dir(root, step)) == {"model"}:
         CheckpointManager({"model": states["model"]}, root).load(step)
         logger.info("loaded the model weights of %s; training starts at step 0", path)
         return None

@@ -26,10 +26,11 @@ from mindspeed_core.checkpoint import TrainState
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.optim import clip_grad_norm_
 from mindspeed_core.parallel import ParallelDims, build_pipeline_schedule, loss_parallel_context
+from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import Batch, concat_batches, shard_context_parallel, split_batch
 from mindspeed_llm.models.common.moe import moe_aux_loss
 from mindspeed_llm.train.build import TrainParts
-from mindspeed_llm.train.objectives import LossOutput, Objective, _plain
+from mindspeed_llm.train.objectives import LossOutput, Objective
 
 logger = logging.getLogger("mindspeed.train")
 
@@ -122,7 +123,7 @@ class TrainStep:
             else:
                 for batch in micro_batches:
                     with self._compute_context():
-                        loss_sum += _plain(self._forward(batch).loss_sum)
+                        loss_sum += full(self._forward(batch).loss_sum)
         return self._reduce(loss_sum, {}, units)[0]
 
     # -- counting and reducing ------------------------------------------------------
@@ -140,9 +141,7 @@ class TrainStep:
 
     def _reduce(self, loss_sum, sums: dict, units: float) -> tuple[float, dict[str, float]]:
         """Sums of this rank's share -> values over every rank, divided by the units."""
-        values = torch.stack(
-            [loss_sum.detach().float(), *(_plain(v).float() for v in sums.values())]
-        )
+        values = torch.stack([loss_sum.detach().float(), *(full(v).float() for v in sums.values())])
         mesh = self.dims.mesh("loss")
         if mesh is not None:
             dist.all_reduce(values, group=mesh.get_group())
@@ -176,7 +175,7 @@ class TrainStep:
                 if aux is not None:  # the model's own loss, per micro-batch as before
                     objective = objective + aux / len(micro_batches)
                 (scaler.scale_loss(objective) if scaler else objective).backward()
-            loss_sum += _plain(out.loss_sum).detach()
+            loss_sum += full(out.loss_sum).detach()
             _add(sums, out.metrics)
         return loss_sum, sums
 
@@ -221,8 +220,8 @@ class TrainStep:
         """
         index = int(handle)
         out = self.objective.loss(outputs, self._pp["targets"][index], self.model.loss)
-        detached = {k: _plain(v).detach().float() for k, v in out.metrics.items()}
-        self._pp["outputs"][index] = LossOutput(_plain(out.loss_sum).detach().float(), detached)
+        detached = {k: full(v).detach().float() for k, v in out.metrics.items()}
+        self._pp["outputs"][index] = LossOutput(full(out.loss_sum).detach().float(), detached)
         loss = out.loss_sum * self._pp["weight"]
         return self.parts.scaler.scale_loss(loss) if self.parts.scaler else loss
 
@@ -302,4 +301,4 @@ def _add(sums: dict, metrics: dict) -> None:
     for key, value in metrics.items():
         if key not in sums:
             raise ValueError(f"metric {key!r} is not in the objective's metric_names {list(sums)}")
-        sums[key] = sums[key] + _plain(value).detach().float()
+        sums[key] = sums[key] + full(value).detach().float()
