@@ -21,6 +21,7 @@ from mindspeed_llm.train.build import build_model, build_train_parts, model_conf
 from mindspeed_llm.train.config import TrainSection
 from mindspeed_llm.train.loop import DataSource, TrainLoop
 from mindspeed_llm.train.objectives import NextToken, Objective
+from mindspeed_llm.train.pretrain_data import PretrainData
 from mindspeed_llm.train.run_dir import RunDirectory
 from mindspeed_llm.train.step import TrainingError, TrainStep
 
@@ -52,8 +53,7 @@ class Trainer:
         after_tp: ModelHook | None = None,
         command: str = "pretrain",
     ):
-        if data is None:
-            from mindspeed_llm.train.pretrain_data import PretrainData as data
+        data = data or PretrainData
         self.cfg, self.device, self.command = cfg, info.device, command
         self.model_cfg = model_config(cfg.model)
         check_layout(
