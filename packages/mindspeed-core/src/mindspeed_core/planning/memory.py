@@ -15,7 +15,7 @@ attention output      attention and wo                          T hq e + 4 T Hq
 residual h            rms_norm                                  T h e / sp + 4 T / sp
 norm output           w1/w3 matmuls                             T h e
 w1 x, w3 x, swiglu    swiglu (both inputs), w2 (its input)      3 T I e
-qk-norm (Qwen3)       rms_norm over q and k heads               T (hq + hkv) e + 4 T (Hq + Hkv)
+qk-norm (per head)    rms_norm over q and k heads               T (hq + hkv) e + 4 T (Hq + Hkv)
 ===================== ========================================= ===========================
 
 (hq = Hq/tp x head_dim, hkv likewise, I = intermediate/tp, sp = tp under sequence parallel.)
