@@ -51,6 +51,12 @@ class ParallelConfig:
     """Shard norms and residuals along the sequence when tp > 1."""
     loss_parallel: bool = True
     """Keep logits vocab-sharded for the loss when tp > 1."""
+    activation_offload: bool = False
+    """Keep each block's saved activations in pinned host memory until its backward
+    (accelerators only; not with recompute)."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload of sharded parameters, gradients and optimizer states
+    (accelerators only; needs dp_shard x cp > 1)."""
 
     def __post_init__(self):
         hybrid_ok = isinstance(self.ulysses_degree, int) and self.ulysses_degree >= 1

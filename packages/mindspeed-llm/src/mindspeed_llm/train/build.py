@@ -101,6 +101,7 @@ def build_model(
         after_tp: inject adapters after TP, before CP/recompute/FSDP (LoRA).
         frozen: no gradients, eval mode, no recompute: a reference model.
     """
+    _check_offload(parallel, torch.device(device), "none" if frozen else ac)
     set_seed(seed, dims, vary_along=())
     spec = get_model_spec(config.family)
     with torch.device(device):
@@ -148,7 +149,23 @@ def _parallelize_options(parallel: ParallelConfig, dims, dtype, ac: str) -> dict
     }
     if dims.cp > 1:
         options.update(cp_mode=parallel.cp_mode, ulysses_degree=parallel.ulysses_degree)
+    options.update({k: True for k in ("activation_offload", "cpu_offload") if getattr(parallel, k)})
     return options
+
+
+def _check_offload(parallel: ParallelConfig, device: torch.device, ac: str) -> None:
+    """Offload moves tensors from an accelerator to the host: refused where there is none."""
+    for name in ("activation_offload", "cpu_offload"):
+        if getattr(parallel, name) and device.type == "cpu":
+            raise ConfigError(
+                f"parallel.{name}=true needs an accelerator: on CPU the host memory is the "
+                "device memory, so there is nothing to offload to"
+            )
+    if parallel.activation_offload and ac != "none":
+        raise ConfigError(
+            f"parallel.activation_offload=true with train.ac={ac}: recompute already drops "
+            "the activations offload would move; pick one"
+        )
 
 
 def _pipeline(spec, model, dims, device, parallel: ParallelConfig, options) -> PipelineParts:

@@ -19,6 +19,7 @@ from mindspeed_core.checkpoint import CheckpointConfig
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
+from mindspeed_core.profiling import ProfileConfig
 
 # The sections' earlier names (they moved to mindspeed-core).
 ParallelSection = ParallelConfig
@@ -123,6 +124,7 @@ class PretrainConfig:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self):
         if self.optim.warmup_steps > self.train.steps:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from mindspeed_core import device as dev
 from mindspeed_core.checkpoint import CheckpointManager
+from mindspeed_core.profiling import ProfileConfig, build_profiler
 from mindspeed_core.training import MetricsWriter, ThroughputMeter
 from mindspeed_llm.data.collate import Batch
 from mindspeed_llm.train.build import DTYPES
@@ -62,6 +63,7 @@ class TrainLoop:
         train / logging: the sections the loop reads (steps, cadences, load).
         load: `checkpoint.load`.
         command: names the progress bar.
+        profile: the `profile` section (torch.profiler traces of a window of steps).
     """
 
     def __init__(
@@ -76,24 +78,33 @@ class TrainLoop:
         logging: LoggingSection,
         load: Any = "auto",
         command: str = "train",
+        profile: ProfileConfig | None = None,
     ):
         self.step, self.data, self.checkpoints, self.run_dir = step, data, checkpoints, run_dir
         self.cfg, self.train, self.logging, self.load = cfg, train, logging, load
-        self.command = command
+        self.command, self.profile = command, profile
         self.state = step.state
 
     def run(self) -> dict[str, float]:
         """Train to `train.steps`; returns the first and last loss of this run and the step."""
         resumed = resume(self.checkpoints, self.load, self.checkpoints.states)
         metrics = self.run_dir.start(self.cfg, resumed)
+        profiler = build_profiler(
+            self.profile,
+            rank=dist.get_rank() if dist.is_initialized() else 0,
+            device=self.step.model.device,
+            run_dir=self.run_dir.path,
+            start_step=self.state.step,
+        )
         try:
-            summary = self._loop(metrics)
+            summary = self._loop(metrics, profiler)
         finally:
+            profiler.close()
             metrics.close()
         self._finish()
         return summary
 
-    def _loop(self, metrics: MetricsWriter) -> dict[str, float]:
+    def _loop(self, metrics: MetricsWriter, profiler) -> dict[str, float]:
         model = self.step.model
         peak = dev.peak_flops(model.device, DTYPES[self.train.precision])
         meter = ThroughputMeter(model.flops_per_token, peak)
@@ -110,6 +121,7 @@ class TrainLoop:
         while self.state.step < stop:
             result = self.step(self.data.next_step())
             self.state.step += 1
+            profiler.step()
             self.state.tokens_seen += result.num_tokens
             tokens_since_log += result.num_tokens
             bar.update(1)

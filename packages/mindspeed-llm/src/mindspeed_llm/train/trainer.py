@@ -33,7 +33,7 @@ class Trainer:
 
     Args:
         cfg: a config with `model`, `data` (with `seq_len`), `parallel`, `optim`, `train`,
-            `checkpoint` and `logging` sections, e.g. `PretrainConfig`.
+            `checkpoint`, `logging` and `profile` sections, e.g. `PretrainConfig`.
         info: this process's place (`mindspeed_core.distributed.init_distributed()`).
         data: `data(cfg, model_config)` -> a `DataSource` with `build(dims, accum)`;
             default: pretraining's `PretrainData`.
@@ -112,6 +112,7 @@ class Trainer:
             logging=self.cfg.logging,
             load=self.cfg.checkpoint.load,
             command=self.command,
+            profile=self.cfg.profile,
         )
         return loop.run()
 
