@@ -1,21 +1,36 @@
-"""`CheckpointManager`: save and load training state with DCP, atomically.
+"""`CheckpointManager`: save and load training state with DCP, atomically and verified.
 
 Layout of `folder`::
 
-    step_200/            a complete DCP checkpoint (.metadata + one file per writer)
+    step_200/            a complete DCP checkpoint (.metadata, shard files, checksums.json)
     step_300/
     latest               text: "step_300"
     .tmp_step_400/       a save in progress (or one that crashed); never loaded
+    .trash_step_100/     a checkpoint being deleted (keep_last); never loaded
 
-A save writes into ``.tmp_step_<N>``, then (rank 0, after every rank finished)
-renames it to ``step_<N>`` and only then replaces ``latest`` (write-then-rename,
-atomic on POSIX). A crash at any point leaves ``latest`` on the previous complete
-checkpoint. DCP stores each tensor by name with its global shape, so a checkpoint
-saved under one layout loads into any other.
+A save writes into ``.tmp_step_<N>``; once every rank's files and `.metadata` are on
+disk the ranks hash them into `checksums.json`, and rank 0 renames the folder to
+``step_<N>`` and only then replaces ``latest`` (write-then-rename, atomic on POSIX).
+Nothing complete is deleted before its replacement is complete: an older checkpoint at
+the same step is moved aside only once the new one is whole, and pruning renames a
+folder to ``.trash_step_<N>`` before deleting it. A crash at any point leaves ``latest``
+on a complete checkpoint (or missing, see below); the next commit removes what a crash
+left behind.
+
+Loading verifies the checksums first, so a flipped byte is refused naming the shard.
+When ``latest`` is missing, garbled or names a folder that is gone, the newest
+``step_<N>`` that verifies is used (with a warning); a step the states already hold
+(just loaded or saved) is never written again. DCP stores each tensor by name with
+its global shape, so a checkpoint saved under one layout loads into any other, and it
+is read through `SafeFileSystemReader`, which runs no code from the files.
 
 States are `Stateful` objects (model, optimizer, scheduler, train state, data
 position, ...). One marked ``per_rank = True`` (like `RNGState`) is keyed by rank;
-a rank with no saved entry keeps its current state.
+a rank with no saved state keeps its current state.
+
+Fault injection (tests only): with ``MINDSPEED_TEST_CRASH_AT=<point>`` or
+``<point>@<step>`` the process SIGKILLs itself at that point of a save; the points
+are listed in `CRASH_POINTS`.
 """
 
 from __future__ import annotations
@@ -23,20 +38,41 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 from concurrent.futures import Future
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
-from mindspeed_core.checkpoint.steps import LATEST, parse_step, read_latest
+from mindspeed_core.checkpoint.integrity import CHECKSUMS_FILE, verify_checksums, write_checksums
+from mindspeed_core.checkpoint.steps import LATEST, parse_step
+from mindspeed_core.checkpoint.storage import load_dcp, raise_user_error
 from mindspeed_core.checkpoint.verify import check_files, check_states, read_metadata
-from mindspeed_core.errors import CheckpointError
+from mindspeed_core.errors import CheckpointError, disk_full_error, is_disk_full
+from mindspeed_core.files import check_folder, fsync_dir, write_file_atomically
 
 logger = logging.getLogger("mindspeed.checkpoint")
+CRASH_ENV = "MINDSPEED_TEST_CRASH_AT"
+CRASH_POINTS = (
+    "before_write",  # the temporary folder is made, nothing written
+    "before_checksums",  # every shard and .metadata written
+    "checksums_written",  # checksums.json.tmp written, not renamed
+    "after_checksums",  # the temporary folder is complete
+    "old_moved_aside",  # an older checkpoint of this step moved to .trash_step_<N>
+    "after_rename",  # step_<N> in place, `latest` still on the previous one
+    "latest_written",  # latest.tmp written, not renamed
+    "after_latest",  # `latest` names step_<N>, nothing pruned yet
+    "pruning",  # one old checkpoint moved to .trash_step_<M>, not deleted
+    "after_prune",  # the save is done but for the final barrier
+)
 _TMP_PREFIX = ".tmp_step_"
+_TRASH_PREFIX = ".trash_step_"
 
 
 class CheckpointManager:
@@ -51,6 +87,9 @@ class CheckpointManager:
             copy. The previous async save is finished (and committed) before the
             next save or a load starts, and by `close()`.
         process_group: the group of ranks that save together (default: all).
+
+    Raises:
+        CheckpointError: bad settings; ConfigError: `folder` is (or lies under) a file.
     """
 
     def __init__(
@@ -71,12 +110,14 @@ class CheckpointManager:
             if not callable(getattr(state, "state_dict", None)):
                 raise CheckpointError(f"checkpoint state {name!r} has no state_dict()")
         self.states = dict(states)
-        self.folder = Path(folder)
+        self.folder = check_folder(folder, "checkpoint folder")
         self.interval = interval
         self.keep_last = keep_last
         self.async_save = async_save
         self.process_group = process_group
         self._pending: tuple[Future, int] | None = None
+        self._verified: set[int] = set()  # steps whose files this manager checked or wrote
+        self._current: int | None = None  # the step the states hold as saved (loaded or saved)
         self._async_group = None
         if async_save and _distributed():
             # Background collectives need their own group, apart from training's.
@@ -88,45 +129,103 @@ class CheckpointManager:
         return self.interval > 0 and step % self.interval == 0
 
     def latest_step(self) -> int | None:
-        """The step `latest` points to, or None when there is no complete checkpoint."""
-        return read_latest(self.folder)
+        """The step to resume from (collective when `latest` is unusable).
+
+        The step `latest` names; when it is missing, garbled or names a folder that is
+        gone, the newest `step_<N>` whose checksums verify. None when there is none.
+
+        Raises:
+            CheckpointError: step folders exist but none of them verifies.
+        """
+        step = self._pointer()
+        return step if step is not None else self._newest_verified()
 
     def saved_steps(self) -> list[int]:
-        """Steps of the complete checkpoints in `folder`, oldest first."""
+        """Steps of the checkpoint folders in `folder`, oldest first."""
         if not self.folder.is_dir():
             return []
         found = (parse_step(p) for p in self.folder.iterdir() if p.is_dir())
         return sorted(step for step in found if step is not None)
 
+    def _pointer(self) -> int | None:
+        """The step `latest` names, or None (with a warning when it is unusable)."""
+        pointer = self.folder / LATEST
+        if not pointer.is_file():
+            return None
+        text = pointer.read_text(errors="replace").strip()
+        step = parse_step(text)
+        if step is not None and (self.folder / text).is_dir():
+            return step
+        logger.warning("%s holds %r, not an existing step_<N>; ignoring it", pointer, text[:40])
+        return None
+
+    def _newest_verified(self) -> int | None:
+        steps = self.saved_steps()
+        problems = []
+        for step in reversed(steps):
+            try:
+                self._verify(step)
+            except CheckpointError as err:
+                logger.warning("skipping step_%d: %s", step, err)
+                problems.append(str(err))
+                continue
+            logger.warning(
+                "%s is missing or unusable: resuming from step_%d, the newest verified checkpoint",
+                self.folder / LATEST,
+                step,
+            )
+            return step
+        if problems:
+            more = f" (and {len(problems) - 1} older ones)" if len(problems) > 1 else ""
+            raise CheckpointError(f"no usable checkpoint in {self.folder}: {problems[0]}{more}")
+        return None
+
+    def _verify(self, step: int) -> None:
+        """Check step_<step>'s files against its checksums (collective), once per manager."""
+        if step in self._verified:
+            return
+        path = self.folder / f"step_{step}"
+        if not (path / ".metadata").is_file():
+            raise CheckpointError(f"checkpoint {path} has no .metadata: the save did not complete")
+        if not verify_checksums(path, self.process_group):
+            logger.warning("%s has no %s (an older save): loading it unverified", path, CHECKSUMS_FILE)
+        self._verified.add(step)
+
     # -- save -------------------------------------------------------------------------
 
     def save(self, step: int, *, force: bool = False) -> bool:
-        """Save when `step` falls on the interval (or `force`); True if a save started."""
+        """Save when `step` falls on the interval (or `force`); True if a save started.
+
+        A step the states already hold as saved (the one just loaded or saved) is not
+        written again; `latest` is pointed at it.
+        """
         if not (force or self.should_save(step)):
             return False
         self.wait()
+        if step == self._current and (self.folder / f"step_{step}").is_dir():
+            if _rank() == 0 and self._pointer() != step:
+                write_file_atomically(self.folder / LATEST, f"step_{step}\n")
+            return False
         tmp = self.folder / f"{_TMP_PREFIX}{step}"
         if _rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed attempt at this step
         self._barrier()
+        _crash_point("before_write", step)
+        try:
+            self._write(step, tmp)
+        except (Exception, CheckpointException) as err:
+            self._abandon(tmp, err)
+        return True
+
+    def _write(self, step: int, tmp: Path) -> None:
+        kwargs = {"checkpoint_id": str(tmp), "no_dist": not dist.is_initialized()}
         if self.async_save:
-            future = dcp.async_save(
-                self.states,
-                checkpoint_id=str(tmp),
-                process_group=self._async_group,
-                no_dist=not dist.is_initialized(),
-            )
+            future = dcp.async_save(self.states, process_group=self._async_group, **kwargs)
             self._pending = (future, step)
         else:
-            dcp.save(
-                self.states,
-                checkpoint_id=str(tmp),
-                process_group=self.process_group,
-                no_dist=not dist.is_initialized(),
-            )
+            dcp.save(self.states, process_group=self.process_group, **kwargs)
             self._commit(step)
-        return True
 
     def wait(self) -> None:
         """Finish and commit a pending asynchronous save (collective)."""
@@ -134,45 +233,88 @@ class CheckpointManager:
             return
         future, step = self._pending
         self._pending = None
-        future.result()
-        self._commit(step)
+        try:
+            future.result()
+            self._commit(step)
+        except (Exception, CheckpointException) as err:
+            self._abandon(self.folder / f"{_TMP_PREFIX}{step}", err)
 
     def close(self) -> None:
         self.wait()
 
+    def _abandon(self, tmp: Path, err: BaseException) -> None:
+        """A save failed: remove its partial output and raise a user error where it is one."""
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (self.folder / f"{LATEST}.tmp").unlink(missing_ok=True)
+        if is_disk_full(err):
+            raise disk_full_error(tmp, _state_bytes(self.states)) from None
+        if isinstance(err, CheckpointException):
+            raise_user_error(err)
+        raise err
+
     def _commit(self, step: int) -> None:
         self._barrier()  # every rank's shard files are written
+        tmp, final = self.folder / f"{_TMP_PREFIX}{step}", self.folder / f"step_{step}"
+        _crash_point("before_checksums", step)
+        write_checksums(
+            tmp, self.process_group, before_replace=lambda: _crash_point("checksums_written", step)
+        )
+        _crash_point("after_checksums", step)
         if _rank() == 0:
-            final = self.folder / f"step_{step}"
-            if final.exists():  # re-saving a step (after a resume): replace it
-                shutil.rmtree(final)
-            os.rename(self.folder / f"{_TMP_PREFIX}{step}", final)
-            _write_atomically(self.folder / LATEST, f"step_{step}\n")
+            self._install(tmp, final, step)
+            write_file_atomically(
+                self.folder / LATEST,
+                f"step_{step}\n",
+                before_replace=lambda: _crash_point("latest_written", step),
+            )
+            _crash_point("after_latest", step)
             self._prune(keep=step)
+            _crash_point("after_prune", step)
             logger.info("saved checkpoint %s", final)
+        self._verified.add(step)
+        self._current = step
         self._barrier()
 
+    def _install(self, tmp: Path, final: Path, step: int) -> None:
+        """Rename the complete `tmp` to `final`; an older `final` goes only after that."""
+        trash = self.folder / f"{_TRASH_PREFIX}{step}"
+        if final.exists():  # another run's checkpoint of this step, or a damaged one
+            shutil.rmtree(trash, ignore_errors=True)
+            os.rename(final, trash)
+            _crash_point("old_moved_aside", step)
+        os.rename(tmp, final)
+        fsync_dir(self.folder)
+        _crash_point("after_rename", step)
+        shutil.rmtree(trash, ignore_errors=True)
+
     def _prune(self, keep: int) -> None:
-        if self.keep_last == 0:
-            return
-        steps = self.saved_steps()
+        """Delete all but the newest `keep_last` checkpoints (never `keep`), and whatever
+        earlier crashes left behind."""
+        steps = self.saved_steps() if self.keep_last else []
         for step in steps[: -self.keep_last]:
             if step == keep:  # `latest` points here, whatever the numbering says
                 continue
-            shutil.rmtree(self.folder / f"step_{step}", ignore_errors=True)
-        for tmp in self.folder.glob(f"{_TMP_PREFIX}*"):
-            shutil.rmtree(tmp, ignore_errors=True)
+            trash = self.folder / f"{_TRASH_PREFIX}{step}"
+            os.rename(self.folder / f"step_{step}", trash)
+            _crash_point("pruning", keep)
+            shutil.rmtree(trash, ignore_errors=True)
+        for prefix in (_TMP_PREFIX, _TRASH_PREFIX):
+            for stale in self.folder.glob(f"{prefix}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        (self.folder / f"{LATEST}.tmp").unlink(missing_ok=True)
 
     # -- load -------------------------------------------------------------------------
 
     def load(self, step: int | None = None) -> int | None:
-        """Load the checkpoint of `step` (default: `latest`) into the states in place.
+        """Load the checkpoint of `step` (default: see `latest_step`) into the states in place.
 
         Returns:
             The step loaded, or None when `step` is None and nothing was saved yet.
 
         Raises:
-            CheckpointError: the checkpoint is missing, incomplete, or of another model.
+            CheckpointError: the checkpoint is missing, incomplete, corrupt (the shard is
+                named), unsafe, or of another model.
         """
         self.wait()
         if step is None:
@@ -183,21 +325,17 @@ class CheckpointManager:
         if not path.is_dir():
             have = ", ".join(map(str, self.saved_steps())) or "none"
             raise CheckpointError(f"no checkpoint {path} (saved steps: {have})")
+        self._verify(step)
         shared = {k: v for k, v in self.states.items() if not getattr(v, "per_rank", False)}
         per_rank = {k: v for k, v in self.states.items() if getattr(v, "per_rank", False)}
         metadata = read_metadata(path)
         check_files(path, metadata)
         check_states(path, metadata, shared)
-        no_dist = not dist.is_initialized()
-        dcp.load(shared, checkpoint_id=str(path), process_group=self.process_group, no_dist=no_dist)
+        load_dcp(shared, path, process_group=self.process_group)
         if per_rank:
-            dcp.load(
-                per_rank,
-                checkpoint_id=str(path),
-                planner=DefaultLoadPlanner(allow_partial_load=True),
-                process_group=self.process_group,
-                no_dist=no_dist,
-            )
+            planner = DefaultLoadPlanner(allow_partial_load=True)
+            load_dcp(per_rank, path, planner=planner, process_group=self.process_group)
+        self._current = step
         logger.info("loaded checkpoint %s", path)
         return step
 
@@ -206,13 +344,27 @@ class CheckpointManager:
             dist.barrier(group=self.process_group)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _crash_point(name: str, step: int) -> None:
+    """Tests only: die here, as a power cut would, when MINDSPEED_TEST_CRASH_AT says so."""
+    wanted = os.environ.get(CRASH_ENV)
+    if wanted and wanted in (name, f"{name}@{step}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _state_bytes(states: dict[str, Stateful]) -> int:
+    """About how many bytes a checkpoint of `states` takes (global tensor sizes)."""
+    total = 0
+    for state in states.values():
+        stack = [state.state_dict()]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, dict):
+                stack += value.values()
+            elif isinstance(value, list | tuple):
+                stack += value
+            elif isinstance(value, DTensor | torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
 
 
 def _distributed() -> bool:

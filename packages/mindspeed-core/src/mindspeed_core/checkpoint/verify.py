@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from mindspeed_core.checkpoint.storage import read_safe_metadata
 from mindspeed_core.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
@@ -25,14 +25,12 @@ _SHOW = 5
 
 
 def read_metadata(path: Path) -> Metadata:
+    """The DCP metadata of `path`, read without running code (see `storage`)."""
     if not (path / METADATA_FILE).is_file():
         raise CheckpointError(
             f"checkpoint {path} has no {METADATA_FILE}: the save did not complete"
         )
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path}/{METADATA_FILE} is unreadable: {e}") from e
+    return read_safe_metadata(path)
 
 
 def check_files(path: Path, metadata: Metadata) -> None:

@@ -1,0 +1,113 @@
+"""File-system habits every writer here shares.
+
+- `check_folder`: a path meant to be a folder is not a file (nor inside one), checked
+  before anything is written, with a one-line error naming the option.
+- `write_file_atomically`: write a synced temporary file, then rename it over the target.
+- Owned temporary names: `owned_temp_prefix(name)` embeds the host and process id in a
+  temporary file's name, so a later run can tell the temporaries of a process that died
+  (SIGKILL, power loss) from those of one still running, and `remove_stale_temps`
+  deletes only the former.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from mindspeed_core.errors import ConfigError
+
+_OWNED = re.compile(r"\.tmp-(?P<host>[^.]+)\.(?P<pid>\d+)\.")
+
+
+def check_folder(path: str | os.PathLike, what: str) -> Path:
+    """`path` as a Path, refusing one that is a file or lies under a file.
+
+    Raises:
+        ConfigError: naming `what` (e.g. "--logging.run_dir") and the file in the way.
+    """
+    folder = Path(path)
+    for candidate in (folder, *folder.parents):
+        if candidate.exists() and not candidate.is_dir():
+            where = "is a file" if candidate == folder else f"lies under the file {candidate}"
+            raise ConfigError(f"{what} {folder} {where}, not a folder")
+    return folder
+
+
+def write_file_atomically(
+    path: Path, text: str, *, before_replace: Callable[[], None] | None = None
+) -> None:
+    """Write `text` to `path` through a synced temporary file and a rename.
+
+    `before_replace` runs between the two (fault-injection tests use it).
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    if before_replace is not None:
+        before_replace()
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename inside `folder` durable (a no-op where folders cannot be synced)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def owned_temp_prefix(name: str) -> str:
+    """A temporary-name prefix for `name` owned by this process: `name.tmp-HOST.PID.`."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+    return f"{name}.tmp-{host}.{os.getpid()}."
+
+
+def remove_stale_temps(folder: Path, name: str) -> list[Path]:
+    """Remove the temporaries of `name` in `folder` whose owning process is gone.
+
+    Only temporaries made on this host by a process that no longer exists are removed
+    (another host's, or a live process's, may still be in use). Returns what was removed.
+    """
+    if not folder.is_dir():
+        return []
+    host = owned_temp_prefix("x").split(".tmp-")[1].split(".")[0]
+    removed = []
+    for path in folder.glob(f"{glob_escape(name)}.tmp-*"):
+        match = _OWNED.search(path.name[len(name) :])
+        if not match or match["host"] != host or _alive(int(match["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            removed.append(path)
+    return removed
+
+
+def glob_escape(text: str) -> str:
+    """`text` with glob metacharacters escaped."""
+    return re.sub(r"([*?\[])", r"[\1]", text)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
