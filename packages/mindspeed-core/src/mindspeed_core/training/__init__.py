@@ -2,6 +2,7 @@
 
 from mindspeed_core.training.determinism import derive_seed, enable_determinism, set_seed
 from mindspeed_core.training.metrics import MetricsWriter, read_metrics
+from mindspeed_core.training.run_lock import RunLock, acquire_run_lock, release_all
 from mindspeed_core.training.throughput import (
     ThroughputMeter,
     dense_params,
@@ -12,7 +13,9 @@ from mindspeed_core.training.throughput import (
 
 __all__ = [
     "MetricsWriter",
+    "RunLock",
     "ThroughputMeter",
+    "acquire_run_lock",
     "dense_params",
     "derive_seed",
     "enable_determinism",
@@ -20,5 +23,6 @@ __all__ = [
     "mfu",
     "moe_active_params",
     "read_metrics",
+    "release_all",
     "set_seed",
 ]

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.distributed import is_rank0
+from mindspeed_core.errors import DataError
+from mindspeed_core.files import check_folder, write_file_atomically
 
 logger = logging.getLogger("mindspeed.metrics")
 METRICS_FILE = "metrics.jsonl"
@@ -27,20 +29,27 @@ class MetricsWriter:
         run_dir: the run directory (created if needed).
         tensorboard: also write TensorBoard event files.
         resume_step: when resuming, drop lines logged after this step, so a run that
-            crashed after its last checkpoint does not leave duplicate steps.
+            crashed after its last checkpoint does not leave duplicate steps (and a
+            line torn by a crash mid-write).
+
+    Raises:
+        ConfigError: `run_dir` is a file. DataError: a metrics line before the last is
+            not JSON.
     """
 
     def __init__(
         self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None
     ):
         self.enabled = is_rank0()
-        self.path = Path(run_dir) / METRICS_FILE
+        self.path = check_folder(run_dir, "run directory") / METRICS_FILE
         self._tb = None
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             _truncate_after(self.path, resume_step)
+        else:
+            _drop_torn_tail(self.path)
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         if tensorboard:
             self._tb = _tensorboard(Path(run_dir) / TB_DIR)
@@ -65,9 +74,30 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file, in order."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a metrics.jsonl file, in order.
+
+    A torn last line (the process died while writing it) is left out.
+
+    Raises:
+        DataError: a line before the last is not a JSON object (named by file:line).
+    """
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            if number == len(lines):  # no newline after it: a write cut short
+                logger.warning("%s:%d is a torn line (a crash mid-write); dropped", path, number)
+                break
+            raise DataError(f"{path}:{number} is not a JSON object: {line[:80]!r}")
+        records.append(record)
+    return records
 
 
 def _json_value(value: Any) -> Any:
@@ -81,7 +111,19 @@ def _truncate_after(path: Path, step: int) -> None:
     if not path.is_file():
         return
     kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    write_file_atomically(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (a crash mid-write), so appends start clean."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
+    logger.warning("%s ended in a torn line (a crash mid-write); dropped it", path)
 
 
 def _tensorboard(folder: Path):
