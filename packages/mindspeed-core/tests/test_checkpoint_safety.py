@@ -116,7 +116,9 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, monk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(dcp_fs, "_write_item", no_space)
-    with pytest.raises(DiskFullError, match=r"no space left on device for .*\.tmp_step_4 \(needed ~\d+ MB"):
+    with pytest.raises(
+        DiskFullError, match=r"no space left on device for .*\.tmp_step_4 \(needed ~\d+ MB"
+    ):
         manager.save(4, force=True)
     assert sorted(os.listdir(tmp_path)) == [LATEST, "step_2"]
     assert manager.latest_step() == 2

@@ -47,7 +47,12 @@ def test_a_torn_last_line_is_dropped_on_resume_and_on_append(tmp_path):
     writer = MetricsWriter(tmp_path, tensorboard=False)
     writer.log(5, {"loss": 5.0})
     writer.close()
-    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 1.0), (2, 2.0), (3, 30.0), (5, 5.0)]
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [
+        (1, 1.0),
+        (2, 2.0),
+        (3, 30.0),
+        (5, 5.0),
+    ]
     path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
     with pytest.raises(DataError, match=r"metrics.jsonl:2 is not a JSON object"):
         MetricsWriter(tmp_path, tensorboard=False, resume_step=3)
@@ -55,5 +60,7 @@ def test_a_torn_last_line_is_dropped_on_resume_and_on_append(tmp_path):
 
 def test_a_run_directory_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "run").write_text("")
-    with pytest.raises(ConfigError, match=r"run directory .*sub lies under the file .*run, not a folder"):
+    with pytest.raises(
+        ConfigError, match=r"run directory .*sub lies under the file .*run, not a folder"
+    ):
         MetricsWriter(tmp_path / "run" / "sub", tensorboard=False)

@@ -22,7 +22,9 @@ time.sleep(600)
 
 
 def _holder(folder):
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(folder)], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -39,11 +41,16 @@ def test_a_second_run_refuses_and_a_killed_holder_is_taken_over(tmp_path):
     holder = _holder(tmp_path / "run")
     try:
         start = time.monotonic()
-        with pytest.raises(ConfigError, match=rf"run directory .*run is in use by pid {holder.pid} on "):
+        with pytest.raises(
+            ConfigError, match=rf"run directory .*run is in use by pid {holder.pid} on "
+        ):
             RunLock(tmp_path / "run").acquire()
         assert time.monotonic() - start < 5
         messages = run_distributed(_both_ranks_refuse, 2, str(tmp_path / "run"), timeout=120)
-        assert all(m and f"--logging.run_dir {tmp_path / 'run'} is in use by pid {holder.pid}" in m for m in messages)
+        assert all(
+            m and f"--logging.run_dir {tmp_path / 'run'} is in use by pid {holder.pid}" in m
+            for m in messages
+        )
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait()

@@ -70,4 +70,6 @@ def disk_full_error(path, needed_bytes: int | None = None) -> DiskFullError:
         free = ""
     needed = f"needed ~{max(needed_bytes, 0) / 1e6:.0f} MB{free}" if needed_bytes else free[2:]
     detail = f" ({needed})" if needed else ""
-    return DiskFullError(f"no space left on device for {where}{detail}; the partial output was removed")
+    return DiskFullError(
+        f"no space left on device for {where}{detail}; the partial output was removed"
+    )

@@ -92,7 +92,9 @@ def read_checksums(folder: Path) -> Digests | None:
         files = body["files"]
         if body.get("format") != FORMAT or not isinstance(files, dict):
             raise ValueError("not a checksums file")
-        return {str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])} for k, v in files.items()}
+        return {
+            str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])} for k, v in files.items()
+        }
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"checkpoint checksums {path} are corrupt: {err}") from None
 

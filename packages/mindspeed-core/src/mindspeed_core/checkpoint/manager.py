@@ -188,7 +188,9 @@ class CheckpointManager:
         if not (path / ".metadata").is_file():
             raise CheckpointError(f"checkpoint {path} has no .metadata: the save did not complete")
         if not verify_checksums(path, self.process_group):
-            logger.warning("%s has no %s (an older save): loading it unverified", path, CHECKSUMS_FILE)
+            logger.warning(
+                "%s has no %s (an older save): loading it unverified", path, CHECKSUMS_FILE
+            )
         self._verified.add(step)
 
     # -- save -------------------------------------------------------------------------

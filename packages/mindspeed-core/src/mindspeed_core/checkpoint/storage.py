@@ -83,7 +83,9 @@ def read_safe_metadata(path: str | Path) -> Metadata:
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} has no .metadata") from None
     except Exception as err:  # any unpickling failure: corrupt or hostile
-        raise CheckpointError(f"checkpoint metadata {file} is unreadable or unsafe: {err}") from None
+        raise CheckpointError(
+            f"checkpoint metadata {file} is unreadable or unsafe: {err}"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint metadata {file} holds {type(metadata).__name__}")
     return metadata
@@ -107,7 +109,14 @@ class SafeFileSystemReader(FileSystemReader):
             return super().read_data(plan, _WeightsOnlyBytes(planner))
         except MindSpeedError:
             raise
-        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, AssertionError) as err:
+        except (
+            pickle.UnpicklingError,
+            RuntimeError,
+            EOFError,
+            ValueError,
+            OSError,
+            AssertionError,
+        ) as err:
             # (DCP asserts a record's size; a corrupt one trips it)
             names = ", ".join(files) if len(files) <= 3 else f"{files[0]} ... ({len(files)} files)"
             raise CheckpointError(

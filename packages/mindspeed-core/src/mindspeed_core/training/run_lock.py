@@ -58,7 +58,9 @@ class RunLock:
         handle.seek(0)
         handle.truncate()
         started = time.strftime("%Y-%m-%d %H:%M:%S")
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started}))
+        handle.write(
+            json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": started})
+        )
         handle.flush()
         self._file = handle
         return self
