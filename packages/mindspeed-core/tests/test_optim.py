@@ -78,7 +78,17 @@ def test_weight_decay_skips_vectors():
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda o: build_optimizers(toy.make_model(), lr=0), "lr=0 must be positive"),
+        (lambda o: build_optimizers(toy.make_model(), lr=0), r"optim\.lr=0 must be a positive"),
+        (lambda o: build_optimizers(toy.make_model(), lr=float("nan")), r"optim\.lr=nan must"),
+        (
+            lambda o: build_optimizers(toy.make_model(), lr=1, betas=(2.0, 0.9)),
+            r"optim\.betas=\[2\.0, 0\.9\] must be two numbers in \[0, 1\)",
+        ),
+        (lambda o: build_optimizers(toy.make_model(), lr=1, eps=-1), r"optim\.eps=-1 must"),
+        (
+            lambda o: build_optimizers(toy.make_model(), lr=1, weight_decay=float("inf")),
+            r"optim\.weight_decay=inf must",
+        ),
         (
             lambda o: build_optimizers(toy.make_model(), lr=1, implementation="fast"),
             "implementation 'fast'",

@@ -3,7 +3,12 @@
 from mindspeed_core.optim.clip import clip_grad_norm_, total_grad_norm
 from mindspeed_core.optim.config import OptimConfig
 from mindspeed_core.optim.loss_scale import DynamicLossScaler
-from mindspeed_core.optim.optimizer import OptimizersContainer, build_optimizers, param_groups
+from mindspeed_core.optim.optimizer import (
+    OptimizersContainer,
+    build_optimizers,
+    check_adamw_args,
+    param_groups,
+)
 from mindspeed_core.optim.scheduler import (
     DECAY_STYLES,
     LRSchedulersContainer,
@@ -19,6 +24,7 @@ __all__ = [
     "OptimizersContainer",
     "build_lr_schedulers",
     "build_optimizers",
+    "check_adamw_args",
     "clip_grad_norm_",
     "lr_multiplier",
     "param_groups",

@@ -8,6 +8,7 @@ decay, as in Megatron-LM and nanoGPT.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -48,6 +49,35 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return list(groups.values())
 
 
+def check_adamw_args(
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    *,
+    section: str = "optim",
+) -> None:
+    """Refuse AdamW settings torch would reject with a traceback (or accept and diverge on).
+
+    Raises:
+        ConfigError: naming the field as `<section>.<name>` and its value.
+    """
+    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+        raise ConfigError(f"{section}.lr={lr} must be a positive finite number")
+    if not (isinstance(eps, int | float) and math.isfinite(eps) and eps > 0):
+        raise ConfigError(f"{section}.eps={eps} must be a positive finite number")
+    if not (isinstance(weight_decay, int | float) and 0 <= weight_decay < math.inf):
+        raise ConfigError(f"{section}.weight_decay={weight_decay} must be a finite number >= 0")
+    try:
+        pair = tuple(float(b) for b in betas)
+    except (TypeError, ValueError):
+        pair = ()
+    if len(pair) != 2 or not all(0.0 <= b < 1.0 for b in pair):
+        raise ConfigError(
+            f"{section}.betas={list(betas) if isinstance(betas, (list, tuple)) else betas} must be two numbers in [0, 1)"
+        )
+
+
 def _impl_flags(implementation: str, device_type: str) -> dict[str, bool]:
     if implementation not in IMPLEMENTATIONS:
         raise ConfigError(
@@ -76,10 +106,7 @@ class OptimizersContainer(Stateful):
         eps: float = 1e-8,
         implementation: str = "auto",
     ):
-        if lr <= 0:
-            raise ConfigError(f"optimizer lr={lr} must be positive")
-        if weight_decay < 0:
-            raise ConfigError(f"optimizer weight_decay={weight_decay} must be >= 0")
+        check_adamw_args(lr, betas, eps, weight_decay)
         self.model_parts = list(model_parts)
         device_type = _device_type(self.model_parts)
         flags = _impl_flags(implementation, device_type)
