@@ -79,3 +79,52 @@ def test_guarded_folds_multiline_messages(capsys):
 
     assert guarded(Command(help="x", run=bad).run, []) == 2
     assert capsys.readouterr().err == "error: first line second line\n"
+
+
+_DIES = """
+import os, signal, sys
+import torch, torch.distributed as dist
+from mindspeed_core.cli import guarded
+from mindspeed_core.distributed import init_distributed
+
+def main(argv):
+    init_distributed(device_type="cpu")
+    t = torch.ones(8)
+    for step in range(10000):
+        if dist.get_rank() == 1 and step == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(t)
+    return 0
+
+sys.exit(guarded(main, []))
+"""
+
+
+def test_a_dead_rank_is_named_in_one_line_by_the_survivor(tmp_path):
+    script = tmp_path / "dies.py"
+    script.write_text(_DIES)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    survivor, dead = procs[0].communicate(timeout=120)[1], procs[1].wait(timeout=120)
+    assert dead == -9 and procs[0].returncode == 2
+    lines = [line for line in survivor.splitlines() if line.strip()]
+    assert len(lines) == 1, survivor
+    assert lines[0].startswith(f"error: rank 1 (pid {procs[1].pid} on ")
+    assert "has died; rank 0 stopped in a collective" in lines[0]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

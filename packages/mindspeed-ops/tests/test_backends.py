@@ -73,3 +73,19 @@ def test_without_compiler_warns_once_and_matches_reference(monkeypatch):
     torch.testing.assert_close(y, mo.rms_norm_reference(x))
     y.sum().backward()
     assert x.grad is not None and cpu_ext.status().startswith("not built: no C++ compiler")
+
+
+def test_the_cpu_build_path_prints_no_cuda_notice(tmp_path):
+    """torch.utils.cpp_extension logs "No CUDA runtime is found" at import on a machine
+    with a CUDA_HOME but no GPU; our CPU build path imports it without that notice."""
+    variables = {**os.environ, "CUDA_HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    ours = "from mindspeed_ops import cpu_ext; cpu_ext._cpp_extension()"
+    theirs = "import torch.utils.cpp_extension"
+    runs = {
+        code: subprocess.run(
+            [sys.executable, "-c", code], env=variables, capture_output=True, text=True
+        )
+        for code in (ours, theirs)
+    }
+    assert "No CUDA runtime is found" in runs[theirs].stderr  # the notice exists here
+    assert runs[ours].returncode == 0 and "cuda" not in runs[ours].stderr.lower()

@@ -4,8 +4,9 @@ Subcommands come from the entry-point group `mindspeed.commands`: each
 installed MindSpeed package adds its own, so a user who installed only core and
 llm sees only their commands. An entry point names a `Command`.
 
-User mistakes (`MindSpeedError`) print one line and exit with status 2; pass
-`--debug` or set MINDSPEED_DEBUG=1 to see the traceback.
+User mistakes (`MindSpeedError`) print one line and exit with status 2; so does a
+collective that lost a peer (one line naming the rank that died, instead of the
+backend's traceback). Pass `--debug` or set MINDSPEED_DEBUG=1 to see the traceback.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def guarded(fn: Callable[..., int | None], *args, debug: bool = False) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError among them)
+        from mindspeed_core.distributed import lost_peer_message  # (torch: only when needed)
+
+        message = None if debug else lost_peer_message(e)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 def _usage(commands: dict[str, EntryPoint]) -> str:

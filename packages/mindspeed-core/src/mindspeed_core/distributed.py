@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -139,6 +141,7 @@ def init_distributed(
         dist.init_process_group(
             backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout
         )
+        _record_peers(env)
     return DistributedInfo(env.rank, env.world_size, env.local_rank, device, backend)
 
 
@@ -162,6 +165,74 @@ def destroy_distributed() -> None:
     """Tear down the default process group if one exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    _PEERS.clear()
+
+
+# -- naming a rank that died ------------------------------------------------------------
+# When one rank dies, the others fail in their next collective with the backend's raw
+# error ("Connection closed by peer [10.0.0.5]:41234"). `init_distributed` records every
+# rank's host, address and pid, so `lost_peer_message` can say which rank it was. This
+# is the one piece of module state here: diagnostic data, written once per process group.
+
+_PEERS: list[tuple[int, str, str, int]] = []  # (rank, host, ip, pid)
+_LOST_PEER = re.compile(
+    r"Connection (?:closed|reset) by peer|Broken pipe|remote worker crash|"
+    r"remote process exited|Socket Timeout|Connection refused",
+    re.IGNORECASE,
+)
+_PEER_IP = re.compile(r"peer \[([^\]]+)\]")
+
+
+def _record_peers(env: LaunchEnv) -> None:
+    me = (env.rank, socket.gethostname(), _own_ip(env.master_addr, env.master_port), os.getpid())
+    table: list = [None] * env.world_size
+    dist.all_gather_object(table, me)
+    _PEERS[:] = table
+
+
+def _own_ip(master_addr: str | None, master_port: int | None) -> str:
+    """The address this host uses to reach the master (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_addr or "127.0.0.1", master_port or 1))
+            return probe.getsockname()[0]
+    except OSError:
+        return "?"
+
+
+def lost_peer_message(error: BaseException) -> str | None:
+    """One line naming the rank(s) that died, when `error` is a collective that lost a
+    peer; None for any other error."""
+    text = " ".join(str(error).split())
+    if not isinstance(error, RuntimeError) or not _LOST_PEER.search(text):
+        return None
+    me = get_rank()
+    host = socket.gethostname()
+    dead = [p for p in _PEERS if p[0] != me and p[1] == host and not _running(p[3])]
+    if not dead:  # not on this host: the ranks behind the address the backend names
+        match = _PEER_IP.search(text)
+        dead = [p for p in _PEERS if p[0] != me and match and p[2] == match.group(1)]
+    if dead:
+        who = ", ".join(f"rank {r} (pid {pid} on {h})" for r, h, _, pid in dead)
+        lost = f"{who} {'has' if len(dead) == 1 else 'have'} died"
+    else:
+        lost = "another rank has died or become unreachable"
+    return f"{lost}; rank {me} stopped in a collective. See that rank's output for the cause."
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process on this host (a zombie is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def get_rank() -> int:

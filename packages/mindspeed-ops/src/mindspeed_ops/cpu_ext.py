@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -77,9 +78,29 @@ def _file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _build() -> ModuleType:
-    from torch.utils import cpp_extension
+class _NoCudaRuntimeNotice(logging.Filter):
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." notice: it comes from
+    torch.utils.cpp_extension probing for CUDA at import, which a CPU-only build never uses."""
 
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+def _cpp_extension() -> ModuleType:
+    """torch.utils.cpp_extension, imported without its CUDA probe's notice on a CPU machine
+    (every other message of that logger still gets through)."""
+    probe_logger = logging.getLogger("torch.utils.cpp_extension")
+    notice = _NoCudaRuntimeNotice()
+    probe_logger.addFilter(notice)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        probe_logger.removeFilter(notice)
+    return cpp_extension
+
+
+def _build() -> ModuleType:
+    cpp_extension = _cpp_extension()
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with _file_lock(directory / "build.lock"):
