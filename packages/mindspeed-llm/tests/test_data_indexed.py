@@ -1,8 +1,10 @@
 """The indexed dataset: round trips, Megatron compatibility both ways, bad files."""
 
+import errno
 import os
 import pickle
 import struct
+import subprocess
 
 import numpy as np
 import pytest
@@ -208,3 +210,49 @@ def test_missing_or_short_files_name_the_file(tmp_path):
     (tmp_path / "c.bin").unlink()
     with pytest.raises(DataError, match=rf"not found: {tmp_path / 'c.bin'}"):
         IndexedDataset(tmp_path / "c")
+
+
+class _FullDisk:
+    """A file whose writes and flushes fail as on a full disk (close() flushes too)."""
+
+    def __init__(self, real):
+        self.real, self.name, self.closed = real, real.name, False
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self):
+        self.real.close()
+        self.closed = True
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_leaves_no_temporary_files(tmp_path):
+    for stage in ("add", "finalize"):
+        with (
+            pytest.raises(OSError, match="No space left"),
+            IndexedDatasetWriter(tmp_path / stage, np.int32) as writer,
+        ):
+            writer.add_document([1, 2, 3])
+            writer._bin = _FullDisk(writer._bin)
+            if stage == "add":
+                writer.add_document([4])
+        assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_temporaries_of_a_killed_writer_are_removed_by_the_next(tmp_path):
+    from mindspeed_core.files import owned_temp_prefix
+
+    dead = _dead_pid()
+    stale = tmp_path / owned_temp_prefix(".c").replace(f".{os.getpid()}.", f".{dead}.")
+    live = tmp_path / (owned_temp_prefix(".c").replace(f".{os.getpid()}.", f".{os.getppid()}."))
+    for path in (stale, live):
+        path.with_name(path.name + "x.bin.tmp").write_bytes(b"partial")
+    _write(tmp_path / "c", [[np.arange(3)]], np.int32)
+    assert set(os.listdir(tmp_path)) == {"c.bin", "c.idx", live.name + "x.bin.tmp"}
+
+
+def _dead_pid():
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid

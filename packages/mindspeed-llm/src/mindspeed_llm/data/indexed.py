@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from mindspeed_core.errors import DataError
+from mindspeed_core.files import owned_temp_prefix, remove_stale_temps
 
 __all__ = [
     "DTYPE_CODES",
@@ -121,12 +122,14 @@ class IndexedDatasetWriter:
         self._code = _code_of(self.dtype)
         self._bounds = _dtype_bounds(self.dtype)
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        # Temporaries of a writer that was killed (SIGKILL, power loss) are ours to remove.
+        remove_stale_temps(self.prefix.parent, f".{self.prefix.name}")
         self._sequence_lengths = array("q")
         self._document_indices = array("q", [0])
         self._bin = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in finalize/abort
             mode="wb",
             dir=self.prefix.parent,
-            prefix=f".{self.prefix.name}.",
+            prefix=owned_temp_prefix(f".{self.prefix.name}"),
             suffix=".bin.tmp",
             delete=False,
         )
@@ -185,13 +188,17 @@ class IndexedDatasetWriter:
         self._check_open()
         if self._document_indices[-1] != len(self._sequence_lengths):
             self.end_document()  # sequences added after the last end_document() form one
-        self._bin.close()
-        self._closed = True
         lengths = np.frombuffer(self._sequence_lengths, dtype=np.int64)
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
             self._abort()
             raise DataError(f"{bin_path(self.prefix)}: a sequence is longer than 2**31 - 1 tokens")
-        index_tmp = self._write_index(lengths)
+        try:  # the last writes: a full disk fails here too, and must leave nothing behind
+            self._bin.close()
+            self._closed = True
+            index_tmp = self._write_index(lengths)
+        except BaseException:
+            self._abort()
+            raise
         final_idx, final_bin = idx_path(self.prefix), bin_path(self.prefix)
         # The .idx goes first and comes last: a crash in between leaves a .bin without
         # an index (refused on load), never a new .bin next to an old .idx.
@@ -206,29 +213,39 @@ class IndexedDatasetWriter:
         pointers = np.zeros(lengths.size, dtype=np.int64)
         np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         documents = np.frombuffer(self._document_indices, dtype=np.int64)
-        with tempfile.NamedTemporaryFile(
+        out = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed below
             mode="wb",
             dir=self.prefix.parent,
-            prefix=f".{self.prefix.name}.",
+            prefix=owned_temp_prefix(f".{self.prefix.name}"),
             suffix=".idx.tmp",
             delete=False,
-        ) as out:
-            out.write(MAGIC)
-            out.write(struct.pack("<Q", VERSION))
-            out.write(struct.pack("<B", self._code))
-            out.write(struct.pack("<Q", lengths.size))
-            out.write(struct.pack("<Q", documents.size))
-            out.write(lengths.astype(np.int32).tobytes(order="C"))
-            out.write(pointers.tobytes(order="C"))
-            out.write(documents.tobytes(order="C"))
+        )
+        try:
+            with out:
+                out.write(MAGIC)
+                out.write(struct.pack("<Q", VERSION))
+                out.write(struct.pack("<B", self._code))
+                out.write(struct.pack("<Q", lengths.size))
+                out.write(struct.pack("<Q", documents.size))
+                out.write(lengths.astype(np.int32).tobytes(order="C"))
+                out.write(pointers.tobytes(order="C"))
+                out.write(documents.tobytes(order="C"))
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(out.name)
+            raise
         return out.name
 
     def _abort(self) -> None:
-        if not self._bin.closed:
-            self._bin.close()
         self._closed = True
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._bin.name)
+        try:
+            if not self._bin.closed:
+                self._bin.close()  # flushes: on a full disk this raises ENOSPC again
+        except OSError:
+            pass  # the data is being thrown away; the unlink below must still happen
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._bin.name)
 
     def _check_open(self) -> None:
         if self._closed:
