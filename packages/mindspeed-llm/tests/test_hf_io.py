@@ -66,3 +66,17 @@ def test_truncated_safetensors_is_named(tmp_path):
     file.write_bytes(b"\x05")
     with pytest.raises(CheckpointError, match=r"model.safetensors is truncated"):
         list(iter_hf_tensors(tmp_path))
+
+
+def test_an_index_naming_files_outside_the_folder_is_refused(tmp_path):
+    make_hf("llama").save_pretrained(tmp_path / "model", max_shard_size="40KB")
+    index_path = tmp_path / "model" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = next(iter(index["weight_map"]))
+    (tmp_path / "outside.safetensors").write_bytes(b"")
+    for name in ("../outside.safetensors", str(tmp_path / "outside.safetensors"), "a/../../x"):
+        index["weight_map"][first] = name
+        index_path.write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match="lies outside the model folder"):
+            hf_tensor_index(tmp_path / "model")
+

@@ -17,7 +17,8 @@ folder to ``.trash_step_<N>`` before deleting it. A crash at any point leaves ``
 on a complete checkpoint (or missing, see below); the next commit removes what a crash
 left behind.
 
-Loading verifies the checksums first, so a flipped byte is refused naming the shard.
+Loading checks `.metadata` and every record it reads against the checksums, so a
+flipped byte is refused naming the shard.
 When ``latest`` is missing, garbled or names a folder that is gone, the newest
 ``step_<N>`` that verifies is used (with a warning); a step the states already hold
 (just loaded or saved) is never written again. DCP stores each tensor by name with
@@ -50,7 +51,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from mindspeed_core.checkpoint.integrity import CHECKSUMS_FILE, verify_checksums, write_checksums
+from mindspeed_core.checkpoint.integrity import (
+    CHECKSUMS_FILE,
+    read_checksums,
+    verify_checksums,
+    write_checksums,
+)
 from mindspeed_core.checkpoint.steps import LATEST, parse_step
 from mindspeed_core.checkpoint.storage import load_dcp, raise_user_error
 from mindspeed_core.checkpoint.verify import check_files, check_states, read_metadata
@@ -181,7 +187,9 @@ class CheckpointManager:
         return None
 
     def _verify(self, step: int) -> None:
-        """Check step_<step>'s files against its checksums (collective), once per manager."""
+        """Check all of step_<step> against its checksums (collective), once per manager.
+
+        (A load checks what it reads as it reads it; this is for choosing a fallback.)"""
         if step in self._verified:
             return
         path = self.folder / f"step_{step}"
@@ -327,7 +335,10 @@ class CheckpointManager:
         if not path.is_dir():
             have = ", ".join(map(str, self.saved_steps())) or "none"
             raise CheckpointError(f"no checkpoint {path} (saved steps: {have})")
-        self._verify(step)
+        if read_checksums(path) is None:
+            logger.warning(
+                "%s has no %s (an older save): loading it unverified", path, CHECKSUMS_FILE
+            )
         shared = {k: v for k, v in self.states.items() if not getattr(v, "per_rank", False)}
         per_rank = {k: v for k, v in self.states.items() if getattr(v, "per_rank", False)}
         metadata = read_metadata(path)

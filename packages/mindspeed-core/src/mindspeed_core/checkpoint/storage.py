@@ -12,6 +12,9 @@ checkpoint from a stranger could run anything on load. `SafeFileSystemReader` (a
   strings, lists, dicts, tuples, tensors); only bytes that pass reach the planner.
   Tensors DCP already reads with `weights_only=True`.
 
+Where the folder has `checksums.json` (see `integrity`), `.metadata` and every record
+about to be read are checked against it first.
+
 A record that does not unpickle (a corrupt shard) becomes a `CheckpointError` naming
 the shard file. `load_dcp` is the one way our code calls `dcp.load`.
 """
@@ -33,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
+from mindspeed_core.checkpoint.integrity import read_checksums
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -77,6 +81,9 @@ def read_safe_metadata(path: str | Path) -> Metadata:
         CheckpointError: the file is missing, corrupt, or names anything but metadata.
     """
     file = Path(path) / ".metadata"
+    checksums = read_checksums(Path(path)) if file.is_file() else None
+    if checksums is not None:
+        checksums.check_metadata()  # a corrupt (or swapped) file is named, not unpickled
     try:
         with open(file, "rb") as f:
             metadata = MetadataUnpickler(f).load()
@@ -103,8 +110,21 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._checksums = read_checksums(Path(self.path))
+        if self._checksums is not None:
+            self._checksums.check_sizes()
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
-        files = sorted({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        spans: dict[str, set[tuple[int, int]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            spans.setdefault(info.relative_path, set()).add((info.offset, info.length))
+        if getattr(self, "_checksums", None) is not None:
+            for name, wanted in sorted(spans.items()):
+                self._checksums.check_records(name, wanted)
+        files = sorted(spans)
         try:
             return super().read_data(plan, _WeightsOnlyBytes(planner))
         except MindSpeedError:

@@ -152,13 +152,28 @@ def _files_from_index(index_path: Path) -> list[Path]:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(f"{index_path} is not a valid safetensors index: {err}") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path}: weight_map must be an object of name -> file")
     files = []
     for name in dict.fromkeys(weight_map.values()):
-        file = index_path.parent / name
+        file = index_path.parent / _inside_folder(index_path, name)
         if not file.is_file():
             raise CheckpointError(f"{index_path} names {name}, which does not exist")
         files.append(file)
     return files
+
+
+def _inside_folder(index_path: Path, name: Any) -> str:
+    """`name` from a weight_map, refused unless it is a plain relative path that stays in
+    the model folder (an index must not make us read /etc/passwd or ../other_model)."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise CheckpointError(f"{index_path} names an invalid shard file {name!r}")
+    parts = Path(name).parts
+    if Path(name).is_absolute() or "\\" in name or any(p == ".." for p in parts):
+        raise CheckpointError(
+            f"{index_path} names the shard file {name!r}, which lies outside the model folder"
+        )
+    return name
 
 
 # -- name mapping through the family's adapter --------------------------------------------
