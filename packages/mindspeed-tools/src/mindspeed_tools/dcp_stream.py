@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import pickle
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,7 +25,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.checkpoint import SafeFileSystemReader, read_safe_metadata
+from mindspeed_core.checkpoint.integrity import read_checksums, write_checksums
+from mindspeed_core.errors import CheckpointError, MindSpeedError
 
 Shapes = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -88,6 +91,7 @@ def save_streaming(folder: Path, shapes: Shapes, read: Callable[[str], torch.Ten
             planner=_LazySavePlanner(read),
             no_dist=True,
         )
+    write_checksums(folder)  # as CheckpointManager does: every load checks what it reads
 
 
 def load_streaming(folder: Path, shapes: Shapes, done: Callable[[str, torch.Tensor], None]) -> None:
@@ -98,17 +102,25 @@ def load_streaming(folder: Path, shapes: Shapes, done: Callable[[str, torch.Tens
     straight from its file: one copy in memory. One stored in shards (FSDP/TP runs) goes
     through DCP, which assembles it in a buffer: that buffer plus one shard.
     """
-    reader = dcp.FileSystemReader(str(folder))
-    metadata = reader.read_metadata()
+    metadata = read_safe_metadata(folder)  # runs no code from the file
+    checksums = read_checksums(folder)
+    if checksums is not None:
+        checksums.check_sizes()
     sharded = {}
     for fqn, (dtype, shape) in shapes.items():
         info = _whole_tensor_storage(metadata, fqn, shape)
         if info is None:
             sharded[fqn] = (dtype, shape)
             continue
-        with open(folder / info.relative_path, "rb") as f:
-            tensor = torch.load(_FileSlice(f, info.offset, info.length), weights_only=True)
-        assert tensor.dtype == dtype and tuple(tensor.shape) == shape, fqn
+        if checksums is not None:
+            checksums.check_records(info.relative_path, [(info.offset, info.length)])
+        tensor = _read_record(folder, info, fqn)
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"checkpoint shard {folder / info.relative_path}: {fqn} holds a "
+                f"{tensor.dtype} tensor of shape {tuple(tensor.shape)}, but .metadata says "
+                f"{dtype} of shape {shape}"
+            )
         done(fqn, tensor)
         del tensor
     if not sharded:
@@ -119,10 +131,23 @@ def load_streaming(folder: Path, shapes: Shapes, done: Callable[[str, torch.Tens
     with _single_process():
         dcp.load(
             state,
-            storage_reader=dcp.FileSystemReader(str(folder)),
+            storage_reader=SafeFileSystemReader(str(folder)),
             planner=_StreamingLoadPlanner(sharded, done),
             no_dist=True,
         )
+
+
+def _read_record(folder: Path, info, fqn: str) -> torch.Tensor:
+    """One tensor record of a DCP file (weights_only: plain tensors, nothing executed)."""
+    path = folder / info.relative_path
+    try:
+        with open(path, "rb") as f:
+            return torch.load(_FileSlice(f, info.offset, info.length), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
+        raise CheckpointError(
+            f"checkpoint shard {path} is corrupt or unreadable at {fqn} "
+            f"({err.__class__.__name__}: {' '.join(str(err).split())[:200]})"
+        ) from None
 
 
 def _whole_tensor_storage(metadata, fqn: str, shape: tuple[int, ...]):

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from mindspeed_core.checkpoint import LATEST, ModelState
+from mindspeed_core.checkpoint import LATEST, ModelState, load_dcp
 from mindspeed_core.checkpoint.steps import checkpoint_root, parse_step
 from mindspeed_core.checkpoint.verify import check_files, check_states, read_metadata
 from mindspeed_core.errors import CheckpointError, ConfigError
@@ -172,12 +170,7 @@ def saved_states(step_dir: Path) -> set[str]:
 def read_tensors(step_dir: Path, names: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
     """Load the model tensors `names` (name -> dtype, shape) from a DCP checkpoint, as plain tensors."""
     state = {MODEL_KEY: {n: torch.empty(shape, dtype=dtype) for n, (dtype, shape) in names.items()}}
-    dcp.load(
-        state,
-        checkpoint_id=str(step_dir),
-        planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
-        no_dist=True,
-    )
+    load_dcp(state, step_dir, planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
     return state[MODEL_KEY]
 
 
@@ -193,9 +186,7 @@ def load_model_weights(model: nn.Module | list[nn.Module], step_dir: Path) -> No
     metadata = read_metadata(step_dir)
     check_files(step_dir, metadata)
     check_states(step_dir, metadata, state)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
-        dcp.load(state, checkpoint_id=str(step_dir), no_dist=not dist.is_initialized())
+    load_dcp(state, step_dir)  # runs no code from the files; checks records it reads
 
 
 def config_fields(config: TransformerConfig) -> dict[str, Any]:
