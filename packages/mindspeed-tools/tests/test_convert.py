@@ -2,6 +2,7 @@
 converted model gives transformers' logits (also under tp=2), and bad input is one line."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -270,3 +271,120 @@ def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9
     assert parse_size("2MiB") == 2 * 2**20
     assert parse_size("123") == 123
+
+
+def _variant(tmp_path, src, name, change_tensors=None, change_config=None, change_index=None):
+    """A copy of the HF folder `src` with its tensors, config or index changed."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / name
+    folder.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps(change_config(config) if change_config else config)
+    )
+    tensors = load_file(src / "model.safetensors")
+    save_file(change_tensors(tensors) if change_tensors else tensors, folder / "model.safetensors")
+    if change_index:
+        index = {"weight_map": {n: "model.safetensors" for n in tensors}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(change_index(index)))
+    return folder
+
+
+def test_tensors_that_do_not_fit_the_config_are_one_line(tmp_path, capsys):
+    _, src = _hf_dir(tmp_path, "llama")
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def wrong_shape(t):
+        return {**t, name: torch.zeros(t[name].shape[0], t[name].shape[1] + 1)}
+
+    def integer(t):
+        return {**t, name: t[name].to(torch.int32)}
+
+    def outside(index):
+        index["weight_map"][name] = "../hf-llama/model.safetensors"
+        return index
+
+    shape = tuple(_make("llama").state_dict()[name].shape)
+    cases = [
+        (
+            _variant(tmp_path, src, "shape", change_tensors=wrong_shape),
+            [name, f"{shape}", f"({shape[0]}, {shape[1] + 1})"],
+        ),
+        (
+            _variant(tmp_path, src, "int", change_tensors=integer),
+            [name, "torch.int32", "floating-point"],
+        ),
+        (
+            _variant(
+                tmp_path,
+                src,
+                "cfg",
+                change_config=lambda c: {k: v for k, v in c.items() if k != "hidden_size"},
+            ),
+            ["config.json", "'hidden_size'"],
+        ),
+        (
+            _variant(tmp_path, src, "index", change_index=outside),
+            ["../hf-llama/model.safetensors", "outside the model folder"],
+        ),
+    ]
+    capsys.readouterr()
+    for folder, fragments in cases:
+        code, err = _cli(
+            capsys, "--input", folder, "--output", tmp_path / "out", "--to", "mindspeed"
+        )
+        assert code == 2 and err.startswith("error:") and "\n" not in err, err
+        for fragment in fragments:
+            assert fragment in err, (fragment, err)
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_record_header_is_one_line_naming_the_shard(tmp_path, capsys):
+    _, src = _hf_dir(tmp_path, "llama")
+    ours = tmp_path / "ours"
+    assert _cli(capsys, "--input", src, "--output", ours, "--to", "mindspeed")[0] == 0
+    shard = max((ours / "step_0").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[:16] = b"\xff" * 16  # the record's zip header
+    shard.write_bytes(bytes(data))
+    for checksums in (True, False):  # recorded checksums, and a checkpoint without them
+        if not checksums:
+            (ours / "step_0" / "checksums.json").unlink()
+        code, err = _cli(capsys, "--input", ours, "--output", tmp_path / "back", "--to", "hf")
+        assert code == 2 and "\n" not in err and f"shard {shard}" in err and "corrupt" in err, err
+        assert not (tmp_path / "back").exists()
+
+
+def test_a_full_disk_is_one_line_and_a_killed_converts_temporaries_go(
+    tmp_path, capsys, monkeypatch
+):
+    import errno
+    import os
+    import subprocess
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from mindspeed_core.files import owned_temp_prefix
+
+    _, src = _hf_dir(tmp_path, "llama")
+    ours = tmp_path / "ours"
+    assert _cli(capsys, "--input", src, "--output", ours, "--to", "mindspeed")[0] == 0
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / owned_temp_prefix("back").replace(f".{os.getpid()}.", f".{dead.pid}.")
+    (stale.parent / (stale.name + "x")).mkdir()  # what a SIGKILLed convert leaves
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp_fs, "_write_item", no_space)
+        code, err = _cli(capsys, "--input", src, "--output", tmp_path / "full", "--to", "mindspeed")
+    assert code == 2 and "\n" not in err and err.startswith("error: no space left on device for ")
+    assert re.search(rf"{tmp_path / 'full'} \(needed ~\d+ MB, \d+ MB free\)", err), err
+    with monkeypatch.context() as patch:
+        patch.setattr(hf_io.SafetensorsWriter, "write", no_space)
+        code, err = _cli(capsys, "--input", ours, "--output", tmp_path / "back", "--to", "hf")
+    assert code == 2 and "no space left on device" in err and "\n" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-llama", "ours"]

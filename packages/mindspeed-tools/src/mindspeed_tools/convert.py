@@ -9,8 +9,9 @@ layouts (TP via DTensor, FSDP2, pipeline stages) keep those names, so one conver
 checkpoint loads under any tp/pp/ep layout; `--tp/--pp/--ep` check that the layout you plan
 is possible for this model and record it, instead of writing per-rank shards.
 
-The output is written to `OUT.tmp-*` and renamed to `OUT` when complete: a failed
-conversion leaves nothing behind.
+The output is written to `OUT.tmp-HOST.PID.*` and renamed to `OUT` when complete: a
+failed conversion (a full disk included) leaves nothing behind, and the temporaries of a
+convert that was killed are removed by the next one into the same place.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ from mindspeed_core.checkpoint import LATEST
 from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.distributed import setup_logging
-from mindspeed_core.errors import ConfigError
+from mindspeed_core.errors import ConfigError, disk_full_error, is_disk_full
+from mindspeed_core.files import check_folder, owned_temp_prefix, remove_stale_temps
 from mindspeed_core.parallel import ParallelConfig
 from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models import hf_io
 from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.loading import ModelSource, checkpoint_source
+from mindspeed_llm.models.weight_check import check_weights, model_shapes
 from mindspeed_tools.dcp_stream import load_streaming, save_streaming
 
 logger = logging.getLogger("mindspeed.convert")
@@ -86,6 +89,7 @@ def hf_to_mindspeed(
     config = hf_io.read_hf_config(source)
     check_layout(config, ParallelConfig(tp=tp, pp=pp, ep=ep), flag="--{}")
     weights = hf_io.HFWeights(source, config)
+    check_weights(source, weights.shapes, model_shapes(config), weights.renamed)
     prefix = ckpt.MODEL_KEY + "."
     shapes = {prefix + n: (dtype or d, shape) for n, (d, shape) in weights.shapes.items()}
 
@@ -96,7 +100,8 @@ def hf_to_mindspeed(
         bar.update(1)
         return tensor if dtype is None else tensor.to(dtype)
 
-    with _staging(output) as tmp, bar:
+    needed = sum(torch.Size(shape).numel() * d.itemsize for d, shape in shapes.values())
+    with _staging(output, needed) as tmp, bar:
         save_streaming(tmp / STEP, shapes, read)
         (tmp / LATEST).write_text(STEP + "\n")
         copied = _copy_hf_files(Path(source), tmp)
@@ -150,7 +155,8 @@ def mindspeed_to_hf(
     for hf, ours in renamed.items():
         hf_names.setdefault(prefix + ours, []).append(hf)
 
-    with _staging(output) as tmp:
+    needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
+    with _staging(output, needed) as tmp:
         writers = {}
         for file, names in shards.items():
             writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in names])
@@ -172,7 +178,8 @@ def mindspeed_to_hf(
                 load_streaming(step_dir, wanted, done)
         except BaseException:
             for writer in writers.values():
-                writer.close(check=False)
+                with contextlib.suppress(OSError):  # a full disk fails the flush again
+                    writer.close(check=False)
             raise
         for writer in writers.values():
             writer.close()
@@ -265,24 +272,31 @@ def _copy_hf_files(source: Path, dest: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _staging(output: str | Path) -> Iterator[Path]:
-    """A fresh `OUT.tmp-*` folder, renamed to `output` on success and removed on failure."""
+def _staging(output: str | Path, needed_bytes: int) -> Iterator[Path]:
+    """A fresh `OUT.tmp-HOST.PID.*` folder, renamed to `output` on success and removed on
+    failure (a full disk becomes one line). Temporaries a killed convert left next to
+    `output` are removed first."""
     out = Path(output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"output {out} already exists; remove it or choose another path")
+    check_folder(out.parent, "--output's folder")
     made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+    for stale in remove_stale_temps(out.parent, out.name):
+        logger.debug("removed %s, left by a convert that was killed", stale)
+    tmp = Path(tempfile.mkdtemp(prefix=owned_temp_prefix(out.name), dir=out.parent))
     try:
         yield tmp
         if out.is_dir():
             out.rmdir()  # an empty folder the user made
         os.rename(tmp, out)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         for parent in made:  # innermost first: the folders this call created
             with contextlib.suppress(OSError):
                 parent.rmdir()
+        if is_disk_full(err):
+            raise disk_full_error(out, needed_bytes) from None
         raise
 
 

@@ -27,6 +27,7 @@ from mindspeed_core.errors import CheckpointError, ConfigError
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_llm.models.hf_format import model_types
 from mindspeed_llm.models.registry import get_model_spec
+from mindspeed_llm.models.weight_check import check_weights
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -297,6 +298,8 @@ def load_hf_weights(model: nn.Module, path: str | Path, config: TransformerConfi
     """
     weights = HFWeights(path, config)
     targets = model.state_dict(keep_vars=True)
+    expected = {n: (t.dtype, tuple(t.shape)) for n, t in targets.items()}
+    check_weights(path, weights.shapes, expected, weights.renamed)
     missing = sorted(set(targets) - set(weights.shapes))
     if missing:
         raise CheckpointError(f"{path}: the model has tensors the checkpoint lacks: {missing[:5]}")
