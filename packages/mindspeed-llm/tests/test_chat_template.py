@@ -344,3 +344,26 @@ def test_encode_text_maps_special_pieces_for_sentencepiece(tmp_path):
     assert ids[1 : 1 + len(sp.encode("[INST] What is 2+2? [/INST]"))] == sp.encode(
         "[INST] What is 2+2? [/INST]"
     )
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        ("{% for i in range(100000000) %}x{% endfor %}", "Range too big"),
+        (
+            "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+            "ran for more than 0.5 s",
+        ),
+        ("{{ 'x' * 10000000000 }}", "str * 10000000000 makes more than"),
+        ("{{ 2 ** 100000000 }}", "exponent 100000000 is too large"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed too deep"),
+    ],
+)
+def test_templates_that_cannot_run_are_refused_in_bounded_time(body, why, monkeypatch):
+    import mindspeed_llm.chat_template as chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
+    template = ChatTemplate(body, origin="evil.jinja")
+    with pytest.raises(chat_template.TemplateDefect, match="evil.jinja is unsafe to run") as err:
+        template.render([{"role": "user", "content": "hi"}])
+    assert why in str(err.value)

@@ -171,3 +171,57 @@ def test_bad_input_is_one_line(argv, message, model_dir, tmp_path, capsys):
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
     assert message in captured.err
     assert list((tmp_path / "empty").iterdir()) == []  # nothing half-written
+
+
+def _looping_model(model_dir, tmp_path):
+    """The model folder with a chat template that loops over range(100000000)."""
+    import shutil
+
+    folder = tmp_path / "looping"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for i in range(100000000) %}{% endfor %}{{ messages[0]['content'] }}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _stdin_bytes(data: bytes):
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("argv", "prompt argument 2 is not valid UTF-8 (byte 0xff at character 2)"),
+        ("stdin", "stdin line 2 is not valid UTF-8 (byte 0xff)"),
+        ("chat", "input is not valid UTF-8 (byte 0xff)"),
+        ("chat-surrogate", "input line is not valid UTF-8 (byte 0xfe at character 0)"),
+        ("template-generate", "is unsafe to run: Range too big"),
+        ("template-chat", "is unsafe to run: Range too big"),
+    ],
+)
+def test_non_utf8_input_and_runaway_templates_are_one_line(
+    case, message, model_dir, tmp_path, monkeypatch, capsys
+):
+    model = str(model_dir)
+    if case.startswith("template"):
+        model = str(_looping_model(model_dir, tmp_path))
+    if case == "stdin":
+        monkeypatch.setattr("sys.stdin", _stdin_bytes(b"w7\nw8 \xff\n"))
+    if case == "chat":
+        monkeypatch.setattr("sys.stdin", _stdin_bytes(b"w7 \xff\n"))
+    if case == "chat-surrogate":  # stdin decoded with surrogateescape (a C locale)
+        monkeypatch.setattr("sys.stdin", io.StringIO("\udcfe w7\n"))
+    if case == "template-chat":
+        monkeypatch.setattr("sys.stdin", io.StringIO("w7\n"))
+    argv = {
+        "argv": ["generate", "--model", model, "w7", "ok\udcff"],
+        "stdin": ["generate", "--model", model, "--input", "-"],
+        "template-generate": ["generate", "--model", model, "--chat", "w7"],
+    }.get(case, ["chat", "--model", model])
+    assert cli(argv) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert message in captured.err, captured.err

@@ -17,9 +17,12 @@ ids and labels where every token outside an assistant reply is -100.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -33,6 +36,7 @@ __all__ = [
     "FALLBACK_TEMPLATE",
     "IGNORE_INDEX",
     "ChatTemplate",
+    "TemplateDefect",
     "encode_chat",
     "encode_text",
     "load_chat_template",
@@ -107,6 +111,7 @@ class ChatTemplate:
                 (`raise_exception`) or fails; the message names the template's origin.
         """
         import jinja2
+        import jinja2.sandbox
 
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise DataError(f"chat messages must be a list of dicts, got {type(messages).__name__}")
@@ -117,17 +122,67 @@ class ChatTemplate:
             chat.append(_alias_reasoning({k: v for k, v in message.items() if v is not None}))
         context = {**self.special_tokens, **variables}
         try:
-            return _compile(self.source).render(
-                messages=chat,
-                tools=list(tools) if tools is not None else None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **context,
-            )
+            with _time_limit(RENDER_SECONDS):
+                return _compile(self.source).render(
+                    messages=chat,
+                    tools=list(tools) if tools is not None else None,
+                    documents=None,
+                    add_generation_prompt=add_generation_prompt,
+                    **context,
+                )
+        except (OverflowError, MemoryError, RecursionError, _Expired) as err:
+            raise TemplateDefect(
+                f"chat template {self.origin} is unsafe to run: {_why(err)}"
+            ) from None
+        except jinja2.sandbox.SecurityError as err:
+            raise TemplateDefect(f"chat template {self.origin} is unsafe to run: {err}") from None
         except jinja2.TemplateError as err:
             raise DataError(f"chat template {self.origin}: {err}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as err:
             raise DataError(f"chat template {self.origin} failed: {err!r}") from None
+
+
+class TemplateDefect(DataError):
+    """The template itself cannot run (too big a range or product, too long, too deep),
+    whatever the conversation: unlike a template's own `raise_exception`, not a turn to skip."""
+
+
+RENDER_SECONDS = 10.0
+"""Longest a template may run for one conversation (templates take milliseconds)."""
+_MAX_PRODUCT = 10_000_000  # characters or items a `*` in a template may make
+_MAX_EXPONENT = 1_000
+
+
+class _Expired(Exception):
+    pass
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, _Expired):
+        return f"it ran for more than {RENDER_SECONDS:g} s"
+    if isinstance(err, RecursionError):
+        return "it recursed too deep"
+    return str(err) or err.__class__.__name__
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Raise `_Expired` in this (main) thread after `seconds`; elsewhere, no limit (signals
+    reach only the main thread)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _Expired()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -175,7 +230,24 @@ def _compile(source: str):
     def strftime_now(format):
         return datetime.now().strftime(format)
 
-    env = ImmutableSandboxedEnvironment(
+    class _BoundedSandbox(ImmutableSandboxedEnvironment):
+        # `'x' * 10**10` or `2 ** 10**9` would exhaust memory or CPU in one step, where the
+        # time limit cannot interrupt; transformers' sandbox allows them, we refuse.
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "**" and isinstance(right, int) and abs(right) > _MAX_EXPONENT:
+                raise jinja2.sandbox.SecurityError(f"exponent {right} is too large")
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    sized = isinstance(seq, str | list | tuple) and isinstance(n, int)
+                    if sized and len(seq) * n > _MAX_PRODUCT:
+                        raise jinja2.sandbox.SecurityError(
+                            f"{type(seq).__name__} * {n} makes more than {_MAX_PRODUCT} items"
+                        )
+            return super().call_binop(context, operator, left, right)
+
+    env = _BoundedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],

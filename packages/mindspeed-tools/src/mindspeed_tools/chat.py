@@ -17,8 +17,9 @@ import sys
 from typing import TextIO
 
 from mindspeed_core.cli import ArgumentParser, Command
-from mindspeed_core.errors import MindSpeedError
-from mindspeed_tools.generate import add_model_arguments, load_generator
+from mindspeed_core.errors import DataError, MindSpeedError
+from mindspeed_llm.chat_template import TemplateDefect
+from mindspeed_tools.generate import add_model_arguments, check_utf8, load_generator
 
 # End-of-turn pieces of common chat formats: a reply ends there even when the model's
 # generation_config.json names only the end-of-text token.
@@ -73,6 +74,8 @@ def chat_loop(
             if show_prompt:
                 print(prompt, file=stderr, flush=True)
             reply = _stream(generator, generator.encode(prompt, add_bos=False), config, stdout)
+        except TemplateDefect:  # the template cannot run at all: no turn will work
+            raise
         except MindSpeedError as err:  # e.g. the conversation outgrew the context
             print(f"error: {' '.join(str(err).split())} ('{CLEAR}' starts over)", file=stderr)
             continue
@@ -83,17 +86,28 @@ def chat_loop(
 
 
 def _read(stdin: TextIO, stderr: TextIO, interactive: bool) -> str | None:
-    """One message, or None at the end of input."""
-    if interactive:
-        with contextlib.suppress(ImportError):
-            import readline  # noqa: F401  (line editing and history for input())
-        try:
-            return input(">>> ")
-        except EOFError:
-            print(file=stderr)
-            return None
-    line = stdin.readline()
-    return line.rstrip("\n") if line else None
+    """One message, or None at the end of input.
+
+    Raises:
+        DataError: the line is not valid UTF-8.
+    """
+    try:
+        if interactive:
+            with contextlib.suppress(ImportError):
+                import readline  # noqa: F401  (line editing and history for input())
+            try:
+                line = input(">>> ")
+            except EOFError:
+                print(file=stderr)
+                return None
+        else:
+            line = stdin.readline()
+            if not line:
+                return None
+            line = line.rstrip("\n")
+    except UnicodeDecodeError as err:
+        raise DataError(f"input is not valid UTF-8 (byte 0x{err.object[err.start]:02x})") from None
+    return check_utf8(line, "input line")
 
 
 def _stream(generator, prompt_ids, config, stdout: TextIO) -> str:

@@ -25,6 +25,7 @@ from typing import TextIO
 
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.errors import ConfigError, DataError
+from mindspeed_core.files import owned_temp_prefix, remove_stale_temps
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 
@@ -108,7 +109,7 @@ def read_prompts(prompts: list[str], input_path: str | None) -> list[dict]:
         DataError: the file is missing or a JSONL line is not an object with a prompt.
         ConfigError: no prompt at all.
     """
-    records = [{"prompt": p} for p in prompts]
+    records = [{"prompt": check_utf8(p, f"prompt argument {i}")} for i, p in enumerate(prompts, 1)]
     if input_path is not None:
         records += list(_file_records(input_path))
     if not records:
@@ -116,9 +117,32 @@ def read_prompts(prompts: list[str], input_path: str | None) -> list[dict]:
     return records
 
 
+def check_utf8(text: str, where: str) -> str:
+    """`text`, refused when it came from bytes that are not UTF-8 (Python keeps such bytes
+    of argv and stdin as lone surrogates, which no tokenizer can encode).
+
+    Raises:
+        DataError: naming `where` and the first bad byte.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        bad = text[err.start]
+        byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else repr(bad)
+        raise DataError(f"{where} is not valid UTF-8 ({byte} at character {err.start})") from None
+    return text
+
+
 def _file_records(path: str) -> Iterator[dict]:
     if path == "-":
-        lines = sys.stdin.read().splitlines()
+        raw = sys.stdin.buffer.read()
+        try:
+            lines = raw.decode("utf-8").splitlines()
+        except UnicodeDecodeError as err:
+            line = raw[: err.start].count(b"\n") + 1
+            raise DataError(
+                f"stdin line {line} is not valid UTF-8 (byte 0x{raw[err.start]:02x})"
+            ) from None
     else:
         try:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -159,7 +183,10 @@ def _output(path: str | None) -> Iterator[TextIO]:
         yield sys.stdout
         return
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    remove_stale_temps(target.parent, f".{target.name}")  # what a killed run left
+    fd, tmp = tempfile.mkstemp(
+        dir=target.parent, prefix=owned_temp_prefix(f".{target.name}"), suffix=".tmp"
+    )
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             yield f

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mindspeed_core.errors import DataError
-from mindspeed_llm.chat_template import ChatTemplate, encode_chat
+from mindspeed_llm.chat_template import ChatTemplate, TemplateDefect, encode_chat
 
 __all__ = ["HANDLERS", "Handler", "RecordError", "canonical_handler", "output_keys"]
 
@@ -246,7 +246,7 @@ class Handler:
             raise RecordError("the conversation has no assistant reply to train on")
         try:
             return encode_chat(self.template, self.tokenizer, messages, tools=tools)
-        except RecordError:
+        except (RecordError, TemplateDefect):  # a template that cannot run stops the run
             raise
         except DataError as err:
             raise RecordError(str(err)) from None
