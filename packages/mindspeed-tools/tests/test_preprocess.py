@@ -635,3 +635,96 @@ def test_pretrain_trains_on_preprocessed_data(sp_model, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
+
+
+def _children(pid):
+    """Process ids whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def _gone(pids, seconds):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and _state(p) != "Z"]
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _state(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_die_with_a_killed_parent_and_its_temporaries_go_next_time(sp_model, tmp_path):
+    import signal
+    import time
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXTS * 3000])
+    out = tmp_path / "c"
+    argv = [sys.executable, "-m", "mindspeed_tools.preprocess", "--input", str(corpus)]
+    argv += ["--tokenizer", str(sp_model), "--output-prefix", str(out), "--workers", "2"]
+    parent = subprocess.Popen(
+        [*argv, "--no-progress"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while len(workers := _children(parent.pid)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)  # two workers and multiprocessing's resource tracker
+    assert len(workers) >= 3 and parent.poll() is None, "preprocess ended before the kill"
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    assert _gone(workers, 10), [(p, _state(p)) for p in workers]
+    left = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    assert left, "the killed run should have left its temporaries"
+    assert run("--input", corpus, "--tokenizer", sp_model, "--output-prefix", out).documents > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "c.jsonl",
+        "c_text_document.bin",
+        "c_text_document.idx",
+    ]
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(sp_model, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from mindspeed_llm.data.indexed import IndexedDatasetWriter
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in TEXTS])
+    real = IndexedDatasetWriter.add_item
+    calls = []
+
+    def fills_up(self, tokens):
+        calls.append(1)
+        if len(calls) > 50:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, tokens)
+
+    monkeypatch.setattr(IndexedDatasetWriter, "add_item", fills_up)
+    argv = ["preprocess", "--input", corpus, "--tokenizer", sp_model]
+    assert cli_run([str(a) for a in [*argv, "--output-prefix", tmp_path / "o" / "x"]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no space left on device for "), err
+    assert (
+        "x_text_document.bin (needed ~0 MB" in err[0] or "x_text_document.bin (needed ~" in err[0]
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]

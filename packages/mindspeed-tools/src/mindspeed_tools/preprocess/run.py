@@ -3,8 +3,9 @@
 Outputs are Megatron `.bin`/`.idx` pairs named as MindSpeed-LLM names them:
 `<prefix>_<key>_document` for pretraining (one pair per json key) and
 `<prefix>_packed_<key>_document` for instruction and pairwise data. Every pair is written
-to temporary files and renamed only when all records are done, so a failure leaves
-nothing behind.
+to temporary files and renamed only when all records are done, so a failure (a full disk
+included) leaves nothing behind; temporaries of a run that was killed are removed by the
+next run writing the same outputs. Worker processes die with the main process.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import os
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -22,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from mindspeed_core.errors import ConfigError, DataError
+from mindspeed_core.errors import ConfigError, DataError, disk_full_error, is_disk_full
+from mindspeed_core.files import owned_temp_prefix, remove_stale_temps
 from mindspeed_tools.preprocess.handlers import output_keys
 from mindspeed_tools.preprocess.sources import count_records, find_inputs, read_items
 from mindspeed_tools.preprocess.worker import (
@@ -37,6 +40,7 @@ __all__ = ["PreprocessConfig", "Summary", "output_prefixes", "preprocess"]
 
 logger = logging.getLogger("mindspeed.preprocess")
 
+HF_CACHE_NAME = "mindspeed-hf"
 CHUNK_SIZE = 64
 MAX_REPORTED = 20  # bad records reported one by one; the rest only counted
 IGNORE_INDEX = -100
@@ -127,13 +131,17 @@ def preprocess(cfg: PreprocessConfig) -> Summary:
             cfg.handler.chat_template or cfg.handler.tokenizer,
         )
     targets = output_prefixes(cfg)
-    created = _missing_parents(next(iter(targets.values())))
+    first = next(iter(targets.values()))
+    created = _missing_parents(first)
     try:
         summary = _write(cfg, files, handler, targets)
-    except BaseException:
+    except BaseException as err:
         for folder in reversed(created):  # only folders this run made, and only if empty
             with contextlib.suppress(OSError):
                 folder.rmdir()
+        if is_disk_full(err):  # the writers removed their temporaries already
+            needed = sum(f.stat().st_size for f in files if f.is_file())  # ~ the input's size
+            raise disk_full_error(f"{first}.bin", needed) from None
         raise
     summary.outputs = [str(p) for p in targets.values()]
     return summary
@@ -153,7 +161,11 @@ def _write(cfg: PreprocessConfig, files: list[Path], handler, targets: dict) -> 
             key: stack.enter_context(IndexedDatasetWriter(prefix, dtype))
             for key, prefix in targets.items()
         }
-        cache_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mindspeed-hf-"))
+        temp_root = Path(tempfile.gettempdir())
+        remove_stale_temps(temp_root, HF_CACHE_NAME)  # a killed run's datasets cache
+        cache_dir = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix=owned_temp_prefix(HF_CACHE_NAME))
+        )
         items = itertools.islice(read_items(files, cache_dir), cfg.max_samples)
         total = count_records(files) if _bar_off(cfg) is not True else None
         if total is not None and cfg.max_samples:
@@ -202,7 +214,7 @@ def _results(cfg, handler, items, stack: contextlib.ExitStack) -> Iterator[Resul
         cfg.workers,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=init_worker,
-        initargs=(cfg.handler,),
+        initargs=(cfg.handler, os.getpid()),  # workers die with this process
     )
     stack.callback(pool.shutdown, wait=True, cancel_futures=True)
     pending: collections.deque = collections.deque()
