@@ -165,7 +165,7 @@ def destroy_distributed() -> None:
     """Tear down the default process group if one exists."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    _PEERS.clear()
+    # _PEERS stays: an error that ended the job is reported after this teardown.
 
 
 # -- naming a rank that died ------------------------------------------------------------

@@ -14,7 +14,7 @@ disk the ranks hash them into `checksums.json`, and rank 0 renames the folder to
 Nothing complete is deleted before its replacement is complete: an older checkpoint at
 the same step is moved aside only once the new one is whole, and pruning renames a
 folder to ``.trash_step_<N>`` before deleting it. A crash at any point leaves ``latest``
-on a complete checkpoint (or missing, see below); the next commit removes what a crash
+on a complete checkpoint (or missing, see below); the next save removes what a crash
 left behind.
 
 Loading checks `.metadata` and every record it reads against the checksums, so a
@@ -212,6 +212,8 @@ class CheckpointManager:
         if not (force or self.should_save(step)):
             return False
         self.wait()
+        if _rank() == 0:
+            self._sweep()  # what crashed saves left (we write here, so the folder is ours)
         if step == self._current and (self.folder / f"step_{step}").is_dir():
             if _rank() == 0 and self._pointer() != step:
                 write_file_atomically(self.folder / LATEST, f"step_{step}\n")
@@ -219,7 +221,6 @@ class CheckpointManager:
         tmp = self.folder / f"{_TMP_PREFIX}{step}"
         if _rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)  # a crashed attempt at this step
         self._barrier()
         _crash_point("before_write", step)
         try:
@@ -299,8 +300,7 @@ class CheckpointManager:
         shutil.rmtree(trash, ignore_errors=True)
 
     def _prune(self, keep: int) -> None:
-        """Delete all but the newest `keep_last` checkpoints (never `keep`), and whatever
-        earlier crashes left behind."""
+        """Delete all but the newest `keep_last` checkpoints (never `keep`)."""
         steps = self.saved_steps() if self.keep_last else []
         for step in steps[: -self.keep_last]:
             if step == keep:  # `latest` points here, whatever the numbering says
@@ -309,6 +309,11 @@ class CheckpointManager:
             os.rename(self.folder / f"step_{step}", trash)
             _crash_point("pruning", keep)
             shutil.rmtree(trash, ignore_errors=True)
+
+    def _sweep(self) -> None:
+        """Remove what crashed saves left: temporary and half-deleted folders, latest.tmp."""
+        if not self.folder.is_dir():
+            return
         for prefix in (_TMP_PREFIX, _TRASH_PREFIX):
             for stale in self.folder.glob(f"{prefix}*"):
                 shutil.rmtree(stale, ignore_errors=True)
