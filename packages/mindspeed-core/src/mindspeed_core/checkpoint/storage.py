@@ -180,6 +180,7 @@ def load_dcp(
     A user error raised while reading (a corrupt shard, a refused pickle) comes out as
     itself, not wrapped in DCP's multi-rank `CheckpointException`.
     """
+    read_safe_metadata(path)  # its errors as ours, before DCP retries and logs them
     no_dist = not dist.is_initialized()
     try:
         with warnings.catch_warnings():
