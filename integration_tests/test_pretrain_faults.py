@@ -200,8 +200,8 @@ def test_bad_settings_are_one_line_and_write_nothing(env, tmp_path, capsys):
     for args, fragment in cases:
         _error(*_pretrain(capsys, tmp_path / "run", *args), fragment)
         assert not (tmp_path / "run").exists()
-    # (until the loop checks --logging.run_dir itself, the checkpoint folder in it names it)
-    _error(*_pretrain(capsys, tmp_path / "file"), f"lies under the file {tmp_path / 'file'}, not a folder")
+    # (named through the checkpoint folder in it until the loop checks --logging.run_dir)
+    _error(*_pretrain(capsys, tmp_path / "file"), f"{tmp_path / 'file'}", ", not a folder")
 
 
 @pytest.mark.xfail(
