@@ -77,7 +77,11 @@ def guarded(fn: Callable[..., int | None], *args, debug: bool = False) -> int:
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        # The job is broken: tearing down its process group at interpreter exit can abort
+        # ("terminate called without an active exception"), so leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_USER_ERROR)
 
 
 def _usage(commands: dict[str, EntryPoint]) -> str:

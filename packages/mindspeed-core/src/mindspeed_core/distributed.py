@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -208,7 +209,13 @@ def lost_peer_message(error: BaseException) -> str | None:
         return None
     me = get_rank()
     host = socket.gethostname()
-    dead = [p for p in _PEERS if p[0] != me and p[1] == host and not _running(p[3])]
+    local = [p for p in _PEERS if p[0] != me and p[1] == host]
+    dead = []
+    for _ in range(20):  # a killed peer's sockets close a moment before it is gone
+        dead = [p for p in local if not _running(p[3])]
+        if dead or not local:
+            break
+        time.sleep(0.1)
     if not dead:  # not on this host: the ranks behind the address the backend names
         match = _PEER_IP.search(text)
         dead = [p for p in _PEERS if p[0] != me and match and p[2] == match.group(1)]
