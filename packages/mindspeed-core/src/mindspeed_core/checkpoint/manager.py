@@ -124,6 +124,7 @@ class CheckpointManager:
         self._pending: tuple[Future, int] | None = None
         self._verified: set[int] = set()  # steps whose files this manager checked or wrote
         self._current: int | None = None  # the step the states hold as saved (loaded or saved)
+        self._fallback: tuple[int | None] | None = None  # the step chosen without `latest`
         self._async_group = None
         if async_save and _distributed():
             # Background collectives need their own group, apart from training's.
@@ -166,6 +167,11 @@ class CheckpointManager:
         return None
 
     def _newest_verified(self) -> int | None:
+        if self._fallback is None:
+            self._fallback = (self._find_newest_verified(),)
+        return self._fallback[0]
+
+    def _find_newest_verified(self) -> int | None:
         steps = self.saved_steps()
         problems = []
         for step in reversed(steps):
@@ -285,6 +291,7 @@ class CheckpointManager:
             logger.info("saved checkpoint %s", final)
         self._verified.add(step)
         self._current = step
+        self._fallback = None
         self._barrier()
 
     def _install(self, tmp: Path, final: Path, step: int) -> None:
