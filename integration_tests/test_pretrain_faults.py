@@ -48,13 +48,9 @@ COMMON = [
 _LOG_LINE = re.compile(r"^\[\d\d:\d\d:\d\d rank\d+ [A-Z]+\] ")
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("mindspeed-cache")
-
-
 @pytest.fixture
-def env(cache, monkeypatch):
+def in_process(cache, monkeypatch):
+    """The environment of an in-process command (the session's demo cache, CPU)."""
     monkeypatch.setenv("MINDSPEED_CACHE", str(cache))
     monkeypatch.setenv("MINDSPEED_DEVICE", "cpu")
     monkeypatch.delenv("MINDSPEED_DEBUG", raising=False)
@@ -103,7 +99,9 @@ def _error(code: int, lines: list[str], *fragments: str) -> None:
 # -- resume --------------------------------------------------------------------------------
 
 
-def test_a_deleted_latest_and_a_torn_metrics_line_still_resume_exactly(runs, env, tmp_path, capsys):
+def test_a_deleted_latest_and_a_torn_metrics_line_still_resume_exactly(
+    runs, in_process, tmp_path, capsys
+):
     straight, stopped = runs
     run = _copy(stopped, tmp_path)
     (run / "checkpoints" / "latest").unlink()
@@ -116,7 +114,7 @@ def test_a_deleted_latest_and_a_torn_metrics_line_still_resume_exactly(runs, env
     assert steps == ["latest", "step_4", "step_5"]
 
 
-def test_a_flipped_byte_is_refused_naming_the_shard(runs, env, tmp_path, capsys):
+def test_a_flipped_byte_is_refused_naming_the_shard(runs, in_process, tmp_path, capsys):
     run = _copy(runs[1], tmp_path)
     shard = next((run / "checkpoints" / "step_4").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
@@ -125,7 +123,7 @@ def test_a_flipped_byte_is_refused_naming_the_shard(runs, env, tmp_path, capsys)
     _error(*_pretrain(capsys, run), f"checkpoint shard {shard} is corrupt")
 
 
-def test_a_finished_run_run_again_rewrites_no_checkpoint(runs, env, tmp_path, capsys):
+def test_a_finished_run_run_again_rewrites_no_checkpoint(runs, in_process, tmp_path, capsys):
     run = _copy(runs[0], tmp_path)
     newest = run / "checkpoints" / "step_5"
     before = {p.name: p.stat().st_mtime_ns for p in newest.iterdir()}
@@ -151,7 +149,7 @@ def _hostile(runs, tmp_path, kind: str) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("kind", ["metadata", "item"])
 def test_a_hostile_checkpoint_runs_nothing_on_resume_load_generate_or_convert(
-    kind, runs, env, tmp_path, capsys
+    kind, runs, in_process, tmp_path, capsys
 ):
     run, marker = _hostile(runs, tmp_path, kind)
     refused = (
@@ -190,7 +188,7 @@ def test_a_hostile_checkpoint_runs_nothing_on_resume_load_generate_or_convert(
 # -- bad input ------------------------------------------------------------------------------
 
 
-def test_bad_settings_are_one_line_and_write_nothing(env, tmp_path, capsys):
+def test_bad_settings_are_one_line_and_write_nothing(in_process, tmp_path, capsys):
     (tmp_path / "file").write_text("")
     cases = [
         (["--optim.lr", "nan"], "optim.lr=nan must be a positive finite number"),
@@ -208,7 +206,7 @@ def test_bad_settings_are_one_line_and_write_nothing(env, tmp_path, capsys):
     strict=False,
     reason="wiring: TrainSection.__post_init__ must check eval_batches >= 0 (train/config.py)",
 )
-def test_a_negative_eval_batches_names_the_option(env, tmp_path, capsys):
+def test_a_negative_eval_batches_names_the_option(in_process, tmp_path, capsys):
     _error(*_pretrain(capsys, tmp_path / "run", "--train.eval_batches=-1"), "train.eval_batches=-1")
 
 

@@ -365,6 +365,7 @@ def test_a_full_disk_is_one_line_and_a_killed_converts_temporaries_go(
 
     import torch.distributed.checkpoint.filesystem as dcp_fs
 
+    from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
     from mindspeed_core.files import owned_temp_prefix
 
     _, src = _hf_dir(tmp_path, "llama")
@@ -384,7 +385,7 @@ def test_a_full_disk_is_one_line_and_a_killed_converts_temporaries_go(
     assert code == 2 and "\n" not in err and err.startswith("error: no space left on device for ")
     assert re.search(rf"{tmp_path / 'full'} \(needed ~\d+ MB, \d+ MB free\)", err), err
     with monkeypatch.context() as patch:
-        patch.setattr(hf_io.SafetensorsWriter, "write", no_space)
+        patch.setattr(SafetensorsWriter, "write", no_space)
         code, err = _cli(capsys, "--input", ours, "--output", tmp_path / "back", "--to", "hf")
     assert code == 2 and "no space left on device" in err and "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-llama", "ours"]
