@@ -9,10 +9,10 @@ from mindspeed_core.checkpoint.integrity import (
     write_checksums,
 )
 from mindspeed_core.checkpoint.manager import CheckpointManager
+from mindspeed_core.checkpoint.safe_pickle import MetadataUnpickler
 from mindspeed_core.checkpoint.states import ModelState, RNGState, TrainState
 from mindspeed_core.checkpoint.steps import LATEST, parse_step, step_dir
 from mindspeed_core.checkpoint.storage import (
-    MetadataUnpickler,
     SafeFileSystemReader,
     load_dcp,
     read_safe_metadata,

@@ -27,11 +27,11 @@ from typing import BinaryIO
 
 import torch.distributed as dist
 
+from mindspeed_core.checkpoint.safe_pickle import METADATA_FILE, unpickle_metadata
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.files import write_file_atomically
 
 CHECKSUMS_FILE = "checksums.json"
-METADATA_FILE = ".metadata"
 FORMAT = "mindspeed-checksums"
 _RANK_FILE = re.compile(r"^__(\d+)_")
 _CHUNK = 8 << 20
@@ -104,9 +104,7 @@ def write_checksums(
 ) -> None:
     """Hash `.metadata` and every record of the DCP folder `folder` (collective); rank 0
     writes `checksums.json`. `before_replace` runs on rank 0 before its final rename."""
-    from mindspeed_core.checkpoint.storage import read_safe_metadata
-
-    records = storage_records(read_safe_metadata(folder).storage_data.values())
+    records = storage_records(unpickle_metadata(folder).storage_data.values())
     digests = _gather(folder, records, group)
     rank, _ = _place(group)
     if rank != 0:
@@ -134,14 +132,12 @@ def verify_checksums(folder: Path, group: dist.ProcessGroup | None = None) -> bo
     Raises:
         CheckpointError: a file is missing, truncated or corrupt (named).
     """
-    from mindspeed_core.checkpoint.storage import read_safe_metadata
-
     checksums = read_checksums(folder)
     if checksums is None:
         return False
     checksums.check_metadata()
     checksums.check_sizes()
-    records = storage_records(read_safe_metadata(folder).storage_data.values())
+    records = storage_records(unpickle_metadata(folder).storage_data.values())
     actual = _gather(folder, records, group)
     for name in sorted(records):
         if actual.get(name) != checksums.records.get(name):

@@ -37,65 +37,25 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from mindspeed_core.checkpoint.integrity import read_checksums
+from mindspeed_core.checkpoint.safe_pickle import (
+    METADATA_FILE,
+    unpickle_metadata,
+)
 from mindspeed_core.errors import CheckpointError, MindSpeedError
-
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    _METADATA_MODULE: {
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},  # a lookup of torch.strided etc. by name
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata; refuses every global but DCP's own classes and values.
-
-    Raises:
-        pickle.UnpicklingError: the pickle names anything else.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refused to load global {module}.{name}")
 
 
 def read_safe_metadata(path: str | Path) -> Metadata:
-    """The `Metadata` of the DCP checkpoint folder `path`, read with `MetadataUnpickler`.
+    """The `Metadata` of the DCP checkpoint folder `path`: checked against its checksums
+    when it has them, then read with `MetadataUnpickler`.
 
     Raises:
         CheckpointError: the file is missing, corrupt, or names anything but metadata.
     """
-    file = Path(path) / ".metadata"
-    checksums = read_checksums(Path(path)) if file.is_file() else None
-    if checksums is not None:
-        checksums.check_metadata()  # a corrupt (or swapped) file is named, not unpickled
-    try:
-        with open(file, "rb") as f:
-            metadata = MetadataUnpickler(f).load()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} has no .metadata") from None
-    except Exception as err:  # any unpickling failure: corrupt or hostile
-        raise CheckpointError(
-            f"checkpoint metadata {file} is unreadable or unsafe: {err}"
-        ) from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint metadata {file} holds {type(metadata).__name__}")
-    return metadata
+    if (Path(path) / METADATA_FILE).is_file():
+        checksums = read_checksums(Path(path))
+        if checksums is not None:
+            checksums.check_metadata()  # a corrupt (or swapped) file is named, not unpickled
+    return unpickle_metadata(path)
 
 
 class SafeFileSystemReader(FileSystemReader):
