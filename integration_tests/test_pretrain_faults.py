@@ -202,10 +202,6 @@ def test_bad_settings_are_one_line_and_write_nothing(in_process, tmp_path, capsy
     _error(*_pretrain(capsys, tmp_path / "file"), f"{tmp_path / 'file'}", ", not a folder")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="wiring: TrainSection.__post_init__ must check eval_batches >= 0 (train/config.py)",
-)
 def test_a_negative_eval_batches_names_the_option(in_process, tmp_path, capsys):
     _error(*_pretrain(capsys, tmp_path / "run", "--train.eval_batches=-1"), "train.eval_batches=-1")
 
@@ -248,10 +244,6 @@ def test_the_command_killed_at_a_save_point_resumes_exactly(point, runs, cache, 
     assert "cuda" not in (killed.stderr + rerun.stderr).lower()  # no CUDA notice on CPU
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="wiring: the training loop must call mindspeed_core.training.acquire_run_lock at start",
-)
 def test_a_second_run_into_the_same_folder_refuses_and_a_killed_runs_lock_is_taken_over(
     cache, tmp_path
 ):

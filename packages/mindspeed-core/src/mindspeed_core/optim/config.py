@@ -8,7 +8,11 @@ from typing import Literal
 
 from torch import nn
 
-from mindspeed_core.optim.optimizer import OptimizersContainer, build_optimizers
+from mindspeed_core.optim.optimizer import (
+    OptimizersContainer,
+    build_optimizers,
+    check_adamw_args,
+)
 from mindspeed_core.optim.scheduler import LRSchedulersContainer, build_lr_schedulers
 
 
@@ -34,6 +38,9 @@ class OptimConfig:
     """Max global gradient norm; 0 disables clipping."""
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """AdamW kernel: auto picks fused on CUDA, foreach elsewhere."""
+
+    def __post_init__(self):
+        check_adamw_args(self.lr, tuple(self.betas), self.eps, self.weight_decay)
 
     def build(
         self, model_parts: nn.Module | Sequence[nn.Module], total_steps: int

@@ -103,6 +103,8 @@ class TrainSection:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be positive")
         if self.exit_at_step is not None and self.exit_at_step < 1:
             raise ConfigError(f"train.exit_at_step={self.exit_at_step} must be positive")
+        if self.eval_batches < 0:
+            raise ConfigError(f"train.eval_batches={self.eval_batches} must be >= 0")
 
 
 @dataclass(kw_only=True)

@@ -25,7 +25,7 @@ from mindspeed_core.checkpoint.steps import checkpoint_root, parse_step, step_di
 from mindspeed_core.config import dump_yaml
 from mindspeed_core.distributed import is_rank0
 from mindspeed_core.errors import ConfigError
-from mindspeed_core.training import MetricsWriter
+from mindspeed_core.training import MetricsWriter, RunLock, acquire_run_lock
 from mindspeed_llm.models import checkpoint_io
 from mindspeed_llm.train.plots import plot_loss_curve
 
@@ -41,12 +41,23 @@ class RunDirectory:
         self.path = Path(path)
         self.tensorboard = tensorboard
 
+    def lock(self, checkpoints: Path) -> list[RunLock]:
+        """Take the run directory (and a checkpoint folder outside it) for this run: a
+        second run into either refuses at once, naming the holder (collective)."""
+        folders = [(self.path, "--logging.run_dir")]
+        if not Path(checkpoints).resolve().is_relative_to(self.path.resolve()):
+            folders.append((checkpoints, "--checkpoint.dir"))
+        return acquire_run_lock(*folders)
+
     def start(self, cfg: Any, resumed_step: int | None) -> MetricsWriter:
-        """Write config.yaml and open metrics.jsonl (kept up to `resumed_step`)."""
+        """Write config.yaml and open metrics.jsonl, keeping its lines up to `resumed_step`
+        (none for a fresh run: a run that died before its first checkpoint left some)."""
         if is_rank0():
             self.path.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.path / "config.yaml")
-        return MetricsWriter(self.path, tensorboard=self.tensorboard, resume_step=resumed_step)
+        return MetricsWriter(
+            self.path, tensorboard=self.tensorboard, resume_step=resumed_step or 0
+        )
 
     def finish(self) -> None:
         """The loss curve of the whole run."""
