@@ -23,7 +23,7 @@ from tqdm import tqdm
 from mindspeed_core import device as dev
 from mindspeed_core.checkpoint import CheckpointManager
 from mindspeed_core.profiling import ProfileConfig, build_profiler
-from mindspeed_core.training import MetricsWriter, ThroughputMeter, release_all
+from mindspeed_core.training import MetricsWriter, ThroughputMeter
 from mindspeed_llm.data.collate import Batch
 from mindspeed_llm.train.build import DTYPES
 from mindspeed_llm.train.config import LoggingSection, TrainSection
@@ -88,10 +88,12 @@ class TrainLoop:
     def run(self) -> dict[str, float]:
         """Train to `train.steps`; returns the first and last loss of this run and the step."""
         locks = self.run_dir.lock(self.checkpoints.folder)  # one run per folder
+        summary = None
         try:
-            return self._run()
+            summary = self._run()
         finally:
-            release_all(locks)
+            self.run_dir.unlock(locks, discard=summary is None and self.state.step == 0)
+        return summary
 
     def _run(self) -> dict[str, float]:
         resumed = resume(self.checkpoints, self.load, self.checkpoints.states)

@@ -25,7 +25,8 @@ from mindspeed_core.checkpoint.steps import checkpoint_root, parse_step, step_di
 from mindspeed_core.config import dump_yaml
 from mindspeed_core.distributed import is_rank0
 from mindspeed_core.errors import ConfigError
-from mindspeed_core.training import MetricsWriter, RunLock, acquire_run_lock
+from mindspeed_core.training import MetricsWriter, RunLock, acquire_run_lock, release_all
+from mindspeed_core.training.run_lock import LOCK_FILE
 from mindspeed_llm.models import checkpoint_io
 from mindspeed_llm.train.plots import plot_loss_curve
 
@@ -40,6 +41,7 @@ class RunDirectory:
     def __init__(self, path: str | Path, *, tensorboard: bool = True):
         self.path = Path(path)
         self.tensorboard = tensorboard
+        self._created: list[Path] = []
 
     def lock(self, checkpoints: Path) -> list[RunLock]:
         """Take the run directory (and a checkpoint folder outside it) for this run: a
@@ -47,7 +49,17 @@ class RunDirectory:
         folders = [(self.path, "--logging.run_dir")]
         if not Path(checkpoints).resolve().is_relative_to(self.path.resolve()):
             folders.append((checkpoints, "--checkpoint.dir"))
+        self._created = [top for f, _ in folders if (top := _first_missing(Path(f)))]
         return acquire_run_lock(*folders)
+
+    def unlock(self, locks: list[RunLock], *, discard: bool) -> None:
+        """Release the locks; with `discard` (the run stopped before writing anything), the
+        folders taking the lock created are removed again, so a refused run leaves
+        nothing behind."""
+        if discard and is_rank0():
+            for top in self._created:
+                _remove_if_only_locks(top)
+        release_all(locks)
 
     def start(self, cfg: Any, resumed_step: int | None) -> MetricsWriter:
         """Write config.yaml and open metrics.jsonl, keeping its lines up to `resumed_step`
@@ -63,6 +75,27 @@ class RunDirectory:
         """The loss curve of the whole run."""
         if is_rank0():
             plot_loss_curve(self.path / "metrics.jsonl", self.path / "loss_curve.png")
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (None: it exists)."""
+    missing = None
+    for folder in (path, *path.parents):
+        if folder.exists():
+            return missing
+        missing = folder
+    return missing
+
+
+def _remove_if_only_locks(top: Path) -> None:
+    """Remove `top` if all it holds is empty folders and lock files."""
+    files = [p for p in top.rglob("*") if not p.is_dir()]
+    if top.is_dir() and all(p.name == LOCK_FILE for p in files):
+        for p in files:
+            p.unlink()
+        for folder in sorted((p for p in top.rglob("*") if p.is_dir()), reverse=True):
+            folder.rmdir()
+        top.rmdir()
 
 
 def resume(checkpoints: CheckpointManager, load: str | Path, states: dict[str, Stateful]):
