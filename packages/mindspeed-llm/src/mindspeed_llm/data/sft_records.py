@@ -1,0 +1,302 @@
+"""Instruction records -> chat messages: the alpaca, sharegpt and OpenAI-messages formats.
+
+One function per record format turns a raw record (a dict read from json, jsonl or
+parquet) into `[{"role", "content"}, ...]` messages; `read_records` reads a raw file with
+the place of every record (`file:line`, `file: row N`) for error messages. Column names
+and role tags follow MindSpeed-LLM's `--map-keys` (LLaMA-Factory's spellings), merged over
+`DEFAULT_MAP_KEYS` by `merge_map_keys`. `mindspeed preprocess`, the SFT trainer and
+preference data (pairwise records) share these.
+
+| format     | record                                        |
+|------------|-----------------------------------------------|
+| `alpaca`   | instruction, input, output, system, history   |
+| `sharegpt` | conversations [{from, value}], system, tools  |
+| `messages` | messages [{role, content}], system, tools     |
+| `pairwise` | prompt (or instruction/input, conversations, messages), chosen, rejected |
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from mindspeed_core.errors import DataError
+
+__all__ = [
+    "DEFAULT_MAP_KEYS",
+    "RECORD_FORMATS",
+    "RecordError",
+    "merge_map_keys",
+    "pairwise_messages",
+    "read_records",
+    "record_messages",
+    "record_tools",
+]
+
+RECORD_FORMATS = ("alpaca", "sharegpt", "messages")
+"""The instruction formats `record_messages` reads."""
+
+
+class RecordError(DataError):
+    """One input record is unusable (missing key, wrong type, broken JSON)."""
+
+
+# MindSpeed-LLM's default --map-keys per format (LLaMA-Factory's column names).
+DEFAULT_MAP_KEYS: dict[str, dict[str, Any]] = {
+    "alpaca": {
+        "prompt": "instruction",
+        "query": "input",
+        "response": "output",
+        "system": "system",
+        "history": "history",
+    },
+    "sharegpt": {
+        "messages": "conversations",
+        "system": "system",
+        "tools": "tools",
+        "tags": {
+            "role_tag": "from",
+            "content_tag": "value",
+            "user_tag": "human",
+            "assistant_tag": "gpt",
+            "system_tag": "system",
+            "observation_tag": "observation",
+            "function_tag": "function_call",
+        },
+    },
+    "messages": {
+        "messages": "messages",
+        "system": "system",
+        "tools": "tools",
+        "tags": {
+            "role_tag": "role",
+            "content_tag": "content",
+            "user_tag": "user",
+            "assistant_tag": "assistant",
+            "system_tag": "system",
+            "observation_tag": "tool",
+            "function_tag": "function_call",
+        },
+    },
+    "pairwise": {
+        "prompt": "prompt",
+        "query": "input",
+        "system": "system",
+        "chosen": "chosen",
+        "rejected": "rejected",
+    },
+}
+
+
+def merge_map_keys(fmt: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`DEFAULT_MAP_KEYS[fmt]` with `overrides` on top (role `tags` merged key by key)."""
+    overrides = overrides or {}
+    merged = dict(DEFAULT_MAP_KEYS.get(fmt, {}))
+    tags = dict(merged.get("tags", {}))
+    tags.update(overrides.get("tags", {}))
+    merged.update({k: v for k, v in overrides.items() if k != "tags"})
+    if tags:
+        merged["tags"] = tags
+    return merged
+
+
+def record_messages(record: Any, fmt: str, keys: Mapping[str, Any] | None = None) -> list[dict]:
+    """The chat messages of an instruction record in format `fmt` (alpaca, sharegpt,
+    messages); `keys`: merged map keys (default: the format's).
+
+    Raises:
+        RecordError: the record is not an object or lacks / mistypes a field.
+    """
+    if fmt not in RECORD_FORMATS:
+        raise ValueError(f"record format {fmt!r} is not one of {RECORD_FORMATS}")
+    if not isinstance(record, Mapping):
+        raise RecordError(f"a record must be a JSON object, got {type(record).__name__}")
+    keys = keys if keys is not None else DEFAULT_MAP_KEYS[fmt]
+    return _alpaca(record, keys) if fmt == "alpaca" else _conversation(record, keys)
+
+
+def _alpaca(record: Mapping, keys: Mapping[str, Any]) -> list[dict[str, str]]:
+    messages = _system(record, keys)
+    for i, turn in enumerate(_optional(record, keys.get("history"), list) or []):
+        if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
+            raise RecordError(f"history[{i}] must be a [question, answer] pair")
+        if not all(isinstance(t, str) for t in turn):
+            raise RecordError(f"history[{i}] must hold two strings")
+        messages += [_msg("user", turn[0]), _msg("assistant", turn[1])]
+    messages.append(_msg("user", _question(record, keys)))
+    messages.append(_msg("assistant", _field(record, keys["response"], str)))
+    return messages
+
+
+def _question(record: Mapping, keys: Mapping[str, Any]) -> str:
+    """instruction + "\\n" + input, as MindSpeed-LLM joins them (input may be absent)."""
+    prompt = _field(record, keys["prompt"], str)
+    query = _optional(record, keys.get("query"), str)
+    return f"{prompt}\n{query}" if query else prompt
+
+
+def _system(record: Mapping, keys: Mapping[str, Any]) -> list[dict[str, str]]:
+    system = _optional(record, keys.get("system"), str)
+    return [_msg("system", system)] if system else []
+
+
+def _conversation(record: Mapping, keys: Mapping[str, Any]) -> list[dict[str, str]]:
+    tags = keys["tags"]
+    roles = {
+        tags["user_tag"]: "user",
+        tags["assistant_tag"]: "assistant",
+        tags["system_tag"]: "system",
+        tags["observation_tag"]: "tool",
+        tags["function_tag"]: "assistant",
+    }
+    turns = _field(record, keys["messages"], list)
+    messages = _system(record, keys)
+    for i, turn in enumerate(turns):
+        where = f"{keys['messages']}[{i}]"
+        if not isinstance(turn, Mapping):
+            raise RecordError(f"{where} must be an object, got {type(turn).__name__}")
+        role = turn.get(tags["role_tag"])
+        if role not in roles:
+            raise RecordError(
+                f"{where}.{tags['role_tag']} is {role!r}; expected one of {sorted(roles)}"
+            )
+        content = turn.get(tags["content_tag"])
+        if not isinstance(content, str):
+            raise RecordError(f"{where}.{tags['content_tag']} must be a string")
+        messages.append(_msg(roles[role], content))
+    return messages
+
+
+def record_tools(record: Mapping, keys: Mapping[str, Any]) -> list | None:
+    """Function schemas: a list, or a JSON string of one (LLaMA-Factory's sharegpt)."""
+    key = keys.get("tools")
+    tools = record.get(key) if key else None
+    if isinstance(tools, str) and tools.strip():
+        try:
+            tools = json.loads(tools)
+        except ValueError:
+            raise RecordError(f"key {key!r} holds a string that is not JSON") from None
+    if tools in (None, "", []):
+        return None
+    if not isinstance(tools, list):
+        raise RecordError(f"key {key!r} must be a list of function schemas")
+    return tools
+
+
+def pairwise_messages(
+    record: Any, keys: Mapping[str, Any] | None = None
+) -> tuple[list[dict], list[dict]]:
+    """(chosen, rejected) conversations of a preference record: the prompt's messages
+    followed by the chosen or the rejected reply."""
+    if not isinstance(record, Mapping):
+        raise RecordError(f"a record must be a JSON object, got {type(record).__name__}")
+    keys = keys if keys is not None else DEFAULT_MAP_KEYS["pairwise"]
+    prompt = record.get(keys["prompt"])
+    for fallback in ("instruction", "conversations", "messages"):  # alpaca, sharegpt, openai
+        if prompt is None:
+            prompt = record.get(fallback)
+    if isinstance(prompt, str):
+        query = _optional(record, keys.get("query"), str)
+        prompt = _system(record, keys) + [_msg("user", f"{prompt}\n{query}" if query else prompt)]
+    elif isinstance(prompt, list):
+        prompt = _system(record, keys) + [
+            _as_message(m, f"prompt[{i}]") for i, m in enumerate(prompt)
+        ]
+    else:
+        raise RecordError(
+            f"missing or invalid key {keys['prompt']!r}: expected a string or a list of messages"
+        )
+    chosen, rejected = (
+        prompt + [_msg("assistant", _reply(record.get(keys[side]), keys[side]))]
+        for side in ("chosen", "rejected")
+    )
+    return chosen, rejected
+
+
+def _msg(role: str, content: str) -> dict[str, str]:
+    return {"role": role, "content": content}
+
+
+def _as_message(value: Any, where: str) -> dict[str, str]:
+    if isinstance(value, Mapping):
+        role = value.get("role", value.get("from"))
+        content = value.get("content", value.get("value"))
+        role = {"human": "user", "gpt": "assistant"}.get(role, role)
+        if isinstance(role, str) and isinstance(content, str):
+            return _msg(role, content)
+    raise RecordError(f"{where} must be a message {{role, content}}")
+
+
+def _reply(value: Any, key: str) -> str:
+    """A chosen/rejected answer: a string, a message, or a list ending in one."""
+    if isinstance(value, list) and value:
+        value = value[-1]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        return _as_message(value, key)["content"]
+    raise RecordError(f"missing or invalid key {key!r}: expected a string or a message")
+
+
+def _field(record: Mapping, key: str, kind: type) -> Any:
+    if key not in record or record[key] is None:
+        raise RecordError(f"missing key {key!r} (record has {sorted(record)})")
+    value = record[key]
+    if not isinstance(value, kind):
+        raise RecordError(f"key {key!r} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _optional(record: Mapping, key: str | None, kind: type) -> Any:
+    if not key or record.get(key) is None:
+        return None
+    return _field(record, key, kind)
+
+
+# -- raw files ------------------------------------------------------------------------------
+
+RAW_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """(where, record) of every record of a .json (a list, or one object per line),
+    .jsonl or .parquet file, in order; `where` is `file:line` or `file: row N`.
+
+    Raises:
+        DataError: the file is missing, has another suffix, or a line is not JSON.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file does not exist: {path}")
+    suffix = path.suffix.lower()
+    if suffix not in RAW_SUFFIXES:
+        raise DataError(f"unsupported data file {path}: expected one of {list(RAW_SUFFIXES)}")
+    if suffix == ".parquet":
+        yield from _parquet(path)
+        return
+    text = path.read_text(encoding="utf-8")
+    if suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except ValueError as err:
+            raise DataError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from None
+        yield from ((f"{path}: row {i}", row) for i, row in enumerate(rows))
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{lineno}", json.loads(line)
+        except ValueError as err:
+            raise DataError(f"{path}:{lineno}: not valid JSON: {err.msg}") from None
+
+
+def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
+    for i, row in enumerate(pq.read_table(path).to_pylist()):
+        yield f"{path}: row {i}", row
