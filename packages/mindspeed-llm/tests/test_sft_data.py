@@ -1,0 +1,175 @@
+"""SFT data: the assistant mask equals transformers' `return_assistant_tokens_mask`,
+alpaca and sharegpt records give the golden supervised text, bad records are counted
+(or fatal with strict), long samples are cut or dropped, and a packed batch gives the
+loss and gradients of the same samples padded."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mindspeed_core.errors import DataError
+from mindspeed_core.testing import import_sibling
+from mindspeed_llm.chat_template import encode_text, load_chat_template
+from mindspeed_llm.data.collate import IGNORE_INDEX, check_batch
+from mindspeed_llm.data.sft import (
+    SFTStats,
+    collate_rows,
+    encode_sample,
+    fit_samples,
+    pack_rows,
+    tokenize_file,
+)
+from mindspeed_llm.data.sft_records import record_messages
+from mindspeed_llm.data.sft_templates import TEMPLATES
+from mindspeed_llm.tokenizer import load_tokenizer
+
+make_folder = import_sibling(__file__, "test_chat_template").make_folder
+
+# ChatML with transformers' {% generation %} markers around what the model generates.
+GENERATION_CHATML = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>\n' }}"
+    "{% endgeneration %}{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+THREE_TURNS = [
+    {"role": "system", "content": "You answer about apples."},
+    {"role": "user", "content": "user 1 asks about apples"},
+    {"role": "assistant", "content": "the café answers 7"},
+    {"role": "user", "content": "and rivers?"},
+    {"role": "assistant", "content": "let me ask the tools"},
+    {"role": "tool", "content": "rivers 14"},
+    {"role": "assistant", "content": "user 2 answers 14"},
+]
+
+
+def supervised_mask(labels):
+    """Our shifted labels -> which input tokens are supervised (transformers' mask)."""
+    return [0] + [int(x != IGNORE_INDEX) for x in labels[:-1]]
+
+
+def test_assistant_mask_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = make_folder(tmp_path / "tok", GENERATION_CHATML)
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    out = hf.apply_chat_template(THREE_TURNS, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)  # fmt: skip
+    ids, labels = encode_sample(load_chat_template(folder), load_tokenizer(folder), THREE_TURNS)
+    assert ids.tolist() == list(out["input_ids"])
+    assert supervised_mask(labels) == list(out["assistant_masks"])
+    assert sum(out["assistant_masks"]) > 0
+    # labels are the next token wherever supervised (the batch contract's shift)
+    sup = labels != IGNORE_INDEX
+    assert (labels[sup] == ids[1:][sup[:-1]]).all() and labels[-1] == IGNORE_INDEX
+
+
+def _supervised_text(tok, ids, labels):
+    return tok.decode([int(t) for t in labels if t != IGNORE_INDEX])
+
+
+def test_alpaca_and_sharegpt_golden(tmp_path):
+    folder = make_folder(tmp_path / "tok", TEMPLATES["chatml"])
+    tok, template = load_tokenizer(folder), load_chat_template(folder)
+    alpaca = {"instruction": "add", "input": "2 and 3", "output": "5", "system": "be brief",
+              "history": [["hi", "hello"]]}  # fmt: skip
+    messages = record_messages(alpaca, "alpaca")
+    assert messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "add\n2 and 3"},
+        {"role": "assistant", "content": "5"},
+    ]
+    ids, labels = encode_sample(template, tok, messages)
+    im_end = tok.token_to_id("<|im_end|>")
+    trained = [int(t) for t in labels if t != IGNORE_INDEX]
+    assert trained == encode_text(tok, "hello<|im_end|>\n5<|im_end|>\n")
+    assert trained.count(im_end) == 2
+    sharegpt = {"system": "s", "conversations": [
+        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"},
+        {"from": "observation", "value": "obs"}, {"from": "gpt", "value": "b"}]}  # fmt: skip
+    messages = record_messages(sharegpt, "sharegpt")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    ids, labels = encode_sample(template, tok, messages)
+    assert [int(t) for t in labels if t != IGNORE_INDEX] == encode_text(
+        tok, "a<|im_end|>\nb<|im_end|>\n"
+    )
+
+
+def test_bad_records_are_counted_or_fatal_and_long_samples_cut(tmp_path):
+    folder = make_folder(tmp_path / "tok", TEMPLATES["chatml"])
+    tok, template = load_tokenizer(folder), load_chat_template(folder)
+    path = tmp_path / "data.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {"messages": [{"role": "user", "content": "no reply here"}]},
+        {"messages": [{"role": "user"}]},
+        {"messages": [{"role": "user", "content": "ok"}, {"role": "assistant", "content": "x " * 40}]},
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples, stats = tokenize_file(path, "messages", template, tok, cache_dir=tmp_path / "c")
+    assert (stats.records, stats.samples, stats.no_reply, stats.bad) == (4, 2, 1, 1)
+    again, stats2 = tokenize_file(path, "messages", template, tok, cache_dir=tmp_path / "c")
+    assert stats2 == stats and all((a[0] == b[0]).all() for a, b in zip(samples, again, strict=True))
+    with pytest.raises(DataError, match=r"data.jsonl:2: .*no assistant.*strict"):
+        tokenize_file(path, "messages", template, tok, strict=True)
+    short = len(samples[0][0])
+    cut = SFTStats()
+    kept = fit_samples(samples, short + 1, "truncate", cut)
+    assert (cut.truncated, cut.dropped, len(kept[1][0])) == (1, 0, short + 1)
+    assert kept[1][1][-1] == IGNORE_INDEX
+    dropped = SFTStats()
+    assert len(fit_samples(samples, short + 1, "drop", dropped)) == 1 and dropped.dropped == 1
+    # cut where nothing supervised is left: dropped even when truncating
+    prompt_only = SFTStats()
+    assert fit_samples(samples[1:], 4, "truncate", prompt_only) == [] and prompt_only.dropped == 1
+
+
+def _samples(n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(5, 14))
+        ids = rng.integers(4, 200, length)
+        labels = np.where(rng.random(length) < 0.5, ids, IGNORE_INDEX)
+        labels[-1] = IGNORE_INDEX
+        out.append((ids, labels))
+    return out
+
+
+def _loss_and_grads(model, batch):
+    model.zero_grad()
+    logits = model(batch["input_ids"], batch["position_ids"], batch["cu_seqlens"])
+    labels = batch["labels"].flatten()
+    loss = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+    ) / (labels != IGNORE_INDEX).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_packed_equals_padded():
+    from mindspeed_llm.models import build_model_config, get_model_spec
+
+    config = build_model_config("llama", "debug", ops_impl="reference")
+    torch.manual_seed(0)
+    model = get_model_spec("llama").build(config).float()
+    samples = _samples()
+    rows = pack_rows([len(s[0]) for s in samples], 32)
+    assert len(rows) < len(samples) and all(sum(len(samples[i][0]) for i in r) <= 32 for r in rows)
+    packed = collate_rows([[samples[i] for i in r] for r in rows], 32, pad_id=0)
+    padded = collate_rows([[s] for s in samples], 16, pad_id=0)
+    for batch in (packed, padded):
+        check_batch(batch)
+    # each sample is its own document, positions from 0; padding is one more document
+    assert packed["position_ids"][0, : len(samples[0][0])].tolist() == list(range(len(samples[0][0])))
+    assert len(packed["cu_seqlens"]) - 1 >= len(samples) + 1
+    loss_p, grads_p = _loss_and_grads(model, packed)
+    loss_d, grads_d = _loss_and_grads(model, padded)
+    torch.testing.assert_close(loss_p, loss_d, atol=1e-5, rtol=1e-5)
+    for name, grad in grads_p.items():
+        torch.testing.assert_close(grad, grads_d[name], atol=1e-5, rtol=1e-5, msg=name)
