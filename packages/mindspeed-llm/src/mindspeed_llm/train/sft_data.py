@@ -157,7 +157,8 @@ def load_samples(data, template, tokenizer) -> tuple[list[Sample], SFTStats]:
         stats.add(found_stats)
     samples = fit_samples(samples, data.seq_len, data.overflow, stats)
     if not samples:
-        raise DataError(f"data.paths {data.paths}: no sample to train on ({stats.line()})")
+        raise DataError(f"data.paths {data.paths}: no sample to train on ({stats.line()}; "
+                        f"data.handler={data.handler})")
     return samples, stats
 
 
