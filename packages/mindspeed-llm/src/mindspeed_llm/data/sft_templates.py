@@ -176,15 +176,17 @@ _SPECIALS: dict[str, dict[str, str]] = {
 }
 
 
-def named_template(name: str, folder: str | os.PathLike | None = None) -> ChatTemplate:
+def named_template(
+    name: str, folder: str | os.PathLike | None = None, *, field: str = "data.chat_template"
+) -> ChatTemplate:
     """The template called `name`, with the special tokens of the tokenizer `folder`.
 
     Raises:
-        ConfigError: no template has that name.
+        ConfigError: no template has that name (the message names `field`).
     """
     if name not in TEMPLATES:
         raise ConfigError(
-            f"data.chat_template={name!r} is not a template name ({', '.join(sorted(TEMPLATES))}) "
+            f"{field}={name!r} is not a template name ({', '.join(sorted(TEMPLATES))}) "
             "nor a .jinja file"
         )
     specials = dict(_SPECIALS.get(name, {}))
@@ -194,13 +196,16 @@ def named_template(name: str, folder: str | os.PathLike | None = None) -> ChatTe
     return ChatTemplate(TEMPLATES[name], specials, origin=f"built-in {name} template")
 
 
-def resolve_template(spec: str | None, tokenizer_path: str | os.PathLike) -> ChatTemplate:
-    """`data.chat_template`: None -> the tokenizer folder's own template (ChatML when it
-    has none); a name -> `named_template`; a path -> that .jinja file or folder."""
+def resolve_template(
+    spec: str | None, tokenizer_path: str | os.PathLike, *, field: str = "data.chat_template"
+) -> ChatTemplate:
+    """`data.chat_template` (or another `field`): None -> the tokenizer folder's own
+    template (ChatML when it has none); a name -> `named_template`; a path -> that
+    .jinja file or folder."""
     if spec is None:
         return load_chat_template(tokenizer_path)
     if spec in TEMPLATES:
         return named_template(spec, tokenizer_path)
     if Path(spec).exists():
         return load_chat_template(spec)
-    return named_template(spec)  # raises, listing the names
+    return named_template(spec, field=field)  # raises, listing the names

@@ -55,7 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--json-keys", nargs="+", default=["text"], help="pretrain text fields")
     h.add_argument("--append-eod", action="store_true", help="end each document with EOS")
     h.add_argument("--add-bos", action="store_true", help="start each document with BOS")
-    h.add_argument("--chat-template", help="a .jinja file or folder (default: the tokenizer's)")
+    h.add_argument(
+        "--chat-template",
+        help="a .jinja file or folder, or a template name: qwen, qwen3, llama2, llama3, chatml, "
+        "mistral, deepseek3, glm4, gemma, phi3 (default: the tokenizer's)",
+    )
     h.add_argument("--map-keys", help='JSON column mapping, e.g. \'{"prompt": "question"}\'')
     h.add_argument("--prompt-type", help=argparse.SUPPRESS)
     h.add_argument("--seq-length", type=int, help="drop instruction samples this long or longer")

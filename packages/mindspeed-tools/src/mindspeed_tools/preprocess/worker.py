@@ -47,12 +47,12 @@ class HandlerSpec:
     map_keys: dict[str, Any] = field(default_factory=dict)
 
     def build(self) -> Handler:
-        from mindspeed_llm.chat_template import load_chat_template
+        from mindspeed_llm.data.sft_templates import resolve_template
         from mindspeed_llm.tokenizer import load_tokenizer
 
         template = None
-        if self.name != "pretrain":
-            template = load_chat_template(self.chat_template or self.tokenizer)
+        if self.name != "pretrain":  # a .jinja file or folder, a template name, or the tokenizer's
+            template = resolve_template(self.chat_template, self.tokenizer, field="--chat-template")
         return Handler(
             self.name,
             load_tokenizer(self.tokenizer),
