@@ -173,3 +173,43 @@ def test_packed_equals_padded():
     torch.testing.assert_close(loss_p, loss_d, atol=1e-5, rtol=1e-5)
     for name, grad in grads_p.items():
         torch.testing.assert_close(grad, grads_d[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_preprocess_prefix_and_parquet_give_the_raw_samples(tmp_path):
+    """MindSpeed-LLM's file names (`P_packed_{input_ids,attention_mask,labels}_document`,
+    labels aligned with the ids) read back as the samples of the raw file; `--neat-pack`
+    rows split into their samples; parquet reads like jsonl."""
+    from mindspeed_llm.data import IndexedDatasetWriter
+    from mindspeed_llm.data.sft import read_prefix
+    from mindspeed_llm.data.sft_records import read_records
+
+    folder = make_folder(tmp_path / "tok", TEMPLATES["chatml"])
+    tok, template = load_tokenizer(folder), load_chat_template(folder)
+    rows = [{"instruction": f"user {i} asks", "output": f"answers {i}"} for i in range(3)]
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    raw, _ = tokenize_file(jsonl, "alpaca", template, tok)
+    aligned = [(ids, np.concatenate([[IGNORE_INDEX], labels[:-1]])) for ids, labels in raw]
+    for prefix, neat in ((tmp_path / "p", False), (tmp_path / "n", True)):
+        writers = {k: IndexedDatasetWriter(f"{prefix}_packed_{k}_document")
+                   for k in ("input_ids", "attention_mask", "labels")}  # fmt: skip
+        docs = [aligned] if neat else [[s] for s in aligned]  # neat: all in one row
+        for doc in docs:
+            mask = np.concatenate([np.full(len(ids), n + 1) for n, (ids, _) in enumerate(doc)])
+            writers["input_ids"].add_document(np.concatenate([d[0] for d in doc]))
+            writers["labels"].add_document(np.concatenate([d[1] for d in doc]))
+            writers["attention_mask"].add_document(mask if neat else np.ones_like(mask))
+        for w in writers.values():
+            w.finalize()
+        samples, stats = read_prefix(prefix)
+        assert stats.samples == 3
+        for (ids, labels), (raw_ids, raw_labels) in zip(samples, raw, strict=True):
+            assert ids.tolist() == raw_ids.tolist() and labels.tolist() == raw_labels.tolist()
+    with pytest.raises(DataError, match="_packed_input_ids_document"):
+        read_prefix(tmp_path / "missing")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    assert [r for _, r in read_records(tmp_path / "a.parquet")] == rows
+    assert [w for w, _ in read_records(jsonl)][1].endswith("a.jsonl:2")
