@@ -117,6 +117,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         (["--data.strict=true"], no_reply, r"bad.jsonl:1: .*no assistant reply.*strict"),
         ([], no_reply, r"no sample to train on .*1 without an assistant reply"),
         (["--data.mode=stack"], data, r"data.mode"),
+        (["--data.epochs=1", "--optim.warmup_steps=5"], data, r"warmup_steps=5 exceeds the 1 "),
     ]
     capsys.readouterr()  # the model folder's own progress bars
     for extra, path, message in cases:

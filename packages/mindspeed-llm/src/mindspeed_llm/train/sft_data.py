@@ -70,6 +70,11 @@ class SFTData(Stateful):
         self.rows = self._rows(self.train)
         if data.epochs is not None:
             cfg.train.steps = max(1, math.ceil(data.epochs * len(self.rows) / cfg.train.global_batch))
+            if cfg.optim.warmup_steps > cfg.train.steps:
+                raise ConfigError(
+                    f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds the "
+                    f"{cfg.train.steps} steps of data.epochs={data.epochs}"
+                )
         if is_rank0():
             logger.info("sft data: %s; %d rows (%s), %d validation samples", stats.line(),
                         len(self.rows), data.mode, len(self.valid))  # fmt: skip

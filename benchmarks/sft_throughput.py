@@ -1,0 +1,190 @@
+"""`mindspeed sft` against TRL's SFTTrainer: the same model, samples and packing, one epoch.
+
+    python benchmarks/sft_throughput.py [--samples 256] [--seq 512] [--batch 4] [--threads 2]
+
+Both sides fine-tune the same randomly initialised Llama folder (vocab 2048, hidden 256,
+intermediate 688, 4 layers, 4 heads, 2 kv heads, fp32) on the same chat samples (a
+generated `messages` file, ChatML, 40-200 tokens each) for one epoch, packing samples
+into rows of `--seq` tokens, `--batch` rows per optimizer step, AdamW, completion-only
+(assistant-only) loss. Ours is what `mindspeed sft` runs in one process (the trainer's
+step: packed rows with `cu_seqlens`, mindspeed_ops' kernels and chunked cross entropy);
+theirs is `trl.SFTTrainer(packing=True)` (best-fit-decreasing packing, padding-free
+rows with position ids) on transformers' LlamaForCausalLM with SDPA attention.
+
+Each side runs in its own subprocess: samples/s is the epoch's samples over the wall
+time of the training steps (tokenisation and model loading left out on both sides);
+peak memory is the peak resident memory minus what the process held before the model
+existed. Prints one JSON line with both sides and the ratios (ours / theirs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODEL = {
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+WORDS = ["alice", "bob", "carol", "apples", "rivers", "tools", "counts", "three", "seven", "plus", "is", "the", "a", "of", "to", "and", "garden", "market", "library", "harbor", "forest", "school", "red", "blue", "green", "yellow"]  # fmt: skip
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_inputs(root: Path, num_samples: int) -> tuple[Path, Path]:
+    """A Llama folder (random weights, BPE tokenizer, ChatML) and a messages file."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    rng = random.Random(0)
+    text = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    rows = [{"messages": [{"role": "user", "content": text(rng.randint(15, 60))},
+                          {"role": "assistant", "content": text(rng.randint(20, 140))}]}
+            for _ in range(num_samples)]  # fmt: skip
+    data = root / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "<|im_start|>",
+                                  "<|im_end|>", "<pad>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator([text(50) for _ in range(2000)], trainer=trainer)
+    folder = root / "model"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<pad>", "unk_token": "<unk>", "chat_template": CHATML}))  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL))
+    model.save_pretrained(folder)
+    return folder, data
+
+
+def _ours(folder: Path, data: Path, args) -> dict:
+    import torch
+
+    from mindspeed_core.config import load_config
+    from mindspeed_core.distributed import destroy_distributed, init_distributed
+    from mindspeed_llm.data.collate import IGNORE_INDEX
+    from mindspeed_llm.train.objectives import NextToken, segment_ids
+    from mindspeed_llm.train.sft_config import SFTConfig
+    from mindspeed_llm.train.sft_data import SFTData
+    from mindspeed_llm.train.trainer import Trainer
+
+    cfg = load_config(SFTConfig, None, [
+        f"--model.hf_path={folder}", f"--data.paths=[{data}]", "--data.handler=messages",
+        f"--data.seq_len={args.seq}", "--data.mode=pack", "--data.epochs=1",
+        "--data.valid_fraction=0", f"--data.cache_dir={folder.parent / 'cache'}",
+        f"--train.micro_batch={args.batch}", f"--train.global_batch={args.batch}",
+        "--train.eval_interval=0", "--optim.warmup_steps=1", "--optim.lr=1e-4",
+        f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
+    info = init_distributed(device_type="cpu")
+    baseline = _rss_mb()
+    trainer = Trainer(cfg, info, data=SFTData, objective=NextToken(), command="sft")
+    samples, start = 0, time.perf_counter()
+    for _ in range(cfg.train.steps):
+        for batch in (step_batches := trainer.data.next_step()):
+            docs = segment_ids(batch["cu_seqlens"], batch["labels"].numel())
+            samples += len(torch.unique(docs[batch["labels"].flatten() != IGNORE_INDEX]))
+        result = trainer.step(step_batches)
+    seconds = time.perf_counter() - start
+    destroy_distributed()
+    return {"samples_per_s": round(samples / seconds, 2), "samples": samples,
+            "steps": cfg.train.steps, "seconds": round(seconds, 2),
+            "peak_mem_mb": round(_peak_mb() - baseline, 1), "last_loss": round(result.loss, 4)}  # fmt: skip
+
+
+def _theirs(folder: Path, data: Path, args) -> dict:
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    rows = [json.loads(line)["messages"] for line in data.read_text().splitlines()]
+    dataset = datasets.Dataset.from_list([{"prompt": m[:1], "completion": m[1:]} for m in rows])
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    baseline = _rss_mb()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    config = trl.SFTConfig(output_dir=str(folder.parent / "trl"), per_device_train_batch_size=args.batch,
+                           packing=True, max_length=args.seq, completion_only_loss=True,
+                           num_train_epochs=1, learning_rate=1e-4, warmup_steps=1,
+                           report_to=[], use_cpu=True, save_strategy="no", logging_steps=1000,
+                           dataloader_num_workers=0, disable_tqdm=True)  # fmt: skip
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok)
+    start = time.perf_counter()
+    out = trainer.train()
+    seconds = time.perf_counter() - start
+    return {"samples_per_s": round(len(rows) / seconds, 2), "samples": len(rows),
+            "steps": out.global_step, "seconds": round(seconds, 2),
+            "peak_mem_mb": round(_peak_mb() - baseline, 1),
+            "last_loss": round(out.training_loss, 4)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--side", choices=["ours", "theirs"], help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:  # one side, in this subprocess
+        import torch
+
+        torch.set_num_threads(args.threads)
+        side = _ours if args.side == "ours" else _theirs
+        print(json.dumps(side(args.root / "model", args.root / "train.jsonl", args)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        make_inputs(root, args.samples)
+        results = {}
+        for side in ("ours", "theirs"):
+            cmd = [sys.executable, __file__, "--side", side, "--root", str(root),
+                   f"--seq={args.seq}", f"--batch={args.batch}", f"--threads={args.threads}"]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+            if done.returncode:
+                sys.exit(f"{side} failed:\n{done.stderr[-3000:]}")
+            results[side] = json.loads(done.stdout.strip().splitlines()[-1])
+    ours, theirs = results["ours"], results["theirs"]
+    print(json.dumps({
+        "benchmark": "sft_throughput", "mode": "full", "dtype": "fp32", "seq": args.seq,
+        "batch_rows": args.batch, "ours": ours, "trl": theirs,
+        "speedup": round(ours["samples_per_s"] / theirs["samples_per_s"], 2),
+        "memory_ratio": round(ours["peak_mem_mb"] / theirs["peak_mem_mb"], 2)}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
