@@ -1,5 +1,6 @@
 """`mindspeed sft` end to end: the embedded demo learns its task, packed SFT under
-context parallel gives one process's losses, resume is exact, and a `mindspeed
+context parallel, pipeline parallel and recompute gives one process's losses, resume is
+exact, and a `mindspeed
 preprocess` prefix trains exactly like the raw file it came from.
 
 All on the embedded demo task (generated into the session cache on first use).
@@ -53,12 +54,16 @@ def straight(env, tmp_path_factory):
     return run, _torchrun(env, 1, run)
 
 
-def test_context_parallel_and_resume_equal_one_straight_run(env, straight, tmp_path):
+def test_cp_pp_recompute_and_resume_equal_one_straight_run(env, straight, tmp_path):
     run, reference = straight
     assert sorted(reference) == list(range(1, 9))
     cp = _torchrun(env, 2, tmp_path / "cp", "--parallel.cp=2")
     for step, loss in reference.items():
         assert cp[step] == pytest.approx(loss, rel=1e-4), step
+    for name, layout in (("pp", ["--parallel.pp=2"]), ("ac", ["--train.ac=full"])):
+        losses = _torchrun(env, 2 if name == "pp" else 1, tmp_path / name, *layout)
+        for step, loss in reference.items():
+            assert losses[step] == pytest.approx(loss, rel=1e-4), (name, step)
     _torchrun(env, 1, tmp_path / "resumed", "--train.exit_at_step=4")
     resumed = _torchrun(env, 1, tmp_path / "resumed")
     for step, loss in reference.items():

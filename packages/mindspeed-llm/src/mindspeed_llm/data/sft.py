@@ -7,14 +7,15 @@ contract's shift) and -100 wherever that token is not part of an assistant reply
 the last position). So the loss of a sample equals transformers' / TRL's completion-only
 loss on the same ids, whose labels are shifted inside the model.
 
-Rows: `pad` puts one sample per row; `pack` puts consecutive samples into rows of
-`seq_len` tokens. Either way each sample is one document of `cu_seqlens` with its own
+Rows: `pad` puts one sample per row; `pack` fills rows of `seq_len` tokens with samples,
+best fit decreasing. Either way each sample is one document of `cu_seqlens` with its own
 positions from 0, and the padding at a row's end is one more document with no labels, so
 a sample's loss and gradients are the same in both modes.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
@@ -221,16 +222,24 @@ def fit_samples(
 
 
 def pack_rows(lengths: Sequence[int], seq_len: int) -> list[list[int]]:
-    """Consecutive samples (by index) into rows of at most `seq_len` tokens (next fit)."""
+    """Sample indices grouped into rows of at most `seq_len` tokens, best fit decreasing:
+    the longest sample first, each into the row it fills most (TRL's and LLaMA-Factory's
+    strategy; few rows, little padding). Rows keep their samples in index order."""
     rows: list[list[int]] = []
-    used = seq_len + 1
-    for i, n in enumerate(lengths):
-        if used + n > seq_len:
-            rows.append([])
-            used = 0
-        rows[-1].append(i)
-        used += n
-    return rows
+    free: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        at = bisect.bisect_left(free, (n, -1))
+        if at == len(free):
+            rows.append([i])
+            room, row = seq_len - n, len(rows) - 1
+        else:
+            room, row = free.pop(at)
+            rows[row].append(i)
+            room -= n
+        if room > 0:
+            bisect.insort(free, (room, row))
+    return [sorted(r) for r in rows]
 
 
 def collate_rows(rows: Sequence[Sequence[Sample]], width: int, pad_id: int) -> Batch:
