@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from mindspeed_core.errors import DataError
-from mindspeed_llm.chat_template import ChatTemplate, encode_chat
+from mindspeed_llm.chat_template import ChatTemplate, TemplateDefect, encode_chat
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 from mindspeed_llm.data.sft_records import (
     RecordError,
@@ -110,6 +110,8 @@ def _tokenize_records(path, handler, template, tokenizer, strict) -> tuple[list[
             if not any(m["role"] == "assistant" for m in messages):
                 raise DataError("the conversation has no assistant reply to train on")
             samples.append(encode_sample(template, tokenizer, messages, record_tools(record, keys)))
+        except TemplateDefect as err:  # the template cannot run at all: not a record to skip
+            raise DataError(f"{where}: {err}") from None
         except DataError as err:
             if strict:
                 raise DataError(f"{where}: {err} (data.strict=true)") from None
