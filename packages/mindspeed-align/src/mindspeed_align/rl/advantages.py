@@ -1,0 +1,123 @@
+"""Advantage estimators of policy-gradient RL for LLMs, as pure tensor functions.
+
+Outcome rewards are one scalar per sampled response; `group` gives the index of the
+prompt each response answers (GRPO's group of `n` samples). Token-level estimators take
+(batch, tokens) rewards and a response mask. Conventions follow verl's `core_algos` and
+TRL's `GRPOTrainer`/`RLOOTrainer`; each docstring states its formula.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "dr_grpo",
+    "gae",
+    "group_normalized",
+    "group_stats",
+    "masked_whiten",
+    "reinforce_pp",
+    "rloo",
+]
+
+
+def group_stats(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per response: the mean and the unbiased std of its group's rewards, and the size
+    of its group (torch.std's n - 1 denominator, as TRL and verl; 0 for a group of 1)."""
+    group = group.long()
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    rewards = rewards.double()
+    count = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(
+        0, group, torch.ones_like(rewards)
+    )
+    total = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(0, group, rewards)
+    mean = total / count
+    sq = torch.zeros(n_groups, dtype=rewards.dtype).index_add_(
+        0, group, (rewards - mean[group]) ** 2
+    )
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    return mean[group], std[group], count[group]
+
+
+def group_normalized(
+    rewards: Tensor, group: Tensor, *, scale: str = "group", eps: float = 1e-6
+) -> Tensor:
+    """GRPO: A_i = (r_i - mean_g) / (std_g + eps), mean and unbiased std over the group
+    g of response i. scale="batch": std over the whole batch (TRL's "batch");
+    scale="none": A_i = r_i - mean_g (Dr.GRPO). eps: 1e-6 in verl, 1e-4 in TRL."""
+    mean, std, _ = group_stats(rewards, group)
+    centred = rewards.double() - mean
+    if scale == "none":
+        return centred.to(rewards.dtype)
+    if scale == "batch":
+        std = rewards.double().std().expand_as(centred)
+    elif scale != "group":
+        raise ValueError(f"scale={scale!r} is not 'group', 'batch' or 'none'")
+    return (centred / (std + eps)).to(rewards.dtype)
+
+
+def dr_grpo(rewards: Tensor, group: Tensor) -> Tensor:
+    """Dr.GRPO ("GRPO done right"): A_i = r_i - mean_g, no division by the std."""
+    return group_normalized(rewards, group, scale="none")
+
+
+def rloo(rewards: Tensor, group: Tensor) -> Tensor:
+    """RLOO: A_i = r_i - mean_{j in g, j != i} r_j = n/(n-1) * (r_i - mean_g) for a group
+    of n >= 2 (a group of 1 gets A = 0)."""
+    mean, _, count = group_stats(rewards, group)
+    loo = (rewards.double() - mean) * count / (count - 1).clamp(min=1)
+    return torch.where(count > 1, loo, torch.zeros_like(loo)).to(rewards.dtype)
+
+
+def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the masked entries (unbiased var; verl's
+    `masked_whiten`); shift_mean=False adds the mean back."""
+    mask = mask.to(values.dtype)
+    count = mask.sum()
+    mean = (values * mask).sum() / count
+    var = (((values - mean) ** 2) * mask).sum() / count
+    var = var * count / (count - 1).clamp(min=1)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def _discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """G_t = r_t + gamma * G_{t+1} along the tokens (masked positions carry no reward and
+    reset nothing: verl's reinforce++ resets the running return after padding)."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return returns
+
+
+def reinforce_pp(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:
+    """REINFORCE++: per token the discounted return G_t = sum_{k>=t} gamma^(k-t) r_k,
+    then whitened over every response token of the batch (verl's
+    `compute_reinforce_plus_plus_outcome_advantage`); 0 outside the mask.
+    Outcome rewards go on each response's last token."""
+    returns = _discounted_returns(token_rewards, mask.to(token_rewards.dtype), gamma)
+    return masked_whiten(returns, mask) * mask
+
+
+def gae(
+    token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """GAE (Schulman et al. 2016), verl's `compute_gae_advantage_return`:
+    delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}
+    (V and A after a response's last token are 0), returns = A + V, then A whitened over
+    the response tokens. Returns (advantages, 0 outside the mask; returns)."""
+    mask = mask.to(values.dtype)
+    next_value = torch.zeros_like(values[:, 0])
+    last = torch.zeros_like(values[:, 0])
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        last_new = delta + gamma * lam * last
+        next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
+        last = last_new * mask[:, t] + (1 - mask[:, t]) * last
+        advantages[:, t] = last
+    return masked_whiten(advantages, mask) * mask, advantages + values
