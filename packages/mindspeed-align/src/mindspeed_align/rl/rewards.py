@@ -1,0 +1,168 @@
+"""Rewards: Python callables scoring completions, weighted, run in worker processes.
+
+A reward function follows TRL's signature::
+
+    fn(prompts: list[str], completions: list[str], **columns) -> list[float]
+
+where `columns` are the prompt records' other fields (e.g. `answer`), one value per
+completion. `Rewards` loads them from "module:function" specs, calls each on every
+completion in a pool of worker processes with a per-completion timeout, and sums them
+with their weights. A function that raises or runs past the timeout gives that
+completion 0 for that function; the failures are counted in the metrics and the run
+goes on (a hung worker is replaced).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import multiprocessing
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from mindspeed_core.errors import ConfigError
+
+__all__ = ["RewardFn", "Rewards", "exact_match", "final_number", "load_reward"]
+
+logger = logging.getLogger("mindspeed.rl")
+
+RewardFn = Callable[..., list[float]]
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def exact_match(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 where the completion, stripped of surrounding space and a trailing period,
+    equals str(answer), else 0.0."""
+    return [
+        float(c.strip().rstrip(".").strip() == str(a).strip())
+        for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def final_number(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 where the first number in the completion equals the number `answer`
+    (the answer follows the prompt right away in the demo task; GSM8K-style tasks
+    want the last one: `final_number_last`)."""
+    return [
+        _number_score(_NUMBER.findall(c)[:1], a) for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def final_number_last(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 where the last number in the completion equals the number `answer`."""
+    return [
+        _number_score(_NUMBER.findall(c)[-1:], a) for c, a in zip(completions, answer, strict=True)
+    ]
+
+
+def _number_score(found: list[str], answer) -> float:
+    if not found:
+        return 0.0
+    try:
+        return float(math.isclose(float(found[0]), float(answer), abs_tol=1e-9))
+    except ValueError:
+        return 0.0
+
+
+def load_reward(spec: str) -> RewardFn:
+    """The function named by "module:function" (or a built-in's bare name)."""
+    module, sep, name = spec.partition(":")
+    if not sep:
+        module, name = __name__, spec
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"grpo.rewards: cannot load {spec!r} ({err})") from None
+    if not callable(fn):
+        raise ConfigError(f"grpo.rewards: {spec!r} is not callable")
+    return fn
+
+
+def _score_one(spec: str, prompt: str, completion: str, columns: dict) -> float:
+    """Runs in a worker: one function on one completion."""
+    value = load_reward(spec)([prompt], [completion], **{k: [v] for k, v in columns.items()})[0]
+    return float(value)
+
+
+class Rewards:
+    """Weighted rule rewards.
+
+    Args:
+        specs: "module:function" per reward function (bare names: the built-ins here).
+        weights: one per function (default 1.0 each).
+        workers: worker processes (0: call in this process, no timeout).
+        timeout_s: seconds a worker may take on one completion.
+    """
+
+    def __init__(self, specs: Sequence[str], weights: Sequence[float] = (), *, workers: int = 2,
+                 timeout_s: float = 10.0):  # fmt: skip
+        if not specs:
+            raise ConfigError("grpo.rewards is empty: name at least one reward function")
+        if weights and len(weights) != len(specs):
+            raise ConfigError(
+                f"grpo.reward_weights has {len(weights)} values for {len(specs)} rewards"
+            )
+        self.fns = {spec: load_reward(spec) for spec in specs}  # fail early, in this process
+        self.specs, self.weights = list(specs), list(weights) or [1.0] * len(specs)
+        self.workers, self.timeout_s = workers, timeout_s
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]):
+        """(total reward per completion, metrics: each function's mean, failures)."""
+        total = [0.0] * len(completions)
+        metrics: dict[str, float] = {"reward/failures": 0.0}
+        for spec, weight in zip(self.specs, self.weights, strict=True):
+            scores, failures = self._score(spec, prompts, completions, columns)
+            total = [t + weight * s for t, s in zip(total, scores, strict=True)]
+            metrics[f"reward/{spec.rpartition(':')[2]}"] = sum(scores) / max(len(scores), 1)
+            metrics["reward/failures"] += failures
+        return total, metrics
+
+    def _score(self, spec, prompts, completions, columns) -> tuple[list[float], int]:
+        if self.workers == 0:
+            try:
+                scores = self.fns[spec](list(prompts), list(completions), **columns)
+                return [float(s) for s in scores], 0
+            except Exception as err:  # a user's function: counted, the run goes on
+                logger.warning("reward %s raised %s: %s; scored 0", spec, type(err).__name__, err)
+                return [0.0] * len(completions), len(completions)
+        pool = self._get_pool()
+        futures = [
+            pool.submit(_score_one, spec, p, c, {k: v[i] for k, v in columns.items()})
+            for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+        ]
+        scores, failures, hung = [], 0, False
+        for future in futures:
+            try:
+                scores.append(future.result(timeout=self.timeout_s))
+            except FutureTimeout:
+                scores.append(0.0)
+                failures, hung = failures + 1, True
+            except Exception as err:
+                logger.warning("reward %s raised %s: %s; scored 0", spec, type(err).__name__, err)
+                scores.append(0.0)
+                failures += 1
+        if hung:
+            logger.warning("reward %s ran past %.1f s; scored 0, workers restarted", spec,
+                           self.timeout_s)  # fmt: skip
+            self.close()
+        return scores, failures
+
+    def _get_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            context = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=context)
+        return self._pool
+
+    def close(self) -> None:
+        """Stops the workers (a hung one is killed)."""
+        if self._pool is None:
+            return
+        for process in list(getattr(self._pool, "_processes", {}).values()):
+            process.kill()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None

@@ -1,0 +1,15 @@
+"""Reward functions that misbehave, for the worker tests (importable by spawned workers)."""
+
+import time
+
+
+def raises(prompts, completions, **_):
+    if "boom" in completions[0]:
+        raise RuntimeError("boom")
+    return [1.0 for _ in completions]
+
+
+def hangs(prompts, completions, **_):
+    if "hang" in completions[0]:
+        time.sleep(60)
+    return [0.5 for _ in completions]
