@@ -1,0 +1,167 @@
+"""GRPO's training batches and objective on the shared engine (`mindspeed_llm.train`).
+
+A rollout's samples (prompt + response) are packed into rows with `cu_seqlens`, labels
+on the response tokens only. Per token ride along: the advantage, the recomputed old
+log-prob, the reference log-prob (KL), the aggregation weight and `unit` (1 where a unit
+of the aggregation starts: every response token for token-mean, the first response token
+of each sample for the sequence means), so the engine's "sum of units' losses / units of
+the whole step" is exactly `losses.aggregate` over every micro-batch and rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from mindspeed_align.rl.losses import kl_estimate, policy_loss
+from mindspeed_core.parallel import loss_parallel_context
+from mindspeed_core.parallel.dtensor import full
+from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
+from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, token_nll
+
+__all__ = ["GRPOObjective", "pack_samples", "recompute_logps", "token_logps"]
+
+
+def token_logps(logits: Tensor, labels: Tensor, ctx: LossContext, temperature: float = 1.0):
+    """(tokens,) log softmax(logits / T) of the labels, 0 where labels are -100."""
+    return -token_nll(logits / temperature, labels, ctx, reduction="none")
+
+
+def pack_samples(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    per_sample: dict[str, Sequence[float]],
+    per_token: dict[str, Sequence[Sequence[float]]],
+    *,
+    agg: str,
+    max_new_tokens: int,
+    pad_multiple: int = 8,
+) -> Batch:
+    """One packed row of samples. `per_sample` values (advantages) are spread over each
+    response's tokens; `per_token` values (one per response token) land on the positions
+    that predict those tokens. Padding to a multiple of `pad_multiple` is one more,
+    unsupervised document."""
+    ids, labels, positions, bounds = [], [], [], [0]
+    extra = {k: [] for k in (*per_sample, *per_token, "weights", "metric_weights", "unit")}
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        seq, n = list(p) + list(r), len(r)
+        ids += seq
+        labels += [IGNORE_INDEX] * (len(p) - 1) + list(r) + [IGNORE_INDEX]
+        positions += range(len(seq))
+        bounds.append(len(ids))
+        lead, tail = [0.0] * (len(p) - 1), [0.0]
+        for key, values in per_sample.items():
+            extra[key] += lead + [float(values[i])] * n + tail
+        for key, values in per_token.items():
+            extra[key] += lead + [float(v) for v in values[i]] + tail
+        weight, metric = _weights(agg, n, max_new_tokens)
+        extra["weights"] += lead + [weight] * n + tail
+        extra["metric_weights"] += lead + [metric] * n + tail
+        units = [1.0] * n if agg == "token-mean" else [1.0] + [0.0] * (n - 1)
+        extra["unit"] += lead + units + tail
+    pad = -len(ids) % pad_multiple
+    if pad:
+        ids += [0] * pad
+        labels += [IGNORE_INDEX] * pad
+        positions += range(pad)
+        bounds.append(len(ids))
+        for values in extra.values():
+            values += [0.0] * pad
+    batch = {
+        "input_ids": torch.tensor([ids]),
+        "labels": torch.tensor([labels]),
+        "position_ids": torch.tensor([positions]),
+        "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
+    }
+    batch.update({k: torch.tensor([v], dtype=torch.float32) for k, v in extra.items()})
+    return batch
+
+
+def _weights(agg: str, n: int, max_new_tokens: int) -> tuple[float, float]:
+    """(loss weight, metric weight) of each of a response's n tokens."""
+    if agg == "token-mean":
+        return 1.0, 1.0
+    if agg == "seq-mean-token-mean":
+        return 1.0 / n, 1.0 / n
+    if agg == "seq-mean-token-sum":
+        return 1.0, 1.0 / n
+    if agg == "seq-mean-token-sum-norm":
+        return 1.0 / max_new_tokens, 1.0 / n
+    raise ValueError(f"loss aggregation {agg!r} is unknown")
+
+
+class GRPOObjective(Objective):
+    """Clipped policy gradient + kl_coef * KL(policy || reference), aggregated by the
+    batch's weights. Metrics (means over the aggregation's units): kl, clip fraction,
+    entropy, ratio.
+
+    Args:
+        eps_low / eps_high / dual_clip: see `losses.policy_loss`.
+        kl_coef / kl_estimator: the KL penalty in the loss (0: no reference needed).
+        temperature: the sampling temperature; log-probs are of softmax(logits / T).
+    """
+
+    metric_names = ("kl", "clip_fraction", "entropy", "ratio")
+
+    def __init__(self, *, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0,
+                 kl_estimator="k3", temperature=1.0):  # fmt: skip
+        self.eps_low, self.eps_high, self.dual_clip = eps_low, eps_high, dual_clip
+        self.kl_coef, self.kl_estimator, self.temperature = kl_coef, kl_estimator, temperature
+
+    def num_units(self, batch: Batch) -> Tensor:
+        return batch["unit"].sum()
+
+    def targets(self, batch: Batch) -> dict[str, Tensor]:
+        keys = ["labels", "weights", "metric_weights", "advantages", "old_logps"]
+        if self.kl_coef:
+            keys.append("ref_logps")
+        return {k: batch[k] for k in keys}
+
+    def loss(self, outputs: Tensor, targets: dict[str, Tensor], ctx: LossContext) -> LossOutput:
+        labels = targets["labels"].flatten()
+        logp = token_logps(outputs, labels, ctx, self.temperature)
+        old = targets["old_logps"].flatten()
+        adv = targets["advantages"].flatten()
+        pg, clipped = policy_loss(logp, old, adv, eps_low=self.eps_low, eps_high=self.eps_high,
+                                  dual_clip=self.dual_clip)  # fmt: skip
+        per_token = pg
+        weights, metric = targets["weights"].flatten(), targets["metric_weights"].flatten()
+        with torch.no_grad():
+            kl = torch.zeros_like(logp)
+            entropy = _entropy(outputs, self.temperature).flatten()
+        if self.kl_coef:
+            kl_t = kl_estimate(logp, targets["ref_logps"].flatten(), self.kl_estimator)
+            per_token = per_token + self.kl_coef * kl_t
+            kl = kl_t.detach()
+        metrics = {
+            "kl": (kl * metric).sum(),
+            "clip_fraction": (clipped * metric).sum(),
+            "entropy": (entropy * metric).sum(),
+            "ratio": (torch.exp(logp.detach() - old) * metric).sum(),
+        }
+        return LossOutput((per_token * weights).sum(), metrics)
+
+
+def _entropy(logits: Tensor, temperature: float) -> Tensor:
+    """Entropy of softmax(logits / T) at every position (no gradient)."""
+    logps = torch.log_softmax(full(logits).float() / temperature, dim=-1)
+    return -(logps.exp() * logps).sum(-1)
+
+
+@torch.no_grad()
+def recompute_logps(model, batch: Batch, temperature: float = 1.0) -> Tensor:
+    """Teacher-forced log-probs of `batch`'s labels under `model` (a `BuiltModel`), shaped
+    like input_ids (0 where unsupervised): the loss's old log-probs, or the reference's."""
+    b = {k: v.to(model.device) for k, v in batch.items()}
+    with contextlib.ExitStack() as stack:
+        if model.autocast is not None:
+            stack.enter_context(torch.autocast(model.device.type, dtype=model.autocast))
+        stack.enter_context(loss_parallel_context(model.loss.loss_parallel))
+        logits = model.model(
+            b["input_ids"], position_ids=b["position_ids"], cu_seqlens=b["cu_seqlens"]
+        )
+        logps = token_logps(logits, b["labels"], model.loss, temperature)
+    return logps.float().view_as(b["labels"]).cpu()

@@ -1,0 +1,143 @@
+"""Rollouts: `n` samples per prompt from `mindspeed_llm.generation`, with the sampler's
+log-probs, and the teacher-forced log-probs the loss uses.
+
+The rollout runs `TokenSteps` (KV cache, no gradients) on the policy module itself when
+its parameters are plain tensors (one process, or data parallel by replication), or on
+an inference copy whose weights are gathered from the FSDP/TP shards (`sync_weights`,
+timed). Every prompt is repeated `n` times in the batch; the sampling seed mixes the run's
+seed, the step and the data-parallel rank, so dp ranks draw different samples and a rerun
+draws the same ones, while tensor-parallel peers (same prompts, same seed) agree.
+
+The log-probs the policy loss uses as "old" ones are not the sampler's: the trainer
+recomputes them with a teacher-forced forward of the training model (verl's recomputed
+old_log_prob), so rollout/trainer mismatch cannot bias the ratio; the sampler's are kept
+to report the mismatch (`sampler_logprobs`, raw softmax(logits / T) before any top-k).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from mindspeed_core.parallel import dtensor
+from mindspeed_llm.generation import GenerationConfig, TokenSteps
+from mindspeed_llm.models import get_model_spec
+from mindspeed_llm.train.build import BuiltModel
+
+__all__ = ["LocalRollout", "RolloutBatch", "SamplingConfig", "sampling_seed"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class SamplingConfig:
+    n: int = 8
+    """Samples per prompt (GRPO's group size)."""
+    max_new_tokens: int = 16
+    """New tokens per sample at most."""
+    temperature: float = 1.0
+    """softmax(logits / temperature); no top-k/top-p, so the loss sees the sampler's law."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a sample (kept as its last token)."""
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: list[list[int]]
+    """One per sample (each prompt repeated n times, consecutively)."""
+    response_ids: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    """log softmax(logits / T) of each sampled token, from the sampler's own logits."""
+    group: list[int]
+    """The prompt index of each sample."""
+    stopped: list[bool]
+    """The sample ended with a stop token (else it ran to max_new_tokens)."""
+    seconds: float = 0.0
+
+
+def sampling_seed(seed: int, step: int, dp_rank: int) -> int:
+    """A 62-bit seed, different for every (seed, step, dp_rank)."""
+    mixed = (seed * 0x9E3779B1 + step * 0x85EBCA77 + dp_rank * 0xC2B2AE3D) & ((1 << 62) - 1)
+    return mixed or 1
+
+
+class _LoggedSteps(TokenSteps):
+    """`TokenSteps` that keeps the log-probs of the last logits it sampled from."""
+
+    def __init__(self, *args, temperature: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.temperature = temperature or 1.0
+        self.last_logps: Tensor | None = None
+
+    def _last_logits(self, logits: Tensor) -> Tensor:  # the generator's hook point
+        last = TokenSteps._last_logits(logits)
+        self.last_logps = torch.log_softmax(last.float() / self.temperature, dim=-1)
+        return last
+
+
+class LocalRollout:
+    """Colocated rollout on this rank.
+
+    Args:
+        policy: the training model (its module is used as is when unsharded).
+    """
+
+    def __init__(self, policy: BuiltModel):
+        if policy.model is None:
+            raise ValueError("a pipelined policy cannot roll out; RL refuses parallel.pp > 1")
+        self.policy = policy
+        sharded = any(isinstance(p, DTensor) for p in policy.model.parameters())
+        self.module: nn.Module = policy.model
+        if sharded:  # a whole copy, filled from the shards by sync_weights
+            with torch.device(policy.device):
+                self.module = get_model_spec(policy.config.family).build(policy.config)
+            self.module.requires_grad_(False).eval()
+        self.copy = sharded
+
+    @torch.no_grad()
+    def sync_weights(self) -> float:
+        """Copies the policy's current weights into the rollout module; seconds taken (0
+        when the rollout uses the policy module itself)."""
+        if not self.copy:
+            return 0.0
+        start = time.perf_counter()
+        target = self.module.state_dict()
+        for name, value in self.policy.model.state_dict().items():
+            key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            if key in target:
+                target[key].copy_(dtensor.full(value) if isinstance(value, DTensor) else value)
+        return time.perf_counter() - start
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *, seed: int
+    ) -> RolloutBatch:
+        """`cfg.n` samples of every prompt."""
+        start = time.perf_counter()
+        rows = [list(p) for p in prompts for _ in range(cfg.n)]
+        gen = GenerationConfig(
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=0,
+            top_p=1.0,
+            stop_token_ids=cfg.stop_token_ids,
+            seed=seed,
+        )
+        steps = _LoggedSteps(self.module, rows, gen, temperature=cfg.temperature)
+        logprobs: list[list[float]] = [[] for _ in rows]
+        with torch.no_grad():
+            for new in steps:
+                picked = steps.last_logps[[r for r, _ in new], [t for _, t in new]].tolist()
+                for (row, _), lp in zip(new, picked, strict=True):
+                    logprobs[row].append(lp)
+        stops = set(cfg.stop_token_ids)
+        return RolloutBatch(
+            prompt_ids=rows,
+            response_ids=steps.outputs,
+            sampler_logprobs=logprobs,
+            group=[i for i in range(len(prompts)) for _ in range(cfg.n)],
+            stopped=[bool(out) and out[-1] in stops for out in steps.outputs],
+            seconds=time.perf_counter() - start,
+        )

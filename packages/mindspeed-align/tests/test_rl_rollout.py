@@ -1,0 +1,135 @@
+"""Rollouts on the generation engine, the recomputed log-probs, and the GRPO step in
+two layouts (one process vs dp_shard=2) on the same fixed rollout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from mindspeed_align.rl.objective import GRPOObjective, pack_samples, recompute_logps
+from mindspeed_align.rl.rollout import LocalRollout, SamplingConfig, sampling_seed
+from mindspeed_core.optim import OptimConfig
+from mindspeed_core.parallel import ParallelConfig
+from mindspeed_core.testing import run_distributed
+from mindspeed_llm.models import build_model_config
+from mindspeed_llm.train.build import build_model, build_train_parts
+from mindspeed_llm.train.step import TrainStep
+
+PROMPTS = [[5, 17, 33, 9], [101, 7], [250, 251, 252, 253, 254, 3]]
+
+
+def _policy(parallel: ParallelConfig, world_size=None):
+    config = build_model_config("llama", flavor="debug", ops_impl="reference")
+    dims = parallel.dims(world_size).build("cpu")
+    return build_model(config, dims, torch.device("cpu"), parallel=parallel, seq_len=32), dims
+
+
+def _recomputed(policy, rollout, temperature):
+    batch = pack_samples(rollout.prompt_ids, rollout.response_ids, {}, {},
+                         agg="token-mean", max_new_tokens=8)  # fmt: skip
+    logps = recompute_logps(policy, batch, temperature)[0]
+    return logps[batch["labels"][0] != -100]
+
+
+def _sampler(rollout):
+    return torch.tensor([lp for row in rollout.sampler_logprobs for lp in row])
+
+
+def test_rollout_logprobs_equal_the_trainers_recomputed_ones():
+    policy, _ = _policy(ParallelConfig(), world_size=1)
+    rollout = LocalRollout(policy)
+    assert rollout.module is policy.model and rollout.sync_weights() == 0.0  # same module
+    for temperature in (1.0, 0.7):
+        cfg = SamplingConfig(n=3, max_new_tokens=8, temperature=temperature)
+        batch = rollout.generate(PROMPTS, cfg, seed=sampling_seed(1, 0, 0))
+        assert batch.group == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+        assert batch.prompt_ids[3] == PROMPTS[1] and all(len(r) == 8 for r in batch.response_ids)
+        # n samples of one prompt differ (sampled, not copied)
+        assert len({tuple(r) for r in batch.response_ids[:3]}) > 1
+        torch.testing.assert_close(_recomputed(policy, batch, temperature), _sampler(batch),
+                                   rtol=0, atol=1e-5)  # fmt: skip
+    cfg = SamplingConfig(n=2, max_new_tokens=6)
+    again = [rollout.generate(PROMPTS, cfg, seed=sampling_seed(1, 5, r)).response_ids
+             for r in (0, 0, 1)]  # fmt: skip
+    assert again[0] == again[1] and again[0] != again[2]  # reproducible; dp ranks differ
+    stop = rollout.generate(
+        PROMPTS, SamplingConfig(n=4, max_new_tokens=30, stop_token_ids=tuple(range(512))), seed=3
+    )
+    assert all(len(r) == 1 for r in stop.response_ids) and all(stop.stopped)
+
+
+def _fixed_rollout():
+    """12 samples (4 prompts x 3) with made-up responses and advantages."""
+    gen = torch.Generator().manual_seed(0)
+    prompts, responses = [], []
+    for i in range(12):
+        prompts.append(torch.randint(3, 512, (3 + i % 4,), generator=gen).tolist())
+        responses.append(torch.randint(3, 512, (1 + (i * 5) % 7,), generator=gen).tolist())
+    adv = torch.randn(12, generator=gen).tolist()
+    return prompts, responses, adv
+
+
+def _micro_batches(policy, prompts, responses, adv, agg, ref=None):
+    batches = []
+    for lo in range(0, len(prompts), 3):
+        sl = slice(lo, lo + 3)
+        b = pack_samples(prompts[sl], responses[sl], {"advantages": adv[sl]}, {},
+                         agg=agg, max_new_tokens=8)  # fmt: skip
+        b["old_logps"] = recompute_logps(policy, b) - 0.4 * b["advantages"]  # off-policy
+        b["ref_logps"] = recompute_logps(policy, b) + 0.05 * (b["labels"] % 3)
+        batches.append(b)
+    return batches
+
+
+def _grpo_step(parallel, agg, world_size=None, rank=0, ranks=1):
+    policy, dims = _policy(parallel, world_size)
+    parts = build_train_parts(policy, OptimConfig(lr=1e-3, warmup_steps=0), total_steps=2)
+    objective = GRPOObjective(eps_low=0.2, eps_high=0.28, kl_coef=0.1, kl_estimator="k3")
+    step = TrainStep(parts, objective, dims, clip_grad=0.0)
+    prompts, responses, adv = _fixed_rollout()
+    per = len(prompts) // ranks
+    mine = slice(rank * per, (rank + 1) * per)
+    result = step(_micro_batches(policy, prompts[mine], responses[mine], adv[mine], agg))
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+             for n, p in policy.model.named_parameters()}  # fmt: skip
+    return result, grads, policy
+
+
+def _layouts():
+    import torch.distributed as dist
+
+    out = {}
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        one = _grpo_step(ParallelConfig(), agg, world_size=1)
+        two = _grpo_step(ParallelConfig(dp_shard=2), agg, rank=dist.get_rank(), ranks=2)
+        out[agg] = [(r.loss, r.num_units, r.metrics, g) for r, g, _ in (one, two)]
+    # the FSDP policy rolls out through a gathered copy, trains, and rolls out again synced
+    policy = two[2]
+    rollout = LocalRollout(policy)
+    diffs = []
+    for _ in range(2):
+        seconds = rollout.sync_weights()
+        batch = rollout.generate(
+            PROMPTS, SamplingConfig(n=2, max_new_tokens=6), seed=dist.get_rank()
+        )
+        diffs.append((_recomputed(policy, batch, 1.0) - _sampler(batch)).abs().max().item())
+        with torch.no_grad():
+            for p in policy.model.parameters():
+                p.add_(0.01)
+    return out, diffs, rollout.copy, seconds
+
+
+@pytest.mark.distributed
+def test_grpo_step_dp_shard2_equals_one_process_and_fsdp_rolls_out_synced():
+    for out, diffs, copied, seconds in run_distributed(_layouts, 2, timeout=600):
+        assert copied and seconds > 0
+        assert max(diffs) < 1e-5  # the copy follows the policy after every change
+        for agg, ((loss1, units1, m1, g1), (loss2, units2, m2, g2)) in out.items():
+            assert units1 == units2, agg
+            assert loss2 == pytest.approx(loss1, rel=1e-5, abs=1e-6), agg
+            assert m1["clip_fraction"] > 0 and m1["kl"] > 0, agg  # the clip and KL are live
+            for key in m1:
+                assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), (agg, key)
+            for name, grad in g1.items():
+                torch.testing.assert_close(g2[name], grad, rtol=1e-5, atol=1e-6, msg=name)
