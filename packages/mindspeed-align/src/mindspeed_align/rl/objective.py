@@ -62,7 +62,7 @@ def pack_samples(
         extra["metric_weights"] += lead + [metric] * n + tail
         units = [1.0] * n if agg == "token-mean" else [1.0] + [0.0] * (n - 1)
         extra["unit"] += lead + units + tail
-    pad = -len(ids) % pad_multiple
+    pad = -len(ids) % pad_multiple or (0 if ids else pad_multiple)  # never an empty row
     if pad:
         ids += [0] * pad
         labels += [IGNORE_INDEX] * pad

@@ -1,0 +1,166 @@
+"""`mindspeed grpo`: GRPO with rule rewards (no arguments: the embedded demo).
+
+The demo pretrains the debug Llama briefly on the pretrain demo's stories (so it knows
+the format "... 3 plus 2 is 5", not yet the sums), then GRPO rewards the right sum after
+"x plus y is" and prints the greedy reward on held-out prompts before and after.
+Several processes: `torchrun --standalone --nproc-per-node 2 -m mindspeed_align.rl.cli
+--parallel.dp_shard 2`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from mindspeed_align.rl.config import GRPOConfig
+from mindspeed_core.cli import Command, debug_enabled, guarded
+from mindspeed_core.config import config_from_args, to_dict
+from mindspeed_core.distributed import (
+    current_distributed,
+    destroy_distributed,
+    init_distributed,
+    setup_logging,
+)
+from mindspeed_core.errors import ConfigError
+
+logger = logging.getLogger("mindspeed.grpo")
+
+__all__ = ["command", "grpo", "main"]
+
+
+def _is_demo(cfg: GRPOConfig) -> bool:
+    return cfg.data.prompts is None and cfg.grpo.init_from is None and cfg.model.hf_path is None
+
+
+def _warmup(cfg: GRPOConfig) -> Path | None:
+    """The demo's starting model: a short pretraining on the demo corpus (resumed, so a
+    second run skips it); its checkpoints folder."""
+    from mindspeed_llm.pretrain import pretrain
+    from mindspeed_llm.train.config import LoggingSection, PretrainConfig, TrainSection
+
+    run_dir = cfg.logging.run_dir.with_name(cfg.logging.run_dir.name + "-warmup")
+    if cfg.grpo.warmup_steps == 0:
+        return None
+    from mindspeed_core.optim import OptimConfig
+
+    pre = PretrainConfig(
+        model=cfg.model,
+        optim=OptimConfig(warmup_steps=min(20, cfg.grpo.warmup_steps)),
+        parallel=cfg.parallel,
+        train=TrainSection(steps=cfg.grpo.warmup_steps, device=cfg.train.device,
+                           eval_interval=0, seed=cfg.train.seed),
+        logging=LoggingSection(run_dir=run_dir, log_interval=20, tensorboard=False,
+                               progress=cfg.logging.progress),
+    )  # fmt: skip
+    logger.info("demo: pretraining the starting model for %d steps (%s)", pre.train.steps, run_dir)
+    pretrain(pre)
+    return run_dir / "checkpoints"
+
+
+def _task(cfg: GRPOConfig, init_from: Path | None):
+    """(tokenizer, training records, held-out records)."""
+    from mindspeed_align.rl.data import demo_records, read_prompts
+    from mindspeed_llm.tokenizer import load_tokenizer
+
+    if cfg.data.prompts is None:
+        records = demo_records(4096, seed=cfg.train.seed)
+        held_out = demo_records(cfg.data.eval_prompts, seed=cfg.train.seed + 1)
+    else:
+        records = read_prompts(cfg.data.prompts)
+        k = cfg.data.eval_prompts
+        if k >= len(records):
+            raise ConfigError(
+                f"data.eval_prompts={k} leaves none of the {len(records)} prompts of "
+                f"{cfg.data.prompts} to train on"
+            )
+        records, held_out = (records[:-k], records[-k:]) if k else (records, [])
+    path = cfg.data.tokenizer or cfg.model.hf_path
+    if path is None and init_from is not None:
+        from mindspeed_llm.models.loading import resolve_model_source
+
+        path = resolve_model_source(init_from).tokenizer
+    if path is None:
+        from mindspeed_llm.demo import ensure_demo_data
+
+        if cfg.data.prompts is not None:
+            raise ConfigError("data.tokenizer is needed with data.prompts (or grpo.init_from)")
+        path = ensure_demo_data().tokenizer
+    return load_tokenizer(path), records, held_out
+
+
+def grpo(cfg: GRPOConfig) -> dict[str, float]:
+    """Run GRPO in this process (one rank of a torchrun job, or alone)."""
+    import torch.distributed as dist
+
+    from mindspeed_align.rl.data import PromptSource
+    from mindspeed_align.rl.grpo import attach, evaluate_reward
+    from mindspeed_align.rl.objective import GRPOObjective
+    from mindspeed_align.rl.rewards import Rewards
+    from mindspeed_llm.train.trainer import Trainer
+
+    owns_group = not dist.is_initialized()
+    device = None if cfg.train.device == "auto" else cfg.train.device
+    info = init_distributed(device_type=device) if owns_group else current_distributed(device)
+    rewards = None
+    try:
+        init_from = _warmup(cfg) if _is_demo(cfg) else cfg.grpo.init_from
+        tokenizer, records, held_out = _task(cfg, init_from)
+        g = cfg.grpo
+        rewards = Rewards(g.rewards, g.reward_weights, workers=g.reward_workers,
+                          timeout_s=g.reward_timeout_s)  # fmt: skip
+
+        def data(cfg_, model_cfg):
+            return PromptSource(records, tokenizer, max_prompt_len=cfg.data.seq_len - g.max_new_tokens,
+                                prompts_per_step=cfg.train.global_batch // g.n, seed=cfg.train.seed,
+                                source=str(cfg.data.prompts or "the demo prompts"))  # fmt: skip
+
+        trainer = Trainer(cfg, info, data=data, objective=GRPOObjective(), command="grpo")
+        step = attach(trainer, cfg, tokenizer, rewards, init_from)
+        step.rollout.sync_weights()
+        before = evaluate_reward(step.rollout, held_out, tokenizer, rewards, g.max_new_tokens)
+        summary = trainer.run()
+        step.rollout.sync_weights()
+        after = evaluate_reward(step.rollout, held_out, tokenizer, rewards, g.max_new_tokens)
+        summary.update(reward_before=before, reward_after=after)
+        logger.info(
+            "greedy reward on %d held-out prompts: %.3f at the start -> %.3f after step %d; "
+            "run directory %s", len(held_out), before, after, summary["steps"], cfg.logging.run_dir,
+        )  # fmt: skip
+        return summary
+    finally:
+        if rewards is not None:
+            rewards.close()
+        if owns_group:
+            destroy_distributed()
+
+
+def _usage() -> str:
+    lines = [
+        "usage: mindspeed grpo [--config FILE] [--section.field VALUE ...]",
+        "",
+        "With no arguments: GRPO on the demo's arithmetic (CPU, a few minutes).",
+        "Fields and defaults:",
+    ]
+    for section, values in to_dict(GRPOConfig()).items():
+        for name, value in values.items():
+            lines.append(f"  --{section}.{name} {value}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(_usage())
+        return 0
+    cfg = config_from_args(GRPOConfig, argv)
+    setup_logging()
+    grpo(cfg)
+    return 0
+
+
+command = Command(help="GRPO with rule rewards (no arguments: the embedded demo)", run=main)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    sys.exit(guarded(main, [a for a in args if a != "--debug"], debug=debug_enabled(args)))

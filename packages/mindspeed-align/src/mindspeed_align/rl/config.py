@@ -1,0 +1,167 @@
+"""`mindspeed grpo`'s configuration: pretraining's shared sections plus `data` (prompts)
+and `grpo`. Defaults are the embedded demo (the debug Llama on the arithmetic of the
+pretrain demo's stories, CPU, a few minutes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from mindspeed_align.rl.losses import AGGREGATIONS, KL_ESTIMATORS
+from mindspeed_core.checkpoint import CheckpointConfig
+from mindspeed_core.errors import ConfigError
+from mindspeed_core.optim import OptimConfig
+from mindspeed_core.parallel import ParallelConfig
+from mindspeed_core.profiling import ProfileConfig
+from mindspeed_llm.train.config import LoggingSection, ModelSection, TrainSection
+
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+
+
+@dataclass(kw_only=True)
+class PromptDataSection:
+    prompts: Path | None = None
+    """JSONL, one record a line: {"prompt": str, ...}; the other fields (e.g. "answer")
+    go to the reward functions. None: the demo task (generated)."""
+    tokenizer: Path | None = None
+    """A sentencepiece .model, a tokenizer.json or a folder (None: the demo's)."""
+    seq_len: int = 64
+    """Longest prompt + grpo.max_new_tokens; a longer prompt is refused at load."""
+    eval_prompts: int = 64
+    """Held-out prompts (the file's last ones, or fresh demo ones) whose greedy reward is
+    printed before and after training (0: none)."""
+
+    def __post_init__(self):
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len={self.seq_len} must be at least 2")
+
+
+@dataclass(kw_only=True)
+class GRPOSection:
+    n: int = 8
+    """Samples per prompt (the group); >= 2 for group advantages."""
+    temperature: float = 1.0
+    """Sampling temperature; the loss's log-probs are of softmax(logits / temperature)."""
+    max_new_tokens: int = 4
+    """New tokens per sample at most."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    """grpo: (r - mean) / (std + eps) per group; dr_grpo: r - mean; rloo: r - mean of
+    the others; reinforce_pp: r whitened over the batch's tokens."""
+    std_eps: float = 1e-6
+    """eps of grpo's std (verl 1e-6, TRL 1e-4)."""
+    clip_low: float = 0.2
+    """Ratio clip below: 1 - clip_low."""
+    clip_high: float = 0.2
+    """Ratio clip above: 1 + clip_high (DAPO's clip-higher: 0.28)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1 for negative advantages (verl: 3.0); None: off."""
+    kl_coef: float = 0.0
+    """KL penalty in the loss against the starting model (0: no reference is built)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    loss_agg: str = "token-mean"
+    """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal (they carry no gradient)."""
+    rewards: list[str] = field(default_factory=lambda: ["final_number"])
+    """Reward functions, "module:function" (bare names: mindspeed_align.rl.rewards)."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward (default 1.0 each)."""
+    reward_workers: int = 2
+    """Worker processes for the rewards (0: in this process, no timeout)."""
+    reward_timeout_s: float = 10.0
+    """Seconds a reward may take per completion; past it the completion scores 0."""
+    init_from: Path | None = None
+    """Start from these weights (a run's checkpoints, a converted checkpoint or a
+    Hugging Face folder); the KL reference is them too. None: model.hf_path or the
+    demo's warm-up model (the default demo) or a random init."""
+    warmup_steps: int = 80
+    """Demo only (no data.prompts, no init_from, no model.hf_path): pretraining steps on
+    the demo corpus first, so the model speaks the task's format."""
+
+    def __post_init__(self):
+        if self.n < 2:
+            raise ConfigError(
+                f"grpo.n={self.n}: group advantages need at least 2 samples per prompt"
+            )
+        if self.advantage not in ADVANTAGES:
+            raise ConfigError(f"grpo.advantage={self.advantage!r} is not one of {ADVANTAGES}")
+        if self.loss_agg not in AGGREGATIONS:
+            raise ConfigError(f"grpo.loss_agg={self.loss_agg!r} is not one of {AGGREGATIONS}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"grpo.kl_estimator={self.kl_estimator!r} is not one of k1/k2/k3")
+        if not self.temperature > 0:
+            raise ConfigError(f"grpo.temperature={self.temperature} must be > 0")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"grpo.max_new_tokens={self.max_new_tokens} must be positive")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ConfigError(f"grpo.clip_low={self.clip_low} / clip_high={self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"grpo.dual_clip={self.dual_clip} must be > 1")
+
+
+@dataclass(kw_only=True)
+class GRPOTrainSection(TrainSection):
+    """Pretraining's train section with GRPO's demo defaults; batches count samples."""
+
+    steps: int = 60
+    """Optimizer steps (one rollout each)."""
+    micro_batch: int = 32
+    """Samples (prompt + completion) per forward/backward on each data-parallel rank."""
+    global_batch: int = 64
+    """Samples per step over all ranks: train.global_batch / grpo.n prompts."""
+    eval_interval: int = 0
+    """Unused: GRPO has no validation loss (the greedy reward is printed at the ends)."""
+
+
+@dataclass(kw_only=True)
+class GRPOLoggingSection(LoggingSection):
+    run_dir: Path = Path("runs/grpo")
+    """Where config.yaml, metrics.jsonl, tb/, checkpoints/ and loss_curve.png go."""
+    log_interval: int = 5
+
+
+@dataclass(kw_only=True)
+class GRPOOptimSection(OptimConfig):
+    """AdamW with GRPO's demo defaults: a constant LR, no weight decay."""
+
+    lr: float = 2e-3
+    warmup_steps: int = 0
+    decay_style: Literal["cosine", "linear", "constant", "wsd"] = "constant"
+    weight_decay: float = 0.0
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: PromptDataSection = field(default_factory=PromptDataSection)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: GRPOOptimSection = field(default_factory=GRPOOptimSection)
+    train: GRPOTrainSection = field(default_factory=GRPOTrainSection)
+    """train.global_batch and micro_batch count samples (prompts x grpo.n)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: GRPOLoggingSection = field(default_factory=GRPOLoggingSection)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+
+    def __post_init__(self):
+        if self.parallel.pp > 1 or self.parallel.cp > 1:
+            raise ConfigError(
+                f"parallel.pp={self.parallel.pp}, parallel.cp={self.parallel.cp}: "
+                "mindspeed grpo rolls out whole sequences on whole models; use tp and dp"
+            )
+        samples = self.train.global_batch
+        if samples % self.grpo.n:
+            raise ConfigError(
+                f"train.global_batch={samples} samples is not a whole number of groups of "
+                f"grpo.n={self.grpo.n}"
+            )
+        if self.grpo.max_new_tokens >= self.data.seq_len:
+            raise ConfigError(
+                f"grpo.max_new_tokens={self.grpo.max_new_tokens} leaves no room for a prompt "
+                f"in data.seq_len={self.data.seq_len}"
+            )
+        if self.optim.warmup_steps > self.train.steps:
+            raise ConfigError(
+                f"optim.warmup_steps={self.optim.warmup_steps} exceeds train.steps={self.train.steps}"
+            )

@@ -1,0 +1,124 @@
+"""Prompts for online RL: a JSONL file or the demo task, tokenized once, served per
+data-parallel rank in a resumable order.
+
+Record: {"prompt": str, ...}; every other field is a column the reward functions get
+(one value per completion, e.g. "answer"). The last `data.eval_prompts` records are held
+out for the before/after evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from mindspeed_core.errors import DataError
+from mindspeed_llm.demo import _COLORS, _NAMES, _NUMBER_WORDS, _PLACES, _THINGS
+
+__all__ = ["PromptSource", "demo_records", "read_prompts"]
+
+
+def demo_records(count: int, seed: int) -> list[dict[str, Any]]:
+    """The demo task: the pretrain demo's stories cut before the sum ("... 3 plus 2 is"),
+    answer the sum."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(count):
+        a, b = rng.sample(_NAMES, 2)
+        thing, place, color = rng.choice(_THINGS), rng.choice(_PLACES), rng.choice(_COLORS)
+        x, y = rng.randint(0, 5), rng.randint(0, 5)
+        prompt = (
+            f"{a} went to the {place} with {b}. {a} had {_NUMBER_WORDS[x]} {color} {thing} "
+            f"and {b} had {_NUMBER_WORDS[y]}. {x} plus {y} is"
+        )
+        records.append({"prompt": prompt, "answer": x + y})
+    return records
+
+
+def read_prompts(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file; a line without a "prompt" string is refused."""
+    if not Path(path).is_file():
+        raise DataError(f"data.prompts: no file {path}")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{number}: not JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise DataError(f'{path}:{number}: a record needs a "prompt" string')
+            records.append(record)
+    if not records:
+        raise DataError(f"{path}: no prompts")
+    return records
+
+
+class PromptSource:
+    """This rank's prompts of each step, in an order drawn once from the seed.
+
+    Args:
+        records: the training prompts (dicts with "prompt" and columns).
+        tokenizer: encodes the prompts (once, at construction).
+        max_prompt_len: longest prompt allowed (a longer one is refused with its index).
+        prompts_per_step: prompts per step over every data-parallel rank.
+        seed: the order's seed.
+    """
+
+    def __init__(self, records, tokenizer, *, max_prompt_len: int, prompts_per_step: int,
+                 seed: int, source: str = "data.prompts"):  # fmt: skip
+        self.records, self.tokenizer = records, tokenizer
+        self.ids = [tokenizer.encode(r["prompt"]) for r in records]
+        for i, ids in enumerate(self.ids):
+            if not ids:
+                raise DataError(f"{source}: prompt {i} is empty after tokenization")
+            if len(ids) > max_prompt_len:
+                raise DataError(
+                    f"{source}: prompt {i} has {len(ids)} tokens; data.seq_len minus "
+                    f"grpo.max_new_tokens leaves {max_prompt_len}"
+                )
+        self.prompts_per_step, self.seed = prompts_per_step, seed
+        self.rank, self.ranks = 0, 1
+        self.position = 0
+        self._epoch_order: tuple[int, list[int]] = (-1, [])
+        self.seq_len = max_prompt_len
+
+    def build(self, dims, accum: int) -> None:
+        """Called by the trainer once the layout exists: this rank's share."""
+        self.rank, self.ranks = dims.rank("dp"), dims.dp
+        if self.prompts_per_step % self.ranks:
+            raise DataError(
+                f"{self.prompts_per_step} prompts per step do not split over {self.ranks} "
+                "data-parallel ranks"
+            )
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._epoch_order[0] != epoch:
+            order = list(range(len(self.records)))
+            random.Random(self.seed * 1000003 + epoch).shuffle(order)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
+
+    def next_step(self) -> list[dict[str, Any]]:
+        """This rank's prompt records of the next step, each with its token ids."""
+        per_rank = self.prompts_per_step // self.ranks
+        picked = []
+        for k in range(self.rank * per_rank, (self.rank + 1) * per_rank):
+            index = self.position + k
+            epoch, offset = divmod(index, len(self.records))
+            i = self._order(epoch)[offset]
+            picked.append({**self.records[i], "prompt_ids": self.ids[i]})
+        self.position += self.prompts_per_step
+        return picked
+
+    def validation(self):
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.position = int(state_dict["position"])

@@ -1,0 +1,271 @@
+"""`mindspeed grpo`: GRPO (and Dr.GRPO, RLOO, REINFORCE++, DAPO's pieces) with rule
+rewards, colocated on one machine, on the shared engine (`mindspeed_llm.train`).
+
+One optimizer step = one rollout:
+
+    sync the rollout module from the policy (timed; nothing to do when it is the policy)
+    sample grpo.n completions of this rank's prompts (seeds differ across dp ranks)
+    rewards (worker processes, timeout) -> advantages -> [drop zero-variance groups]
+    pack into micro-batches; old log-probs recomputed by the policy (teacher-forced),
+    reference log-probs when grpo.kl_coef > 0
+    TrainStep on GRPOObjective (clipped policy gradient + KL, aggregated by grpo.loss_agg)
+
+`GRPOStep` is a `TrainStep` whose input is the prompts; `TrainLoop` runs it unchanged
+(metrics.jsonl, checkpoints, exact resume: the sampling seed is derived from the step).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from mindspeed_align.rl import advantages as adv_fns
+from mindspeed_align.rl.config import GRPOConfig
+from mindspeed_align.rl.objective import GRPOObjective, pack_samples, recompute_logps
+from mindspeed_align.rl.rewards import Rewards
+from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
+from mindspeed_core.errors import ConfigError
+from mindspeed_llm.train.build import build_model
+from mindspeed_llm.train.step import StepResult, TrainStep
+from mindspeed_llm.train.trainer import Trainer
+
+logger = logging.getLogger("mindspeed.grpo")
+
+__all__ = ["GRPOStep", "compute_advantages", "evaluate_reward", "load_weights"]
+
+
+def compute_advantages(kind: str, rewards: list[float], group: list[int], lengths: list[int],
+                       *, eps: float = 1e-6) -> list[list[float]]:  # fmt: skip
+    """Per response token advantages of outcome rewards (see `advantages`)."""
+    r, g = torch.tensor(rewards, dtype=torch.float64), torch.tensor(group)
+    if kind == "reinforce_pp":
+        width = max(lengths)
+        mask = torch.tensor([[float(t < n) for t in range(width)] for n in lengths])
+        token_rewards = torch.zeros(len(lengths), width, dtype=torch.float64)
+        token_rewards[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = r
+        per_token = adv_fns.reinforce_pp(token_rewards, mask.double())
+        return [per_token[i, :n].tolist() for i, n in enumerate(lengths)]
+    if kind == "grpo":
+        per_sample = adv_fns.group_normalized(r, g, eps=eps)
+    elif kind == "dr_grpo":
+        per_sample = adv_fns.dr_grpo(r, g)
+    else:
+        per_sample = adv_fns.rloo(r, g)
+    return [[float(a)] * n for a, n in zip(per_sample.tolist(), lengths, strict=True)]
+
+
+class GRPOStep(TrainStep):
+    """A `TrainStep` that takes this rank's prompt records, rolls out and trains."""
+
+    def __init__(self, parts, objective, dims, *, cfg: GRPOConfig, tokenizer, rewards: Rewards,
+                 reference=None, accum: int = 1, **kwargs):  # fmt: skip
+        super().__init__(parts, objective, dims, **kwargs)
+        self.cfg, self.grpo, self.tokenizer, self.rewards = cfg, cfg.grpo, tokenizer, rewards
+        self.reference, self.accum = reference, accum
+        self.rollout = LocalRollout(parts.model)
+        stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
+        self.sampling = SamplingConfig(n=cfg.grpo.n, max_new_tokens=cfg.grpo.max_new_tokens,
+                                       temperature=cfg.grpo.temperature, stop_token_ids=stops)  # fmt: skip
+        self.pad_multiple = 8 * dims.tp
+
+    def __call__(self, records: list[dict[str, Any]]) -> StepResult:
+        sync_s = self.rollout.sync_weights()
+        seed = sampling_seed(self.cfg.train.seed, self.state.step, self.dims.rank("dp"))
+        batch = self.rollout.generate([r["prompt_ids"] for r in records], self.sampling, seed=seed)
+        rewards, reward_metrics = self._rewards(records, batch)
+        lengths = [len(r) for r in batch.response_ids]
+        advantages = compute_advantages(self.grpo.advantage, rewards, batch.group, lengths,
+                                        eps=self.grpo.std_eps)  # fmt: skip
+        flat = _flat_groups(rewards, batch.group)
+        keep = list(range(len(rewards)))
+        if self.grpo.dynamic_sampling and not all(flat):
+            keep = [i for i in keep if not flat[batch.group[i]]]
+        micro, mismatch = self._micro_batches(batch, advantages, keep)
+        result = super().__call__(micro)
+        stats = _Stats(self.dims)
+        stats.add_sums(
+            reward=sum(rewards), reward_sq=sum(x * x for x in rewards), samples=len(rewards),
+            zero_var=sum(flat), groups=len(flat), kept=len(keep), length=sum(lengths),
+            stopped=sum(batch.stopped), diff_sum=mismatch[0], diff_count=mismatch[1],
+            rollout_s=batch.seconds, failures=reward_metrics.pop("reward/failures"),
+        )  # fmt: skip
+        stats.add_max(diff_max=mismatch[2], sync_s=sync_s)
+        result.metrics.update(stats.metrics(reward_metrics))
+        return result
+
+    def _rewards(self, records, batch: RolloutBatch):
+        stops = set(self.sampling.stop_token_ids)
+        texts = [
+            self.tokenizer.decode([t for t in r if t not in stops]) for r in batch.response_ids
+        ]
+        prompts = [records[g]["prompt"] for g in batch.group]
+        names = [k for k in records[0] if k not in ("prompt", "prompt_ids")]
+        columns = {k: [records[g].get(k) for g in batch.group] for k in names}
+        return self.rewards(prompts, texts, columns)
+
+    def _micro_batches(self, batch: RolloutBatch, advantages, keep: list[int]):
+        """`accum` packed micro-batches (always that many: FSDP's collectives pair up
+        across ranks), with old and reference log-probs; the sampler/trainer mismatch
+        (sum, count, max of |old - sampler| over the response tokens)."""
+        size = math.ceil(len(keep) / self.accum)
+        out, diff_sum, count, diff_max = [], 0.0, 0, 0.0
+        for k in range(self.accum):
+            rows = keep[k * size : (k + 1) * size]
+            b = pack_samples(
+                [batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows],
+                {}, {"advantages": [advantages[i] for i in rows],
+                     "sampler_logps": [batch.sampler_logprobs[i] for i in rows]},
+                agg=self.grpo.loss_agg, max_new_tokens=self.grpo.max_new_tokens,
+                pad_multiple=self.pad_multiple,
+            )  # fmt: skip
+            b["old_logps"] = recompute_logps(self.parts.model, b, self.grpo.temperature)
+            if self.reference is not None:
+                b["ref_logps"] = recompute_logps(self.reference, b, self.grpo.temperature)
+            supervised = b["labels"] != -100
+            diff = (b["old_logps"] - b.pop("sampler_logps"))[supervised].abs()
+            if diff.numel():
+                diff_sum, count = diff_sum + diff.sum().item(), count + diff.numel()
+                diff_max = max(diff_max, diff.max().item())
+            out.append(b)
+        return out, (diff_sum, count, diff_max)
+
+
+def _flat_groups(rewards: list[float], group: list[int]) -> list[bool]:
+    """Per group: every reward equal (zero variance: no policy gradient)."""
+    seen: dict[int, set] = {}
+    for r, g in zip(rewards, group, strict=True):
+        seen.setdefault(g, set()).add(r)
+    return [len(seen[g]) == 1 for g in sorted(seen)]
+
+
+class _Stats:
+    """Rollout statistics summed (or maxed) over the data-parallel ranks."""
+
+    def __init__(self, dims):
+        self.mesh = dims.mesh("dp")
+        self.sums: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+
+    def add_sums(self, **values):
+        self.sums.update(values)
+
+    def add_max(self, **values):
+        self.maxes.update(values)
+
+    def _reduce(self, values: dict, op) -> dict:
+        tensor = torch.tensor(list(values.values()), dtype=torch.float64)
+        if self.mesh is not None:
+            group = self.mesh.get_group()
+            tensor = tensor.to(self.mesh.device_type)
+            dist.all_reduce(tensor, op=op, group=group)
+        return dict(zip(values, tensor.tolist(), strict=True))
+
+    def metrics(self, reward_means: dict[str, float]) -> dict[str, float]:
+        ranks = 1 if self.mesh is None else self.mesh.size()
+        s = self._reduce({**self.sums, **reward_means}, dist.ReduceOp.SUM)
+        m = self._reduce(self.maxes, dist.ReduceOp.MAX)
+        n = s["samples"]
+        mean = s["reward"] / n
+        out = {
+            "reward/mean": mean,
+            "reward/std": math.sqrt(max(s["reward_sq"] / n - mean * mean, 0.0)),
+            **{k: s[k] / ranks for k in reward_means},
+            "reward/failures": s["failures"],
+            "groups/zero_variance_fraction": s["zero_var"] / s["groups"],
+            "groups/kept_fraction": s["kept"] / n,
+            "response/length_mean": s["length"] / n,
+            "response/stopped_fraction": s["stopped"] / n,
+            "rollout/logprob_diff_mean": s["diff_sum"] / max(s["diff_count"], 1),
+            "rollout/logprob_diff_max": m["diff_max"],
+            "rollout/tokens_per_s": s["length"] / max(s["rollout_s"] / ranks, 1e-9),
+            "rollout/weight_sync_s": m["sync_s"],
+        }
+        if s["zero_var"] == s["groups"]:
+            logger.warning(
+                "every group's rewards are equal (%d groups): the policy gradient of this "
+                "step is 0 (GRPO's 'loss is 0' trap: rewards too easy, too hard or constant)",
+                int(s["groups"]),
+            )
+        return out
+
+
+@torch.no_grad()
+def evaluate_reward(rollout: LocalRollout, records, tokenizer, rewards: Rewards,
+                    max_new_tokens: int) -> float:  # fmt: skip
+    """Mean reward of greedy completions of `records` (one each)."""
+    if not records:
+        return math.nan
+    stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
+    cfg = SamplingConfig(n=1, max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
+    total = []
+    for lo in range(0, len(records), 64):
+        chunk = records[lo : lo + 64]
+        batch = rollout.generate([tokenizer.encode(r["prompt"]) for r in chunk], cfg, seed=0)
+        names = [k for k in chunk[0] if k != "prompt"]
+        texts = [tokenizer.decode([t for t in r if t not in stops]) for r in batch.response_ids]
+        scores, _ = rewards([r["prompt"] for r in chunk], texts,
+                            {k: [r.get(k) for r in chunk] for k in names})  # fmt: skip
+        total += scores
+    return sum(total) / len(total)
+
+
+def load_weights(built, path: Path) -> None:
+    """Replace a built model's weights (whole or sharded) with those at `path`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from mindspeed_llm.models.loading import load_model
+
+    source, _ = load_model(path, device=built.device)
+    full = source.state_dict()
+    model = built.model
+    try:
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+        else:
+            model.load_state_dict(full)
+    except (RuntimeError, KeyError) as err:
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(
+            f"grpo.init_from={path}: its model does not fit the model section ({first})"
+        ) from None
+
+
+def build_reference(trainer: Trainer):
+    cfg = trainer.cfg
+    return build_model(
+        trainer.model_cfg, trainer.dims, trainer.device, parallel=cfg.parallel,
+        precision=cfg.train.precision, seed=cfg.train.seed, seq_len=cfg.data.seq_len,
+        hf_path=cfg.model.hf_path, frozen=True,
+    )  # fmt: skip
+
+
+def attach(trainer: Trainer, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_from) -> GRPOStep:
+    """Puts GRPO into a built `Trainer`: weights, reference, and the step."""
+    if init_from is not None:
+        load_weights(trainer.parts.model, init_from)
+    reference = None
+    if cfg.grpo.kl_coef:
+        reference = build_reference(trainer)
+        if init_from is not None:
+            load_weights(reference, init_from)
+    g = cfg.grpo
+    objective = GRPOObjective(eps_low=g.clip_low, eps_high=g.clip_high, dual_clip=g.dual_clip,
+                              kl_coef=g.kl_coef, kl_estimator=g.kl_estimator,
+                              temperature=g.temperature)  # fmt: skip
+    step = GRPOStep(trainer.parts, objective, trainer.dims, cfg=cfg, tokenizer=tokenizer,
+                    rewards=rewards, reference=reference, accum=trainer.accum,
+                    clip_grad=cfg.optim.clip_grad,
+                    max_nonfinite_steps=cfg.train.max_nonfinite_steps)  # fmt: skip
+    trainer.step = step
+    return step
+
+
+def seconds_since(start: float) -> float:
+    return time.perf_counter() - start

@@ -1,0 +1,80 @@
+"""`mindspeed grpo`: a short run on a prompts file, its metrics and exact resume, and the
+bad inputs (one line, exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mindspeed_align.rl.cli import main
+from mindspeed_align.rl.data import demo_records
+from mindspeed_core.cli import guarded
+from mindspeed_core.training import read_metrics
+from mindspeed_llm.demo import ensure_demo_data
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("grpo")
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in demo_records(40, seed=7)))
+    return folder, prompts, ensure_demo_data().tokenizer
+
+
+def _args(task, run, *extra):
+    folder, prompts, tokenizer = task
+    return [
+        f"--data.prompts={prompts}", f"--data.tokenizer={tokenizer}", "--data.eval_prompts=8",
+        "--data.seq_len=48", "--grpo.n=4", "--grpo.max_new_tokens=3", "--grpo.reward_workers=0",
+        "--grpo.kl_coef=0.05", "--grpo.clip_high=0.28", "--train.global_batch=16",
+        "--train.micro_batch=8", "--train.steps=4", "--model.ops_impl=reference",
+        f"--logging.run_dir={folder / run}", "--logging.log_interval=1",
+        "--logging.progress=false", "--logging.tensorboard=false", *extra,
+    ]  # fmt: skip
+
+
+def test_grpo_metrics_and_exact_resume(task):
+    folder = task[0]
+    assert guarded(main, _args(task, "whole")) == 0
+    whole = read_metrics(folder / "whole" / "metrics.jsonl")
+    assert [m["step"] for m in whole] == [1, 2, 3, 4]
+    first = whole[0]
+    for key in ("reward/mean", "reward/std", "kl", "clip_fraction", "entropy",
+                "response/length_mean", "groups/zero_variance_fraction",
+                "rollout/logprob_diff_max", "rollout/weight_sync_s"):  # fmt: skip
+        assert key in first, key
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
+    assert whole[-1]["kl"] > 0  # ... and moves away from it
+    assert max(m["rollout/logprob_diff_max"] for m in whole) < 1e-4
+    assert all(0 <= m["groups/zero_variance_fraction"] <= 1 for m in whole)
+    assert all(m["response/length_mean"] <= 3 for m in whole)
+    assert guarded(main, _args(task, "split", "--train.exit_at_step=2")) == 0
+    assert guarded(main, _args(task, "split")) == 0
+    split = read_metrics(folder / "split" / "metrics.jsonl")
+    assert [m["step"] for m in split] == [1, 2, 3, 4]
+    for a, b in zip(whole, split, strict=True):  # same samples, same rewards, same updates
+        for key in ("loss", "grad_norm", "reward/mean", "entropy", "kl"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+
+
+def test_bad_inputs_are_one_line(task, capsys):
+    folder = task[0]
+    long = folder / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "alice went to the garden " * 20, "answer": 1}) + "\n" * 2
+                    + "".join(json.dumps(r) + "\n" for r in demo_records(20, seed=1)))  # fmt: skip
+    broken = folder / "broken.jsonl"
+    broken.write_text('{"prompt": "a", "answer": 1}\n{"answer": 2}\n')
+    cases = {
+        "--grpo.n=1": "grpo.n=1",
+        "--parallel.pp=2": "parallel.pp=2",
+        "--grpo.loss_agg=sum": "grpo.loss_agg='sum'",
+        "--grpo.rewards=[nosuch.module:f]": "nosuch.module:f",
+        f"--data.prompts={long}": "prompt 0 has",
+        f"--data.prompts={broken}": "broken.jsonl:2",
+    }
+    for arg, expected in cases.items():
+        assert guarded(main, [*_args(task, "bad"), arg]) == 2, arg
+        err = capsys.readouterr().err.strip()
+        assert expected in err and "\n" not in err, (arg, err)
+    assert not (folder / "bad").exists()  # nothing half-written
