@@ -78,3 +78,18 @@ def test_bad_inputs_are_one_line(task, capsys):
         err = capsys.readouterr().err.strip()
         assert expected in err and "\n" not in err, (arg, err)
     assert not (folder / "bad").exists()  # nothing half-written
+
+
+@pytest.mark.slow
+def test_demo_reward_rises(tmp_path):
+    """The embedded demo (a few minutes): the sampled reward on held-out prompts rises."""
+    from mindspeed_align.rl.cli import grpo
+    from mindspeed_align.rl.config import GRPOConfig, GRPOLoggingSection
+
+    cfg = GRPOConfig(logging=GRPOLoggingSection(run_dir=tmp_path / "grpo", progress=False))
+    summary = grpo(cfg)
+    (greedy0, sampled0), (greedy1, sampled1) = summary["reward_before"], summary["reward_after"]
+    assert sampled1 > sampled0 + 0.1 and sampled1 > 0.8, summary
+    assert greedy1 >= greedy0 - 0.05, summary
+    metrics = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
+    assert metrics[-1]["reward/mean"] > metrics[0]["reward/mean"]

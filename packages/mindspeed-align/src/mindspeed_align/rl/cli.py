@@ -94,7 +94,7 @@ def grpo(cfg: GRPOConfig) -> dict[str, float]:
     import torch.distributed as dist
 
     from mindspeed_align.rl.data import PromptSource
-    from mindspeed_align.rl.grpo import attach, evaluate_reward
+    from mindspeed_align.rl.grpo import attach
     from mindspeed_align.rl.objective import GRPOObjective
     from mindspeed_align.rl.rewards import Rewards
     from mindspeed_llm.train.trainer import Trainer
@@ -117,15 +117,15 @@ def grpo(cfg: GRPOConfig) -> dict[str, float]:
 
         trainer = Trainer(cfg, info, data=data, objective=GRPOObjective(), command="grpo")
         step = attach(trainer, cfg, tokenizer, rewards, init_from)
-        step.rollout.sync_weights()
-        before = evaluate_reward(step.rollout, held_out, tokenizer, rewards, g.max_new_tokens)
+        before = _evaluate(step, held_out, tokenizer, rewards, cfg)
         summary = trainer.run()
-        step.rollout.sync_weights()
-        after = evaluate_reward(step.rollout, held_out, tokenizer, rewards, g.max_new_tokens)
+        after = _evaluate(step, held_out, tokenizer, rewards, cfg)
         summary.update(reward_before=before, reward_after=after)
         logger.info(
-            "greedy reward on %d held-out prompts: %.3f at the start -> %.3f after step %d; "
-            "run directory %s", len(held_out), before, after, summary["steps"], cfg.logging.run_dir,
+            "reward on %d held-out prompts (greedy; %d samples at temperature %g): "
+            "%.3f; %.3f at the start -> %.3f; %.3f after step %d; run directory %s",
+            len(held_out), g.n, g.temperature, *before, *after, summary["steps"],
+            cfg.logging.run_dir,
         )  # fmt: skip
         return summary
     finally:
@@ -133,6 +133,18 @@ def grpo(cfg: GRPOConfig) -> dict[str, float]:
             rewards.close()
         if owns_group:
             destroy_distributed()
+
+
+def _evaluate(step, held_out, tokenizer, rewards, cfg: GRPOConfig) -> tuple[float, float]:
+    """(greedy, sampled) mean reward of the current policy on the held-out prompts."""
+    from mindspeed_align.rl.grpo import evaluate_reward
+
+    g = cfg.grpo
+    step.rollout.sync_weights()
+    greedy = evaluate_reward(step.rollout, held_out, tokenizer, rewards, g.max_new_tokens)
+    sampled = evaluate_reward(step.rollout, held_out, tokenizer, rewards, g.max_new_tokens,
+                              temperature=g.temperature, n=g.n, seed=cfg.train.seed)  # fmt: skip
+    return greedy, sampled
 
 
 def _usage() -> str:

@@ -75,7 +75,7 @@ class GRPOSection:
     """Start from these weights (a run's checkpoints, a converted checkpoint or a
     Hugging Face folder); the KL reference is them too. None: model.hf_path or the
     demo's warm-up model (the default demo) or a random init."""
-    warmup_steps: int = 80
+    warmup_steps: int = 150
     """Demo only (no data.prompts, no init_from, no model.hf_path): pretraining steps on
     the demo corpus first, so the model speaks the task's format."""
 
@@ -104,11 +104,11 @@ class GRPOSection:
 class GRPOTrainSection(TrainSection):
     """Pretraining's train section with GRPO's demo defaults; batches count samples."""
 
-    steps: int = 60
+    steps: int = 100
     """Optimizer steps (one rollout each)."""
-    micro_batch: int = 32
+    micro_batch: int = 64
     """Samples (prompt + completion) per forward/backward on each data-parallel rank."""
-    global_batch: int = 64
+    global_batch: int = 128
     """Samples per step over all ranks: train.global_batch / grpo.n prompts."""
     eval_interval: int = 0
     """Unused: GRPO has no validation loss (the greedy reward is printed at the ends)."""
@@ -125,7 +125,7 @@ class GRPOLoggingSection(LoggingSection):
 class GRPOOptimSection(OptimConfig):
     """AdamW with GRPO's demo defaults: a constant LR, no weight decay."""
 
-    lr: float = 2e-3
+    lr: float = 3e-4
     warmup_steps: int = 0
     decay_style: Literal["cosine", "linear", "constant", "wsd"] = "constant"
     weight_decay: float = 0.0

@@ -198,20 +198,23 @@ class _Stats:
 
 @torch.no_grad()
 def evaluate_reward(rollout: LocalRollout, records, tokenizer, rewards: Rewards,
-                    max_new_tokens: int) -> float:  # fmt: skip
-    """Mean reward of greedy completions of `records` (one each)."""
+                    max_new_tokens: int, *, temperature: float = 0.0, n: int = 1,
+                    seed: int = 0) -> float:  # fmt: skip
+    """Mean reward of `n` completions of each of `records` (greedy at temperature 0)."""
     if not records:
         return math.nan
     stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
-    cfg = SamplingConfig(n=1, max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stops)
+    cfg = SamplingConfig(n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                         stop_token_ids=stops)  # fmt: skip
     total = []
     for lo in range(0, len(records), 64):
         chunk = records[lo : lo + 64]
-        batch = rollout.generate([tokenizer.encode(r["prompt"]) for r in chunk], cfg, seed=0)
-        names = [k for k in chunk[0] if k != "prompt"]
+        batch = rollout.generate([tokenizer.encode(r["prompt"]) for r in chunk], cfg, seed=seed)
+        rows = [chunk[g] for g in batch.group]
         texts = [tokenizer.decode([t for t in r if t not in stops]) for r in batch.response_ids]
-        scores, _ = rewards([r["prompt"] for r in chunk], texts,
-                            {k: [r.get(k) for r in chunk] for k in names})  # fmt: skip
+        names = [k for k in chunk[0] if k != "prompt"]
+        scores, _ = rewards([r["prompt"] for r in rows], texts,
+                            {k: [r.get(k) for r in rows] for k in names})  # fmt: skip
         total += scores
     return sum(total) / len(total)
 
