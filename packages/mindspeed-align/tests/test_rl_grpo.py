@@ -89,7 +89,7 @@ def test_demo_reward_rises(tmp_path):
     cfg = GRPOConfig(logging=GRPOLoggingSection(run_dir=tmp_path / "grpo", progress=False))
     summary = grpo(cfg)
     (greedy0, sampled0), (greedy1, sampled1) = summary["reward_before"], summary["reward_after"]
-    assert sampled1 > sampled0 + 0.1 and sampled1 > 0.8, summary
+    assert sampled1 > sampled0 + 0.3 and sampled1 > 0.6, summary
     assert greedy1 >= greedy0 - 0.05, summary
     metrics = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
     assert metrics[-1]["reward/mean"] > metrics[0]["reward/mean"]

@@ -104,7 +104,7 @@ class GRPOSection:
 class GRPOTrainSection(TrainSection):
     """Pretraining's train section with GRPO's demo defaults; batches count samples."""
 
-    steps: int = 100
+    steps: int = 300
     """Optimizer steps (one rollout each)."""
     micro_batch: int = 64
     """Samples (prompt + completion) per forward/backward on each data-parallel rank."""
@@ -125,7 +125,7 @@ class GRPOLoggingSection(LoggingSection):
 class GRPOOptimSection(OptimConfig):
     """AdamW with GRPO's demo defaults: a constant LR, no weight decay."""
 
-    lr: float = 3e-4
+    lr: float = 1e-3
     warmup_steps: int = 0
     decay_style: Literal["cosine", "linear", "constant", "wsd"] = "constant"
     weight_decay: float = 0.0
