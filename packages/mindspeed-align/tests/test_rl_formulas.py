@@ -206,3 +206,21 @@ def test_grpo_loss_equals_trl(loss_type, beta):
     assert _ours(loss_type, beta) == pytest.approx(WRITTEN[(loss_type, beta)], abs=1e-6)
     pytest.importorskip("trl")
     assert _ours(loss_type, beta) == pytest.approx(_trl(loss_type, beta), abs=1e-6)
+
+
+def test_trainer_advantages_per_token():
+    from mindspeed_align.rl.grpo import _flat_groups, compute_advantages
+
+    rewards, group, lengths = R.tolist(), G.tolist(), [1, 2, 3, 1, 2, 2, 1, 3]
+    for kind, fn in (("grpo", group_normalized), ("dr_grpo", dr_grpo), ("rloo", rloo)):
+        per_token = compute_advantages(kind, rewards, group, lengths)
+        assert [len(a) for a in per_token] == lengths
+        want = fn(R.double(), G).tolist()
+        assert [a[-1] for a in per_token] == pytest.approx(want, abs=1e-6), kind
+    rpp = compute_advantages("reinforce_pp", rewards, group, lengths)
+    mask = torch.tensor([[float(t < n) for t in range(3)] for n in lengths])
+    token_rewards = torch.zeros(8, 3)
+    token_rewards[torch.arange(8), torch.tensor(lengths) - 1] = R
+    want = reinforce_pp(token_rewards, mask)
+    assert [x for a in rpp for x in a] == pytest.approx(want[mask > 0].tolist(), abs=1e-5)
+    assert _flat_groups([1.0, 1.0, 0.0, 1.0], [0, 0, 1, 1]) == [True, False]

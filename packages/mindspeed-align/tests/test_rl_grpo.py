@@ -27,7 +27,8 @@ def _args(task, run, *extra):
     return [
         f"--data.prompts={prompts}", f"--data.tokenizer={tokenizer}", "--data.eval_prompts=8",
         "--data.seq_len=48", "--grpo.n=4", "--grpo.max_new_tokens=3", "--grpo.reward_workers=0",
-        "--grpo.kl_coef=0.05", "--grpo.clip_high=0.28", "--train.global_batch=16",
+        "--grpo.kl_coef=0.05", "--grpo.clip_high=0.28", "--grpo.dynamic_sampling=true",
+        "--train.global_batch=16",
         "--train.micro_batch=8", "--train.steps=4", "--model.ops_impl=reference",
         f"--logging.run_dir={folder / run}", "--logging.log_interval=1",
         "--logging.progress=false", "--logging.tensorboard=false", *extra,
@@ -49,6 +50,9 @@ def test_grpo_metrics_and_exact_resume(task):
     assert max(m["rollout/logprob_diff_max"] for m in whole) < 1e-4
     assert all(0 <= m["groups/zero_variance_fraction"] <= 1 for m in whole)
     assert all(m["response/length_mean"] <= 3 for m in whole)
+    for m in whole:  # dynamic sampling dropped exactly the zero-variance groups
+        zero = m["groups/zero_variance_fraction"]
+        assert m["groups/kept_fraction"] == pytest.approx(1.0 if zero == 1 else 1 - zero)
     assert guarded(main, _args(task, "split", "--train.exit_at_step=2")) == 0
     assert guarded(main, _args(task, "split")) == 0
     split = read_metrics(folder / "split" / "metrics.jsonl")
