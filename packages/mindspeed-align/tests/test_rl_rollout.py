@@ -133,3 +133,28 @@ def test_grpo_step_dp_shard2_equals_one_process_and_fsdp_rolls_out_synced():
                 assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), (agg, key)
             for name, grad in g1.items():
                 torch.testing.assert_close(g2[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _tp_layout():
+    one = _grpo_step(ParallelConfig(), "seq-mean-token-mean", world_size=1)
+    two = _grpo_step(ParallelConfig(tp=2), "seq-mean-token-mean")  # both ranks read it all
+    rollout = LocalRollout(two[2])
+    rollout.sync_weights()
+    batch = rollout.generate(PROMPTS, SamplingConfig(n=2, max_new_tokens=6), seed=5)
+    diff = (_recomputed(two[2], batch, 1.0) - _sampler(batch)).abs().max().item()
+    return [(r.loss, r.num_units, r.metrics, g) for r, g, _ in (one, two)], diff, batch.response_ids
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_grpo_step_tp2_equals_one_process():
+    ranks = run_distributed(_tp_layout, 2, timeout=600)
+    assert ranks[0][2] == ranks[1][2]  # tensor-parallel peers draw the same samples
+    for pairs, diff, _ in ranks:
+        assert diff < 1e-5
+        (loss1, units1, m1, g1), (loss2, units2, m2, g2) = pairs
+        assert units1 == units2 and loss2 == pytest.approx(loss1, rel=1e-5, abs=1e-6)
+        for key in m1:
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
+        for name, grad in g1.items():
+            torch.testing.assert_close(g2[name], grad, rtol=1e-5, atol=1e-6, msg=name)
