@@ -25,22 +25,30 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 
 class ModelState(Stateful):
-    """The state of one model or of the pipeline stages a rank holds."""
+    """The state of one model or of the pipeline stages a rank holds.
 
-    def __init__(self, model_parts: nn.Module | Sequence[nn.Module]):
+    With `trainable_only` it leaves out the frozen parameters (a frozen base under adapters,
+    which the run rebuilds from its source; buffers stay) and loads non-strictly.
+    """
+
+    def __init__(
+        self, model_parts: nn.Module | Sequence[nn.Module], *, trainable_only: bool = False
+    ):
         self.model_parts = (
             [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
         )
+        self.trainable_only = trainable_only
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
+        options = StateDictOptions(ignore_frozen_params=self.trainable_only)
         for part in self.model_parts:
-            merged.update(get_model_state_dict(part))
+            merged.update(get_model_state_dict(part, options=options))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # strict=False: each pipeline stage takes only its own names from the merged dict.
-        options = StateDictOptions(strict=len(self.model_parts) == 1)
+        options = StateDictOptions(strict=len(self.model_parts) == 1 and not self.trainable_only)
         for part in self.model_parts:
             set_model_state_dict(part, state_dict, options=options)
 

@@ -192,11 +192,14 @@ class TrainParts:
     scheduler: LRSchedulersContainer
     scaler: DynamicLossScaler | None
     state: TrainState = field(default_factory=TrainState)
+    adapter_only: bool = False
+    """Checkpoints hold only the trainable parameters (adapters; the frozen base is
+    rebuilt from the run's model source)."""
 
     def states(self, data: Stateful | None, device: torch.device) -> dict[str, Stateful]:
         """Everything a checkpoint holds, under the names of the checkpoint layout."""
         states = {
-            "model": ModelState(self.model.parts),
+            "model": ModelState(self.model.parts, trainable_only=self.adapter_only),
             "optimizer": self.optimizer,
             "scheduler": self.scheduler,
             "train": self.state,
@@ -210,10 +213,21 @@ class TrainParts:
 
 
 def build_train_parts(
-    model: BuiltModel, optim: OptimConfig, *, total_steps: int, precision: str = "fp32"
+    model: BuiltModel,
+    optim: OptimConfig,
+    *,
+    total_steps: int,
+    precision: str = "fp32",
+    adapter_only: bool = False,
 ) -> TrainParts:
     """AdamW over `model`'s trainable parameters, its LR schedule over `total_steps`,
-    and a dynamic loss scaler for fp16."""
+    and a dynamic loss scaler for fp16; `adapter_only`: see `TrainParts`."""
     optimizer, scheduler = optim.build(model.parts, total_steps)
     scaler = DynamicLossScaler() if precision == "fp16" else None
-    return TrainParts(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+    return TrainParts(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        adapter_only=adapter_only,
+    )

@@ -39,6 +39,9 @@ class Trainer:
             default: pretraining's `PretrainData`.
         objective: default: `NextToken(cfg.train.loss_normalization)`.
         before_tp / after_tp: model hooks (a new head; adapters), see `build_model`.
+        adapter_only: checkpoints hold only the trainable parameters (LoRA adapters over
+            a frozen base rebuilt from `model.hf_path` or the seed); see
+            `mindspeed_llm.peft.lora_trainer_options`.
         command: names the progress bar.
     """
 
@@ -52,6 +55,7 @@ class Trainer:
         before_tp: ModelHook | None = None,
         after_tp: ModelHook | None = None,
         command: str = "pretrain",
+        adapter_only: bool = False,
     ):
         data = data or PretrainData
         self.cfg, self.device, self.command = cfg, info.device, command
@@ -65,7 +69,7 @@ class Trainer:
         self.data = data(cfg, self.model_cfg)
         self.dims.build(self.device.type)  # the first process groups: after every check
         self.data.build(self.dims, self.accum)
-        self.parts = self._build_parts(before_tp, after_tp)
+        self.parts = self._build_parts(before_tp, after_tp, adapter_only)
         self.model = self.parts.model.model
         self.state = self.parts.state
         self.step = TrainStep(
@@ -79,7 +83,7 @@ class Trainer:
         self.states = self.parts.states(self.data, self.device)
         self.checkpoints = cfg.checkpoint.manager(self.states, cfg.logging.run_dir)
 
-    def _build_parts(self, before_tp, after_tp):
+    def _build_parts(self, before_tp, after_tp, adapter_only=False):
         cfg = self.cfg
         model = build_model(
             self.model_cfg,
@@ -95,7 +99,11 @@ class Trainer:
             after_tp=after_tp,
         )
         return build_train_parts(
-            model, cfg.optim, total_steps=cfg.train.steps, precision=cfg.train.precision
+            model,
+            cfg.optim,
+            total_steps=cfg.train.steps,
+            precision=cfg.train.precision,
+            adapter_only=adapter_only,
         )
 
     def run(self) -> dict[str, float]:
