@@ -1,0 +1,219 @@
+"""LoRA: low-rank adapters on the linear layers of a (tensor-parallel) decoder.
+
+`lora_transform(config)` is an `after_tp` model hook (see `build_model`): it runs after
+tensor parallel has made the planned weights DTensors and before FSDP, freezes the base and
+gives every targeted `nn.Linear` two children, `lora_A` (rank x in) and `lora_B`
+(out x rank), plus a forward hook adding `scaling * B(A(dropout(x)))` to its output.
+Module names stay the base's (`layers.0.attention.wq.weight`; the adapter is
+`layers.0.attention.wq.lora_A.weight`), so the TP plan, FSDP and checkpoint names are
+untouched; the adapter names are peft's, under our module paths.
+
+The adapter follows its base's tensor-parallel placement, read from the base weight: a
+column-parallel base (weight Shard(0)) gets A replicated and B sharded on the output dim; a
+row-parallel base (Shard(1)) gets A sharded on the input dim and B replicated, and the
+rank-sized partial sums are all-reduced before B. Every rank draws the whole adapter from
+the run's random stream (as `build_model` does for the model) and keeps its share, so every
+layout starts from one process's adapter. Initialisation is peft's: A Kaiming-uniform, B 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from mindspeed_core.errors import ConfigError
+
+__all__ = [
+    "HF_NAMES",
+    "LoRAConfig",
+    "adapted_modules",
+    "apply_lora",
+    "lora_trainer_options",
+    "lora_transform",
+    "merge_lora",
+]
+
+HF_NAMES = {
+    "wq": "q_proj",
+    "wk": "k_proj",
+    "wv": "v_proj",
+    "wo": "o_proj",
+    "w1": "gate_proj",
+    "w3": "up_proj",
+    "w2": "down_proj",
+}
+"""Our linear layers' names -> Hugging Face's (`lora.targets` accepts both)."""
+_OURS = {hf: ours for ours, hf in HF_NAMES.items()}
+
+
+@dataclass(kw_only=True)
+class LoRAConfig:
+    rank: int = 0
+    """Adapter rank r; 0: no LoRA (full fine-tuning)."""
+    alpha: float = 16.0
+    """Scaling numerator: the update is (alpha / r) B A, or (alpha / sqrt(r)) B A with rslora."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (masks are drawn per rank under tensor parallel)."""
+    targets: list[str] = field(default_factory=lambda: list(HF_NAMES.values()))
+    """Linear layers to adapt, by name: q_proj k_proj v_proj o_proj gate_proj up_proj
+    down_proj (Hugging Face's) or wq wk wv wo w1 w3 w2 (ours)."""
+    rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023), as peft's use_rslora."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ConfigError(f"lora.rank={self.rank} must be >= 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        unknown = [t for t in self.targets if t not in HF_NAMES and t not in _OURS]
+        if unknown:
+            known = " ".join([*HF_NAMES.values(), *HF_NAMES])
+            raise ConfigError(f"lora.targets: unknown layer {unknown[0]!r} (known: {known})")
+        if self.rank and not self.targets:
+            raise ConfigError("lora.targets is empty: name at least one linear layer")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def our_targets(self) -> set[str]:
+        """`targets` in our names."""
+        return {_OURS.get(t, t) for t in self.targets}
+
+
+def lora_transform(config: LoRAConfig):
+    """The `after_tp` hook of `build_model` / `Trainer` that applies `config`."""
+
+    def after_tp(model: nn.Module, dims=None) -> None:
+        apply_lora(model, config)
+
+    return after_tp
+
+
+def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
+    """Freeze `model` and add adapters to its targeted linear layers, in place.
+
+    Returns the names of the adapted modules.
+
+    Raises:
+        ConfigError: a target matches no linear layer of `model`.
+    """
+    wanted = config.our_targets()
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in wanted
+    ]
+    seen = {name.rsplit(".", 1)[-1] for name, _ in found}
+    missing = [t for t in config.targets if _OURS.get(t, t) not in seen]
+    if missing:
+        raise ConfigError(
+            f"lora.targets: {missing[0]!r} matches no linear layer of the model "
+            f"(its linear layers: {' '.join(sorted(_linear_names(model)))})"
+        )
+    model.requires_grad_(False)
+    for _, module in found:
+        _adapt(module, config)
+    return [name for name, _ in found]
+
+
+def _linear_names(model: nn.Module) -> set[str]:
+    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def _adapt(linear: nn.Linear, config: LoRAConfig) -> None:
+    weight = linear.weight
+    a = torch.empty(config.rank, linear.in_features, dtype=weight.dtype, device=weight.device)
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # peft's (and nn.Linear's) default
+    b = torch.zeros(linear.out_features, config.rank, dtype=weight.dtype, device=weight.device)
+    if isinstance(weight, DTensor):
+        a_place, b_place = _placements(weight)
+        a = distribute_tensor(a, weight.device_mesh, a_place)
+        b = distribute_tensor(b, weight.device_mesh, b_place)
+    linear.lora_A = _factor(a)
+    linear.lora_B = _factor(b)
+    linear.lora_dropout = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
+    linear.lora_scaling = config.scaling
+    linear.lora_handle = linear.register_forward_hook(_add_lora)
+
+
+def _factor(weight: torch.Tensor) -> nn.Module:
+    """A bias-free linear holding `weight` (peft's `lora_A`/`lora_B` names)."""
+    module = nn.Module()
+    module.weight = nn.Parameter(weight)
+    return module
+
+
+def _placements(weight: DTensor):
+    """(A's, B's) placements for a base weight [out, in] placed as `weight`."""
+    (place,) = weight.placements
+    if place == Shard(0):  # column parallel: outputs split
+        return [Replicate()], [Shard(0)]
+    if place == Shard(1):  # row parallel: inputs split
+        return [Shard(1)], [Replicate()]
+    return [Replicate()], [Replicate()]
+
+
+def _add_lora(linear: nn.Linear, args, output):
+    """Forward hook: output + scaling * B(A(dropout(x))), in the base output's layout."""
+    x = linear.lora_dropout(args[0])
+    h = F.linear(x, linear.lora_A.weight)
+    if isinstance(h, DTensor) and any(p.is_partial() for p in h.placements):
+        h = h.redistribute(placements=[Replicate()])  # row parallel: sum the rank-r parts
+    delta = F.linear(h, linear.lora_B.weight) * linear.lora_scaling
+    if isinstance(delta, DTensor):
+        delta = _like(delta, output)
+    return output + delta
+
+
+def _like(delta: DTensor, output):
+    """`delta` in `output`'s layout: its placements (a DTensor output), else the local
+    shard of the same shape (Shard(-1) column parallel, Replicate or, under sequence
+    parallel, Shard(1) row parallel)."""
+    if isinstance(output, DTensor):
+        return delta.redistribute(placements=output.placements)
+    local = delta.to_local()
+    if local.shape == output.shape:
+        return local
+    local = delta.redistribute(placements=[Shard(1)]).to_local()
+    if local.shape != output.shape:
+        raise RuntimeError(f"LoRA output {tuple(local.shape)} does not fit {tuple(output.shape)}")
+    return local
+
+
+def adapted_modules(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
+    """(name, linear) of every layer carrying an adapter."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and hasattr(module, "lora_A"):
+            yield name, module
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (W += scaling B A) and remove it; in place
+    on a plain (not parallelised) model."""
+    for _, linear in list(adapted_modules(model)):
+        delta = linear.lora_B.weight.float() @ linear.lora_A.weight.float()
+        linear.weight.add_((delta * linear.lora_scaling).to(linear.weight.dtype))
+        linear.lora_handle.remove()
+        for attr in ("lora_A", "lora_B", "lora_dropout", "lora_scaling", "lora_handle"):
+            delattr(linear, attr)
+    return model
+
+
+def lora_trainer_options(config: LoRAConfig | None) -> dict:
+    """`Trainer(cfg, info, **lora_trainer_options(cfg.lora))`: the LoRA `after_tp` hook and
+    adapter-only checkpoints when `config.rank > 0`, else nothing (full fine-tuning)."""
+    if config is None or not config.enabled:
+        return {}
+    return {"after_tp": lora_transform(config), "adapter_only": True}
