@@ -162,9 +162,11 @@ def test_lora_under_tp2_equals_one_process_and_follows_the_base_placement():
 
 
 def _tp2_dp2():
-    tp_sp = ParallelConfig(tp=2, loss_parallel=False, sequence_parallel=True)
     both = ParallelConfig(tp=2, dp_shard=2, loss_parallel=False)
-    return _layouts({"one": (ParallelConfig(), 1), "tp2_sp": (tp_sp, 2), "tp2_dp2": (both, None)})
+    sp = ParallelConfig(tp=2, dp_shard=2, loss_parallel=False, sequence_parallel=True)
+    return _layouts(
+        {"one": (ParallelConfig(), 1), "tp2_dp2": (both, None), "tp2_dp2_sp": (sp, None)}
+    )
 
 
 @pytest.mark.slow

@@ -1,0 +1,130 @@
+"""A LoRA run's checkpoints: adapters only, over the base its config.yaml names.
+
+A trainer run with `lora.rank > 0` saves only the adapter tensors (and buffers); its
+`config.yaml` holds the `lora` section and `model.hf_path`, the frozen base. `run_lora`
+tells such a run from a full one; `load_adapter_weights` rebuilds base + adapters in a
+plain model (what `models.loading.load_model` does for generate, chat and eval, merged);
+`write_peft_adapter` writes the folder `peft.PeftModel.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from mindspeed_core.config import read_yaml
+from mindspeed_core.errors import CheckpointError, ConfigError
+from mindspeed_llm.models import checkpoint_io as ckpt
+from mindspeed_llm.models.config import TransformerConfig
+from mindspeed_llm.models.hf_io import load_hf_weights
+from mindspeed_llm.peft.lora import LoRAConfig, apply_lora
+from mindspeed_llm.peft.names import hf_module_names, to_peft_names
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "load_adapter_weights",
+    "read_adapters",
+    "run_base",
+    "run_lora",
+    "write_peft_adapter",
+]
+
+
+def run_lora(folder: Path) -> LoRAConfig | None:
+    """The `lora` section of the run whose checkpoints are in `folder`, when it trained
+    adapters (rank > 0); None for a full run or a converted checkpoint.
+
+    Raises:
+        ConfigError: a `lora` section that `LoRAConfig` refuses.
+    """
+    config_yaml = ckpt.run_config_path(folder)
+    if config_yaml is None:
+        return None
+    section = read_yaml(config_yaml)[0].get("lora") or {}
+    if not section.get("rank"):
+        return None
+    try:
+        return LoRAConfig(**section)
+    except TypeError as err:
+        raise ConfigError(f"{config_yaml}: lora section: {err}") from None
+
+
+def run_base(folder: Path) -> Path:
+    """The Hugging Face folder a LoRA run adapted (`model.hf_path` of its config.yaml).
+
+    Raises:
+        CheckpointError: the run names none (its checkpoints hold adapters only).
+    """
+    config_yaml = ckpt.run_config_path(folder)
+    model = (read_yaml(config_yaml)[0].get("model") or {}) if config_yaml else {}
+    if not model.get("hf_path"):
+        raise CheckpointError(
+            f"{folder}: a LoRA run's checkpoints hold only adapters, and its config.yaml "
+            "names no model.hf_path to load the base from"
+        )
+    return Path(model["hf_path"])
+
+
+def load_adapter_weights(
+    model: nn.Module, folder: Path, step_dir: Path, config: TransformerConfig, lora: LoRAConfig
+) -> nn.Module:
+    """Load the run's base into plain `model`, add `lora`'s adapters and load them from
+    the DCP step `step_dir`; returns `model` (adapters unmerged, see `merge_lora`).
+
+    Raises:
+        CheckpointError: no base, or the checkpoint lacks an adapter tensor.
+    """
+    load_hf_weights(model, run_base(folder), config)
+    apply_lora(model, lora)
+    model.requires_grad_(True)
+    tensors = read_adapters(step_dir)
+    wanted = {n for n, _ in model.named_parameters() if ".lora_" in n}
+    if wanted - set(tensors):
+        raise CheckpointError(
+            f"{step_dir} lacks adapter {sorted(wanted - set(tensors))[0]} of lora.targets="
+            f"{lora.targets}"
+        )
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in wanted:
+            params[name].copy_(tensors[name])
+    return model
+
+
+def read_adapters(step_dir: Path) -> dict[str, torch.Tensor]:
+    """Our name -> tensor of every adapter in a DCP step folder."""
+    stored = ckpt.tensor_metadata(step_dir)
+    return ckpt.read_tensors(step_dir, {k: v for k, v in stored.items() if ".lora_" in k})
+
+
+def write_peft_adapter(
+    folder: Path, step_dir: Path, config: TransformerConfig, lora: LoRAConfig, out: Path
+) -> None:
+    """adapter_config.json + adapter_model.safetensors of the run's adapters, in `out`."""
+    tensors = read_adapters(step_dir)
+    names = to_peft_names(tensors, config)
+    modules = {k.rsplit(".", 2)[0] for k in tensors}
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(run_base(folder)),
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "use_rslora": lora.rslora,
+        "target_modules": hf_module_names(modules, config),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
+    state = {names[k]: t.contiguous() for k, t in tensors.items()}
+    save_file(state, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
