@@ -125,9 +125,24 @@ def load_model(
     model = _empty_model(config, device, dtype)
     if source.kind == "hf":
         load_hf_weights(model, source.weights, config)
+    elif (lora := _run_lora(source)) is not None:  # adapters only: the base + them, merged
+        from mindspeed_llm.peft import checkpoint as adapters
+        from mindspeed_llm.peft.lora import merge_lora
+
+        adapters.load_adapter_weights(model, source.path, source.weights, config, lora)
+        merge_lora(model)
     else:
         ckpt.load_model_weights(model, source.weights)
     return model.eval(), config
+
+
+def _run_lora(source: ModelSource):
+    """The `lora` section of a LoRA run's checkpoints (None otherwise)."""
+    if source.kind != "run":
+        return None
+    from mindspeed_llm.peft.checkpoint import run_lora
+
+    return run_lora(source.path)
 
 
 def _checkpoint_source(folder: Path, overrides: dict[str, Any]) -> ModelSource:
