@@ -2,6 +2,8 @@
 
     mindspeed convert --input HF_DIR --output OUT --to mindspeed [--tp 2 --pp 2 --ep 1]
     mindspeed convert --input CKPT --output HF_OUT --to hf [--max-shard-size 5GB]
+    mindspeed convert --input LORA_RUN_CKPT --output HF_OUT --to hf --merge-lora
+    mindspeed convert --input LORA_RUN_CKPT --output PEFT_OUT --to peft
 
 A MindSpeed checkpoint is a DCP checkpoint: every tensor is stored once, under its
 fully-qualified name with its global shape, and DCP reshards it on load. Our parallel
@@ -41,8 +43,10 @@ from mindspeed_core.parallel import ParallelConfig
 from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models import hf_io
 from mindspeed_llm.models.common.layout import check_layout
-from mindspeed_llm.models.loading import ModelSource, checkpoint_source
+from mindspeed_llm.models.loading import ModelSource, checkpoint_source, load_model
+from mindspeed_llm.models.registry import get_model_spec
 from mindspeed_llm.models.weight_check import check_weights, model_shapes
+from mindspeed_llm.peft.checkpoint import run_lora, write_peft_adapter
 from mindspeed_tools.dcp_stream import load_streaming, save_streaming
 
 logger = logging.getLogger("mindspeed.convert")
@@ -141,6 +145,10 @@ def mindspeed_to_hf(
         ConfigError / CheckpointError: the source is not a checkpoint or is incomplete.
     """
     model = checkpoint_source(source)
+    if model.kind == "run" and run_lora(model.path) is not None:
+        raise ConfigError(
+            f"{source} is a LoRA run's checkpoint (adapters only): add --merge-lora, or use --to peft"
+        )
     config, step_dir = model.config, model.weights
     stored = ckpt.tensor_metadata(step_dir)
     meta = {n: torch.empty(shape, dtype=d, device="meta") for n, (d, shape) in stored.items()}
@@ -187,6 +195,60 @@ def mindspeed_to_hf(
             _write_index(tmp, writers, where)
         _write_hf_config(model, tmp, entries)
     logger.info("wrote %s (%d tensors in %d file(s))", output, len(entries), len(shards))
+    return Path(output)
+
+
+# -- LoRA runs: merged Hugging Face weights, or a peft adapter ------------------------------
+
+
+def _lora_source(source: str | Path, flag: str):
+    model = checkpoint_source(source)
+    lora = run_lora(model.path) if model.kind == "run" else None
+    if lora is None:
+        raise ConfigError(
+            f"{flag}: {source} is not a LoRA run's checkpoint (its config.yaml has no lora.rank > 0)"
+        )
+    return model, lora
+
+
+def merge_lora_to_hf(
+    source: str | Path,
+    output: str | Path,
+    *,
+    max_shard_size: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """A Hugging Face folder holding a LoRA run's base with its adapters merged
+    (W + scaling B A); the whole model is built in memory once."""
+    model_source, _ = _lora_source(source, "--merge-lora")
+    model, config = load_model(model_source)  # base + adapters, merged
+    spec = get_model_spec(config.family)
+    tensors = spec.hf_adapter.to_hf(model.state_dict(), config)
+    entries = [(hf, dtype or t.dtype, tuple(t.shape)) for hf, t in tensors.items()]
+    shards = plan_shards(entries, max_shard_size)
+    with _staging(output) as tmp:
+        writers = {}
+        for file, names in shards.items():
+            writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in names])
+            for name in names:
+                tensor = tensors[name]
+                writers[file].write(name, tensor if dtype is None else tensor.to(dtype))
+            writers[file].close()
+        if len(shards) > 1:
+            where = {hf: file for file, names in shards.items() for hf in names}
+            _write_index(tmp, writers, where)
+        _write_hf_config(model_source, tmp, entries)
+    logger.info("wrote %s (LoRA merged, %d tensors)", output, len(entries))
+    return Path(output)
+
+
+def lora_to_peft(source: str | Path, output: str | Path) -> Path:
+    """adapter_config.json + adapter_model.safetensors of a LoRA run, for
+    `peft.PeftModel.from_pretrained(base, output)`."""
+    model, lora = _lora_source(source, "--to peft")
+    with _staging(output) as tmp:
+        write_peft_adapter(model.path, model.weights, model.config, lora, tmp)
+    logger.info("wrote %s (peft adapter, rank %d)", output, lora.rank)
     return Path(output)
 
 
@@ -326,7 +388,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--input", required=True, help="HF folder, or a MindSpeed checkpoint")
     p.add_argument("--output", required=True, help="folder to create (must not exist)")
-    p.add_argument("--to", required=True, choices=("mindspeed", "hf"), help="target format")
+    p.add_argument("--to", required=True, choices=("mindspeed", "hf", "peft"), help="target format")
+    p.add_argument("--merge-lora", action="store_true", help="--to hf: merge a LoRA run's adapters")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree to validate")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree to validate")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree to validate")
@@ -339,13 +402,18 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     setup_logging()
     dtype = DTYPES[args.dtype]
-    if args.to == "mindspeed":
+    if args.merge_lora and args.to != "hf":
+        raise ConfigError("--merge-lora applies to --to hf only")
+    if args.to == "peft":
+        lora_to_peft(args.input, args.output)
+    elif args.to == "mindspeed":
         hf_to_mindspeed(args.input, args.output, tp=args.tp, pp=args.pp, ep=args.ep, dtype=dtype)
     else:
         if (args.tp, args.pp, args.ep) != (1, 1, 1):
             raise ConfigError("--tp/--pp/--ep apply to --to mindspeed only")
         size = parse_size(args.max_shard_size)
-        mindspeed_to_hf(args.input, args.output, max_shard_size=size, dtype=dtype)
+        to_hf = merge_lora_to_hf if args.merge_lora else mindspeed_to_hf
+        to_hf(args.input, args.output, max_shard_size=size, dtype=dtype)
     return 0
 
 
