@@ -13,6 +13,13 @@ from mindspeed_ops.cross_entropy import (
 )
 from mindspeed_ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from mindspeed_ops.matmul_add import matmul_add, matmul_add_reference
+from mindspeed_ops.nf4 import (
+    NF4_LEVELS,
+    nf4_dequantize,
+    nf4_dequantize_reference,
+    nf4_quantize,
+    nf4_quantize_reference,
+)
 from mindspeed_ops.rms_norm import rms_norm, rms_norm_reference
 from mindspeed_ops.rotary import (
     position_ids_from_cu_seqlens,
@@ -26,6 +33,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IMPLS",
+    "NF4_LEVELS",
     "attention",
     "attention_reference",
     "available_impls",
@@ -37,6 +45,10 @@ __all__ = [
     "linear_cross_entropy_reference",
     "matmul_add",
     "matmul_add_reference",
+    "nf4_dequantize",
+    "nf4_dequantize_reference",
+    "nf4_quantize",
+    "nf4_quantize_reference",
     "position_ids_from_cu_seqlens",
     "resolve_impl",
     "rms_norm",

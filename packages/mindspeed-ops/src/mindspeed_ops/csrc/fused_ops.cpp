@@ -1,4 +1,5 @@
-// CPU kernels of mindspeed-ops: rms_norm, swiglu and rotary embedding, forward and backward.
+// CPU kernels of mindspeed-ops: rms_norm, swiglu and rotary embedding, forward and backward;
+// NF4 quantise/dequantise.
 //
 // Inputs are fp32 or bf16; every sum and every product is taken in fp32. Rows are spread over
 // OpenMP threads with at::parallel_for and each row is walked with at::vec::Vectorized<float>.
@@ -14,6 +15,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 namespace {
@@ -439,6 +441,100 @@ at::Tensor rotary(
   return out;
 }
 
+// NF4, QLoRA's 4-bit NormalFloat: each block of `block` values shares one fp32 absmax; a value
+// becomes the index of the level nearest to value / absmax (the first on a tie, as argmin), two
+// indices per byte, the first in the high nibble. An all-zero block (absmax 0) codes 7 (0.0).
+constexpr float kNF4[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+
+inline uint8_t nf4_nearest(float v, float absmax) {
+  if (absmax == 0.f) {
+    return 7;
+  }
+  const float s = v / absmax;
+  uint8_t best = 0;
+  float best_diff = std::abs(s - kNF4[0]);
+  for (uint8_t k = 1; k < 16; ++k) {
+    const float diff = std::abs(s - kNF4[k]);
+    if (diff < best_diff) {
+      best_diff = diff;
+      best = k;
+    }
+  }
+  return best;
+}
+
+template <typename T>
+void nf4_quantize_kernel(const T* x, int64_t blocks, int64_t block, uint8_t* packed, float* absmax) {
+  at::parallel_for(0, blocks, row_grain(block), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const T* xb = x + b * block;
+      float m = 0.f;
+      for (int64_t i = 0; i < block; ++i) {
+        m = std::max(m, std::abs(static_cast<float>(xb[i])));
+      }
+      absmax[b] = m;
+      uint8_t* out = packed + b * block / 2;
+      for (int64_t i = 0; i < block; i += 2) {
+        const uint8_t hi = nf4_nearest(static_cast<float>(xb[i]), m);
+        out[i / 2] = static_cast<uint8_t>((hi << 4) | nf4_nearest(static_cast<float>(xb[i + 1]), m));
+      }
+    }
+  });
+}
+
+template <typename T>
+void nf4_dequantize_kernel(
+    const uint8_t* packed, const float* absmax, int64_t blocks, int64_t block, T* out) {
+  at::parallel_for(0, blocks, row_grain(block), [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float m = absmax[b];
+      const uint8_t* in = packed + b * block / 2;
+      T* ob = out + b * block;
+      for (int64_t i = 0; i < block; i += 2) {
+        ob[i] = static_cast<T>(kNF4[in[i / 2] >> 4] * m);
+        ob[i + 1] = static_cast<T>(kNF4[in[i / 2] & 15] * m);
+      }
+    }
+  });
+}
+
+// x: contiguous fp32/bf16 with numel a multiple of block (even) -> (packed uint8, absmax fp32).
+std::vector<at::Tensor> nf4_quantize(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+  TORCH_CHECK(block > 0 && block % 2 == 0, "block must be positive and even");
+  TORCH_CHECK(x.numel() % block == 0, "block must divide the number of elements");
+  const int64_t blocks = x.numel() / block;
+  auto packed = at::empty({x.numel() / 2}, x.options().dtype(at::kByte));
+  auto absmax = at::empty({blocks}, x.options().dtype(at::kFloat));
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    nf4_quantize_kernel<scalar_t>(
+        x.data_ptr<scalar_t>(), blocks, block, packed.data_ptr<uint8_t>(), absmax.data_ptr<float>());
+  });
+  return {packed, absmax};
+}
+
+// The values of nf4_quantize's output, flat, in `dtype` (fp32 or bf16).
+at::Tensor nf4_dequantize(
+    const at::Tensor& packed, const at::Tensor& absmax, int64_t block, at::ScalarType dtype) {
+  TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == at::kByte, "packed: uint8");
+  TORCH_CHECK(absmax.is_contiguous() && absmax.scalar_type() == at::kFloat, "absmax: fp32");
+  TORCH_CHECK(block > 0 && block % 2 == 0, "block must be positive and even");
+  TORCH_CHECK(packed.numel() * 2 == absmax.numel() * block, "packed and absmax sizes differ");
+  auto out = at::empty({packed.numel() * 2}, packed.options().dtype(dtype));
+  dispatch(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    nf4_dequantize_kernel<scalar_t>(
+        packed.data_ptr<uint8_t>(), absmax.data_ptr<float>(), absmax.numel(), block,
+        out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -447,4 +543,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("swiglu_fwd", &swiglu_fwd, "silu(a) * b");
   m.def("swiglu_bwd", &swiglu_bwd, "SwiGLU backward into (da, db)");
   m.def("rotary", &rotary, "rotary embedding (inverse=True is the backward)");
+  m.def("nf4_quantize", &nf4_quantize, "NF4 quantise -> (packed uint8, absmax fp32)");
+  m.def("nf4_dequantize", &nf4_dequantize, "NF4 dequantise -> flat values");
 }
