@@ -65,6 +65,9 @@ class LoRAConfig:
     down_proj (Hugging Face's) or wq wk wv wo w1 w3 w2 (ours)."""
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023), as peft's use_rslora."""
+    quantize: str = "none"
+    """"nf4": QLoRA, the frozen base's decoder linear weights stored in NF4 (block 64, fp32
+    absmax) and dequantised per forward (`mindspeed_llm.peft.qlora`); "none": as loaded."""
 
     def __post_init__(self) -> None:
         if self.rank < 0:
@@ -77,6 +80,10 @@ class LoRAConfig:
             raise ConfigError(f"lora.targets: unknown layer {unknown[0]!r} (known: {known})")
         if self.rank and not self.targets:
             raise ConfigError("lora.targets is empty: name at least one linear layer")
+        if self.quantize not in ("none", "nf4"):
+            raise ConfigError(f"lora.quantize={self.quantize!r}: choose none or nf4")
+        if self.quantize != "none" and not self.rank:
+            raise ConfigError(f"lora.quantize={self.quantize} needs adapters: set lora.rank > 0")
 
     @property
     def enabled(self) -> bool:
@@ -96,6 +103,10 @@ def lora_transform(config: LoRAConfig):
 
     def after_tp(model: nn.Module, dims=None) -> None:
         apply_lora(model, config)
+        if config.quantize == "nf4":
+            from mindspeed_llm.peft.qlora import quantize_base
+
+            quantize_base(model)
 
     return after_tp
 
@@ -211,9 +222,20 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def lora_trainer_options(config: LoRAConfig | None) -> dict:
-    """`Trainer(cfg, info, **lora_trainer_options(cfg.lora))`: the LoRA `after_tp` hook and
-    adapter-only checkpoints when `config.rank > 0`, else nothing (full fine-tuning)."""
+def lora_trainer_options(
+    config: LoRAConfig | None, *, precision: str = "fp32", device_type: str = "cpu"
+) -> dict:
+    """`Trainer(cfg, info, **lora_trainer_options(cfg.lora, precision=cfg.train.precision,
+    device_type=info.device.type))`: the LoRA `after_tp` hook and adapter-only checkpoints
+    when `config.rank > 0`, else nothing (full fine-tuning).
+
+    Raises:
+        ConfigError: QLoRA on a precision or device it cannot serve (`qlora.check_qlora`).
+    """
     if config is None or not config.enabled:
         return {}
+    if config.quantize == "nf4":
+        from mindspeed_llm.peft.qlora import check_qlora
+
+        check_qlora(precision, device_type)
     return {"after_tp": lora_transform(config), "adapter_only": True}
