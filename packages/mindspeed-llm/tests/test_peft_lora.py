@@ -1,8 +1,11 @@
 """LoRA against peft (the oracle nobody here wrote): on the transformers model of the same
 weights, `get_peft_model` with the same adapters gives our logits and A/B gradients, before
 and after one AdamW step (fp32, 1e-5); under tp=2 (and tp=2 x dp_shard=2) the adapters
-follow the base's placement and give one process's logits and gradients; a LoRA run on the
+follow the base's placement and give one process's logits and gradients, QLoRA's NF4 base
+included; a LoRA run on the
 shared Trainer checkpoints only its adapters and resumes exactly."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -17,7 +20,13 @@ from mindspeed_core.testing import import_sibling, run_distributed
 from mindspeed_core.training import read_metrics
 from mindspeed_llm.models import build_model_config
 from mindspeed_llm.models.checkpoint_io import tensor_metadata
-from mindspeed_llm.peft import LoRAConfig, adapted_modules, apply_lora, lora_trainer_options
+from mindspeed_llm.peft import (
+    LoRAConfig,
+    adapted_modules,
+    apply_lora,
+    lora_trainer_options,
+    lora_transform,
+)
 from mindspeed_llm.peft.names import to_peft_names
 from mindspeed_llm.train.build import build_model
 from mindspeed_llm.train.config import PretrainConfig
@@ -98,14 +107,15 @@ def test_a_lora_target_that_matches_nothing_is_one_line():
 SEQ = 16
 
 
-def _layouts(layouts):
+def _layouts(layouts, config=None, lora=None):
     """Logits, A/B gradients and the logits after one AdamW step, per layout (full tensors)."""
-    config = build_model_config("llama", flavor="debug", ops_impl="reference")
+    config = config or build_model_config("llama", flavor="debug", ops_impl="reference")
     x = torch.randint(0, config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    lora = LoRAConfig(rank=4, alpha=8, targets=TARGETS)
+    lora = lora or LoRAConfig(rank=4, alpha=8, targets=TARGETS)
+    transform = lora_transform(lora)
 
     def after_tp(model, dims):
-        apply_lora(model, lora)
+        transform(model, dims)
         _randomise_b(model)
 
     out = {}
@@ -147,13 +157,21 @@ def _compare(results):
 
 
 def _tp2():
-    tp = ParallelConfig(tp=2, loss_parallel=False)
-    return _layouts({"one": (ParallelConfig(), 1), "tp2": (tp, None)})
+    layouts = {
+        "one": (ParallelConfig(), 1),
+        "tp2": (ParallelConfig(tp=2, loss_parallel=False), None),
+    }
+    base = build_model_config("llama", flavor="debug", ops_impl="reference")
+    wider = dataclasses.replace(base, hidden_size=128, intermediate_size=256, head_dim=32)
+    qlora = LoRAConfig(rank=4, alpha=8, quantize="nf4")  # 64-blocks never cross a tp shard
+    return _layouts(layouts), _layouts(layouts, wider, qlora)
 
 
 @pytest.mark.distributed
-def test_lora_under_tp2_equals_one_process_and_follows_the_base_placement():
-    for result in _compare(run_distributed(_tp2, 2, timeout=600)):
+def test_lora_and_qlora_under_tp2_equal_one_process_and_follow_the_base_placement():
+    results = run_distributed(_tp2, 2, timeout=600)
+    _compare([qlora for _, qlora in results])
+    for result in _compare([lora for lora, _ in results]):
         placements = result["tp2"][3]
         assert placements["layers.0.attention.wq.lora_A.weight"] == (Replicate(),)
         assert placements["layers.0.attention.wq.lora_B.weight"] == (Shard(0),)
@@ -164,15 +182,21 @@ def test_lora_under_tp2_equals_one_process_and_follows_the_base_placement():
 def _tp2_dp2():
     both = ParallelConfig(tp=2, dp_shard=2, loss_parallel=False)
     sp = ParallelConfig(tp=2, dp_shard=2, loss_parallel=False, sequence_parallel=True)
-    return _layouts(
+    lora = _layouts(
         {"one": (ParallelConfig(), 1), "tp2_dp2": (both, None), "tp2_dp2_sp": (sp, None)}
     )
+    base = build_model_config("llama", flavor="debug", ops_impl="reference")
+    wider = dataclasses.replace(base, hidden_size=128, intermediate_size=256, head_dim=32)
+    qlora = LoRAConfig(rank=4, alpha=8, quantize="nf4")
+    return lora, _layouts({"one": (ParallelConfig(), 1), "tp2_dp2": (both, None)}, wider, qlora)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_lora_under_tp2_x_dp_shard2_and_sequence_parallel_equals_one_process():
-    _compare(run_distributed(_tp2_dp2, 4, timeout=900))
+def test_lora_and_qlora_under_tp2_x_dp_shard2_and_sequence_parallel_equal_one_process():
+    results = run_distributed(_tp2_dp2, 4, timeout=900)
+    _compare([lora for lora, _ in results])
+    _compare([qlora for _, qlora in results])
 
 
 # -- the shared Trainer: adapters only in the optimizer and the checkpoints -----------------
