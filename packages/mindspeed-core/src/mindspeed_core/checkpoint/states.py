@@ -28,27 +28,36 @@ class ModelState(Stateful):
     """The state of one model or of the pipeline stages a rank holds.
 
     With `trainable_only` it leaves out the frozen parameters (a frozen base under adapters,
-    which the run rebuilds from its source; buffers stay) and loads non-strictly.
+    which the run rebuilds from its source; buffers stay) and loads non-strictly;
+    `frozen_only` is the other half (the base alone, e.g. from a converted checkpoint).
     """
 
     def __init__(
-        self, model_parts: nn.Module | Sequence[nn.Module], *, trainable_only: bool = False
+        self,
+        model_parts: nn.Module | Sequence[nn.Module],
+        *,
+        trainable_only: bool = False,
+        frozen_only: bool = False,
     ):
         self.model_parts = (
             [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)
         )
-        self.trainable_only = trainable_only
+        self.trainable_only, self.frozen_only = trainable_only, frozen_only
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         options = StateDictOptions(ignore_frozen_params=self.trainable_only)
         for part in self.model_parts:
             merged.update(get_model_state_dict(part, options=options))
+        if self.frozen_only:  # everything but what the trainable-only state holds
+            trainable = ModelState(self.model_parts, trainable_only=True).state_dict()
+            merged = {k: v for k, v in merged.items() if k not in trainable}
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # strict=False: each pipeline stage takes only its own names from the merged dict.
-        options = StateDictOptions(strict=len(self.model_parts) == 1 and not self.trainable_only)
+        partial = self.trainable_only or self.frozen_only
+        options = StateDictOptions(strict=len(self.model_parts) == 1 and not partial)
         for part in self.model_parts:
             set_model_state_dict(part, state_dict, options=options)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
 
-from mindspeed_core.checkpoint import CheckpointManager
+from mindspeed_core.checkpoint import CheckpointManager, ModelState
 from mindspeed_core.checkpoint.steps import checkpoint_root, parse_step, step_dir
 from mindspeed_core.config import dump_yaml
 from mindspeed_core.distributed import is_rank0
@@ -127,7 +127,10 @@ def _load_from(path: Path, states: dict[str, Stateful]) -> int | None:
     if step is None:
         raise ConfigError(f"checkpoint.load={path} holds no checkpoint")
     if checkpoint_io.saved_states(step_dir(root, step)) == {"model"}:
-        CheckpointManager({"model": states["model"]}, root).load(step)
+        model = states["model"]
+        if getattr(model, "trainable_only", False):  # adapters: the checkpoint is their base
+            model = ModelState(model.model_parts, frozen_only=True)
+        CheckpointManager({"model": model}, root).load(step)
         logger.info("loaded the model weights of %s; training starts at step 0", path)
         return None
     return CheckpointManager(states, root).load(step)
