@@ -16,6 +16,7 @@ from mindspeed_core.cli import run as cli
 from mindspeed_core.config import load_config
 from mindspeed_core.distributed import destroy_distributed, init_distributed
 from mindspeed_core.testing import import_sibling
+from mindspeed_core.training import read_metrics
 from mindspeed_llm.models import Transformer
 from mindspeed_llm.models.loading import checkpoint_source, load_model
 from mindspeed_llm.peft import LoRAConfig, lora_trainer_options
@@ -57,6 +58,7 @@ def lora_run(tmp_path_factory):
         finally:
             destroy_distributed()
     checkpoints = root / "run" / "checkpoints"
+    first_loss = read_metrics(root / "run" / "metrics.jsonl")[0]["loss"]
     source = checkpoint_source(checkpoints)
     model = Transformer(source.config)
     load_adapter_weights(model, source.path, source.weights, source.config, cfg.lora)
@@ -65,11 +67,11 @@ def lora_run(tmp_path_factory):
         logits = model.eval()(ids)
     b = model.layers["0"].attention.wq.lora_B.weight
     assert b.abs().sum() > 0  # the adapters trained: merging them changes the model
-    return root, checkpoints, ids, logits
+    return root, checkpoints, ids, logits, first_loss, args
 
 
 def test_merge_lora_writes_a_transformers_folder_with_the_adapter_logits(lora_run, tmp_path):
-    root, checkpoints, ids, logits = lora_run
+    root, checkpoints, ids, logits, *_ = lora_run
     out = tmp_path / "merged"
     assert cli(["convert", "--input", str(checkpoints), "--output", str(out), "--to", "hf",
                 "--merge-lora"]) == 0  # fmt: skip
@@ -82,7 +84,7 @@ def test_merge_lora_writes_a_transformers_folder_with_the_adapter_logits(lora_ru
 
 def test_to_peft_loads_in_peft_with_the_adapter_logits(lora_run, tmp_path):
     peft = pytest.importorskip("peft")
-    root, checkpoints, ids, logits = lora_run
+    root, checkpoints, ids, logits, *_ = lora_run
     out = tmp_path / "adapter"
     assert cli(["convert", "--input", str(checkpoints), "--output", str(out), "--to", "peft"]) == 0
     config = json.loads((out / "adapter_config.json").read_text())
@@ -94,7 +96,7 @@ def test_to_peft_loads_in_peft_with_the_adapter_logits(lora_run, tmp_path):
 
 
 def test_load_model_of_a_lora_run_is_the_merged_adapter_model(lora_run, capsys):
-    _, checkpoints, ids, logits = lora_run
+    _, checkpoints, ids, logits, *_ = lora_run
     model, _ = load_model(checkpoints, ops_impl="reference")
     assert not any("lora_" in n for n, _ in model.named_parameters())  # merged on load
     with torch.no_grad():
@@ -106,7 +108,7 @@ def test_load_model_of_a_lora_run_is_the_merged_adapter_model(lora_run, capsys):
 
 @pytest.mark.parametrize("case", ["merge_a_full_model", "plain_to_hf_of_a_lora_run"])
 def test_bad_lora_exports_are_one_line(case, lora_run, tmp_path, capsys):
-    root, checkpoints, _, _ = lora_run
+    root, checkpoints, *_ = lora_run
     if case == "merge_a_full_model":
         converted = tmp_path / "converted"
         assert cli(["convert", "--input", str(root / "base"), "--output", str(converted),
@@ -119,3 +121,33 @@ def test_bad_lora_exports_are_one_line(case, lora_run, tmp_path, capsys):
     assert cli(["convert", "--input", *argv[:1], "--output", str(out), *argv[1:]]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and not out.exists()
+
+
+def test_a_lora_run_from_a_converted_checkpoint_takes_its_base_from_it(lora_run, tmp_path):
+    """checkpoint.load of a converted (model-only) checkpoint fills the frozen base; the run
+    starts at the hf_path run's loss, and its checkpoints export with that base."""
+    root, _, ids, _, first_loss, args = lora_run
+    converted = tmp_path / "converted"
+    assert cli(["convert", "--input", str(root / "base"), "--output", str(converted),
+                "--to", "mindspeed"]) == 0  # fmt: skip
+    args = [a for a in args if not a.startswith(("--model.hf_path", "--logging.run_dir"))]
+    args += ["--model.family=llama", f"--model.hf_config={converted}",
+             f"--checkpoint.load={converted}", f"--logging.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MINDSPEED_CACHE", str(root / "cache"))
+        cfg = load_config(LoRAPretrainConfig, None, args)
+        trainer = Trainer(
+            cfg, init_distributed(device_type="cpu"), **lora_trainer_options(cfg.lora)
+        )
+        try:
+            trainer.run()
+        finally:
+            destroy_distributed()
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl")[0]["loss"] == first_loss
+    model, _ = load_model(tmp_path / "run" / "checkpoints", ops_impl="reference")
+    merged = tmp_path / "merged"
+    assert cli(["convert", "--input", str(tmp_path / "run" / "checkpoints"), "--output",
+                str(merged), "--to", "hf", "--merge-lora"]) == 0  # fmt: skip
+    hf = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-5, rtol=1e-5)

@@ -1,7 +1,8 @@
 """A LoRA run's checkpoints: adapters only, over the base its config.yaml names.
 
 A trainer run with `lora.rank > 0` saves only the adapter tensors (and buffers); its
-`config.yaml` holds the `lora` section and `model.hf_path`, the frozen base. `run_lora`
+`config.yaml` holds the `lora` section and where the frozen base came from
+(`model.hf_path`, or `checkpoint.load` of a converted checkpoint). `run_lora`
 tells such a run from a full one; `load_adapter_weights` rebuilds base + adapters in a
 plain model (what `models.loading.load_model` does for generate, chat and eval, merged);
 `write_peft_adapter` writes the folder `peft.PeftModel.from_pretrained` loads.
@@ -16,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from mindspeed_core.checkpoint.steps import resolve
 from mindspeed_core.config import read_yaml
 from mindspeed_core.errors import CheckpointError, ConfigError
 from mindspeed_llm.models import checkpoint_io as ckpt
@@ -57,20 +59,25 @@ def run_lora(folder: Path) -> LoRAConfig | None:
         raise ConfigError(f"{config_yaml}: lora section: {err}") from None
 
 
-def run_base(folder: Path) -> Path:
-    """The Hugging Face folder a LoRA run adapted (`model.hf_path` of its config.yaml).
+def run_base(folder: Path) -> tuple[str, Path]:
+    """Where a LoRA run's frozen base came from: ("hf", `model.hf_path`) or ("checkpoint",
+    the step folder of `checkpoint.load`, e.g. a converted checkpoint).
 
     Raises:
-        CheckpointError: the run names none (its checkpoints hold adapters only).
+        CheckpointError: the run names neither (its checkpoints hold adapters only).
     """
     config_yaml = ckpt.run_config_path(folder)
-    model = (read_yaml(config_yaml)[0].get("model") or {}) if config_yaml else {}
-    if not model.get("hf_path"):
-        raise CheckpointError(
-            f"{folder}: a LoRA run's checkpoints hold only adapters, and its config.yaml "
-            "names no model.hf_path to load the base from"
-        )
-    return Path(model["hf_path"])
+    data = read_yaml(config_yaml)[0] if config_yaml else {}
+    hf_path = (data.get("model") or {}).get("hf_path")
+    if hf_path:
+        return "hf", Path(hf_path)
+    load = (data.get("checkpoint") or {}).get("load")
+    if load and str(load) not in ("auto", "none"):
+        return "checkpoint", resolve(Path(load))
+    raise CheckpointError(
+        f"{folder}: a LoRA run's checkpoints hold only adapters, and its config.yaml names "
+        "neither model.hf_path nor checkpoint.load to load the base from"
+    )
 
 
 def load_adapter_weights(
@@ -82,7 +89,11 @@ def load_adapter_weights(
     Raises:
         CheckpointError: no base, or the checkpoint lacks an adapter tensor.
     """
-    load_hf_weights(model, run_base(folder), config)
+    kind, base = run_base(folder)
+    if kind == "hf":
+        load_hf_weights(model, base, config)
+    else:
+        ckpt.load_model_weights(model, base)
     apply_lora(model, lora)
     model.requires_grad_(True)
     tensors = read_adapters(step_dir)
@@ -115,7 +126,7 @@ def write_peft_adapter(
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(run_base(folder)),
+        "base_model_name_or_path": str(run_base(folder)[1]),
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
