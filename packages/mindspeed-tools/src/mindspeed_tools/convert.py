@@ -226,7 +226,8 @@ def merge_lora_to_hf(
     tensors = spec.hf_adapter.to_hf(model.state_dict(), config)
     entries = [(hf, dtype or t.dtype, tuple(t.shape)) for hf, t in tensors.items()]
     shards = plan_shards(entries, max_shard_size)
-    with _staging(output) as tmp:
+    needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
+    with _staging(output, needed) as tmp:
         writers = {}
         for file, names in shards.items():
             writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in names])
@@ -246,7 +247,10 @@ def lora_to_peft(source: str | Path, output: str | Path) -> Path:
     """adapter_config.json + adapter_model.safetensors of a LoRA run, for
     `peft.PeftModel.from_pretrained(base, output)`."""
     model, lora = _lora_source(source, "--to peft")
-    with _staging(output) as tmp:
+    needed = sum(
+        d.itemsize * torch.Size(s).numel() for d, s in ckpt.tensor_metadata(model.weights).values()
+    )
+    with _staging(output, needed) as tmp:  # at most the step's model tensors
         write_peft_adapter(model.path, model.weights, model.config, lora, tmp)
     logger.info("wrote %s (peft adapter, rank %d)", output, lora.rank)
     return Path(output)
