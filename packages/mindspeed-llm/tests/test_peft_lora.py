@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mindspeed_core.config import load_config
-from mindspeed_core.distributed import destroy_distributed, init_distributed
+from mindspeed_core.distributed import current_distributed, destroy_distributed, init_distributed
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.parallel import ParallelConfig
 from mindspeed_core.testing import import_sibling, run_distributed
@@ -200,23 +200,27 @@ def test_lora_and_qlora_under_tp2_x_dp_shard2_and_sequence_parallel_equal_one_pr
 
 
 # -- the shared Trainer: adapters only in the optimizer and the checkpoints -----------------
-def _train(tmp_path, run, *extra):
+def _train(tmp_path, run, *extra, info=None):
     args = ["--train.steps=4", "--train.micro_batch=2", "--train.global_batch=4",
             "--data.seq_len=32", "--optim.warmup_steps=1", "--optim.lr=1e-2",
             "--checkpoint.interval=2", "--logging.log_interval=1", "--logging.progress=false",
             "--logging.tensorboard=false", "--model.ops_impl=reference",
             f"--logging.run_dir={tmp_path / run}", *extra]  # fmt: skip
     lora = LoRAConfig(rank=4, alpha=8, targets=["q_proj", "v_proj"])
-    trainer = Trainer(load_config(PretrainConfig, None, args), init_distributed(device_type="cpu"),
-                      **lora_trainer_options(lora))  # fmt: skip
+    owns_group = info is None
+    info = info or init_distributed(device_type="cpu")
+    trainer = Trainer(load_config(PretrainConfig, None, args), info, **lora_trainer_options(lora))
     try:
         optimised = {id(p) for p in trainer.parts.optimizer.parameters()}
-        trainable = [n for n, p in trainer.model.named_parameters() if id(p) in optimised]
-        base = trainer.model.layers["0"].attention.wq.weight.detach().clone()
+        parts = trainer.parts.model.parts  # [model], or this rank's pipeline stages
+        trainable = [n for part in parts for n, p in part.named_parameters() if id(p) in optimised]
+        wq = next(adapted_modules(parts[0]))[1]
+        base = wq.weight.detach().clone()
         trainer.run()
-        base_kept = torch.equal(base, trainer.model.layers["0"].attention.wq.weight)
+        base_kept = torch.equal(base, wq.weight)
     finally:
-        destroy_distributed()
+        if owns_group:
+            destroy_distributed()
     return read_metrics(tmp_path / run / "metrics.jsonl"), trainable, base_kept
 
 
@@ -232,3 +236,27 @@ def test_a_lora_run_trains_only_adapters_saves_only_them_and_resumes_exactly(tmp
     resumed, _, _ = _train(tmp_path, "resumed")
     keys = ("loss", "grad_norm")
     assert [{k: r[k] for k in keys} for r in resumed] == [{k: r[k] for k in keys} for r in straight]
+
+
+def _pp2(tmp_path):
+    import os
+
+    os.environ["MINDSPEED_CACHE"] = str(tmp_path / "cache")
+    metrics, trainable, _ = _train(
+        tmp_path, "pp2", "--parallel.pp=2", info=current_distributed("cpu")
+    )
+    return metrics, trainable
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_lora_run_under_pp2_equals_one_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINDSPEED_CACHE", str(tmp_path / "cache"))
+    one, trainable, _ = _train(tmp_path, "one")
+    (pp2, stage0), (_, stage1) = run_distributed(_pp2, 2, tmp_path, timeout=900)
+    assert sorted(stage0 + stage1) == sorted(trainable)  # each stage adapts its own layers
+    for a, b in zip(one, pp2, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    saved = tensor_metadata(tmp_path / "pp2" / "checkpoints" / "step_4")
+    assert set(saved) == set(trainable)

@@ -12,13 +12,15 @@ The adapter follows its base's tensor-parallel placement, read from the base wei
 column-parallel base (weight Shard(0)) gets A replicated and B sharded on the output dim; a
 row-parallel base (Shard(1)) gets A sharded on the input dim and B replicated, and the
 rank-sized partial sums are all-reduced before B. Every rank draws the whole adapter from
-the run's random stream (as `build_model` does for the model) and keeps its share, so every
-layout starts from one process's adapter. Initialisation is peft's: A Kaiming-uniform, B 0.
+a generator of the run's seed and the module's name, and keeps its share, so every layout
+(tp shards, pipeline stages) starts from one process's adapter. Initialisation is peft's:
+A Kaiming-uniform, B 0.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -133,19 +135,27 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
             f"(its linear layers: {' '.join(sorted(_linear_names(model)))})"
         )
     model.requires_grad_(False)
-    for _, module in found:
-        _adapt(module, config)
+    seed = torch.initial_seed()  # the run's seed (`build_model` set it on every rank)
+    for name, module in found:
+        _adapt(module, config, _generator(seed, name))
     return [name for name, _ in found]
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    """A generator for module `name` alone: its draw does not depend on which modules a
+    rank holds or in which order (a pipeline stage has only some layers)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
 
 
 def _linear_names(model: nn.Module) -> set[str]:
     return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
-def _adapt(linear: nn.Linear, config: LoRAConfig) -> None:
+def _adapt(linear: nn.Linear, config: LoRAConfig, generator: torch.Generator) -> None:
     weight = linear.weight
-    a = torch.empty(config.rank, linear.in_features, dtype=weight.dtype, device=weight.device)
-    nn.init.kaiming_uniform_(a, a=math.sqrt(5))  # peft's (and nn.Linear's) default
+    a = torch.empty(config.rank, linear.in_features, dtype=weight.dtype)
+    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # peft's default
+    a = a.to(weight.device)
     b = torch.zeros(linear.out_features, config.rank, dtype=weight.dtype, device=weight.device)
     if isinstance(weight, DTensor):
         a_place, b_place = _placements(weight)
