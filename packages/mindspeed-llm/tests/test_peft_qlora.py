@@ -88,7 +88,7 @@ class LoRAPretrainConfig(PretrainConfig):
 
 def _run(tmp_path, name, quantize):
     args = ["--train.steps=50", "--train.micro_batch=4", "--train.global_batch=4",
-            "--data.seq_len=64", "--optim.warmup_steps=5", "--optim.lr=1e-2",
+            "--data.seq_len=64", "--optim.warmup_steps=5", "--optim.lr=3e-3",
             "--train.eval_interval=0", "--checkpoint.interval=0", "--logging.log_interval=1",
             "--logging.progress=false", "--logging.tensorboard=false",
             "--model.ops_impl=reference", f"--logging.run_dir={tmp_path / name}",
