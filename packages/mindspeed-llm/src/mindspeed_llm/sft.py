@@ -37,6 +37,7 @@ def sft(
     `before_tp` reach `build_model` (adapters such as LoRA go in `after_tp`)."""
     import torch.distributed as dist
 
+    from mindspeed_llm.peft import lora_trainer_options
     from mindspeed_llm.train.objectives import NextToken
     from mindspeed_llm.train.sft_data import SFTData
     from mindspeed_llm.train.trainer import Trainer
@@ -46,8 +47,11 @@ def sft(
     device = None if cfg.train.device == "auto" else cfg.train.device
     info = init_distributed(device_type=device) if owns_group else current_distributed(device)
     try:
+        lora = lora_trainer_options(cfg.lora, precision=cfg.train.precision,
+                                    device_type=info.device.type)  # fmt: skip
+        after_tp = _chain(after_tp, lora.pop("after_tp", None))
         trainer = Trainer(cfg, info, data=SFTData, objective=NextToken(cfg.train.loss_normalization),
-                          before_tp=before_tp, after_tp=after_tp, command="sft")  # fmt: skip
+                          before_tp=before_tp, after_tp=after_tp, command="sft", **lora)  # fmt: skip
         before = _demo_accuracy(trainer) if demo else None
         summary = trainer.run()
         if before is not None:
@@ -63,6 +67,18 @@ def sft(
     finally:
         if owns_group:
             destroy_distributed()
+
+
+def _chain(first: ModelHook | None, second: ModelHook | None) -> ModelHook | None:
+    """One hook running `first` then `second` (the caller's, then LoRA's)."""
+    if first is None or second is None:
+        return first or second
+
+    def both(model, dims) -> None:
+        first(model, dims)
+        second(model, dims)
+
+    return both
 
 
 def _demo_accuracy(trainer) -> float | None:

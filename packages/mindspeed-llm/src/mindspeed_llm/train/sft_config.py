@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from mindspeed_core.checkpoint import CheckpointConfig
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
 from mindspeed_core.profiling import ProfileConfig
+from mindspeed_llm.peft.lora import LoRAConfig
 from mindspeed_llm.train.config import LoggingSection, ModelSection, TrainSection
 
 __all__ = ["SFTConfig", "SFTDataSection"]
@@ -79,9 +80,9 @@ class SFTConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingSection = field(default_factory=lambda: LoggingSection(run_dir=Path("runs/sft")))
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    lora: Any = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Adapters (LoRA/QLoRA, `mindspeed_llm.peft`), plugged in through the trainer's
-    `after_tp` hook; None: full fine-tuning."""
+    `after_tp` hook; `lora.rank 0` (the default): full fine-tuning."""
 
     def __post_init__(self):
         if self.optim.warmup_steps > self.train.steps and self.data.epochs is None:
