@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_llm.peft.targets import HF_NAMES
 
 __all__ = [
     "HF_NAMES",
@@ -41,16 +42,6 @@ __all__ = [
     "merge_lora",
 ]
 
-HF_NAMES = {
-    "wq": "q_proj",
-    "wk": "k_proj",
-    "wv": "v_proj",
-    "wo": "o_proj",
-    "w1": "gate_proj",
-    "w3": "up_proj",
-    "w2": "down_proj",
-}
-"""Our linear layers' names -> Hugging Face's (`lora.targets` accepts both)."""
 _OURS = {hf: ours for ours, hf in HF_NAMES.items()}
 
 

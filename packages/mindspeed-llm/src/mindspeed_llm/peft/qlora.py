@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mindspeed_core.errors import ConfigError
-from mindspeed_llm.peft.lora import HF_NAMES
+from mindspeed_llm.peft.targets import HF_NAMES
 from mindspeed_ops import nf4_dequantize, nf4_quantize
 
 BLOCK_SIZE = 64
