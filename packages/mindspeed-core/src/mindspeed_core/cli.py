@@ -40,6 +40,35 @@ class Command:
     run: Callable[[list[str]], int | None]
 
 
+def config_command(
+    name: str, config_cls: type, run: Callable[[object], object], *, help: str, demo: str
+) -> Command:
+    """`mindspeed NAME [--config FILE] [--section.field VALUE ...]`: reads `config_cls`
+    (YAML plus dotted overrides), sets up logging and calls `run(cfg)`; `--help` lists
+    every field with its default. `demo` says what the command does with no arguments."""
+    from mindspeed_core.config import config_from_args, to_dict
+    from mindspeed_core.distributed import setup_logging
+
+    def usage() -> str:
+        lines = [f"usage: mindspeed {name} [--config FILE] [--section.field VALUE ...]", "",
+                 f"With no arguments: {demo}", "Fields and defaults:"]  # fmt: skip
+        for section, values in to_dict(config_cls()).items():
+            if isinstance(values, dict):
+                lines += [f"  --{section}.{field} {value}" for field, value in values.items()]
+        return "\n".join(lines)
+
+    def main(argv: list[str]) -> int:
+        if any(a in ("-h", "--help") for a in argv):
+            print(usage())
+            return 0
+        cfg = config_from_args(config_cls, argv)
+        setup_logging()
+        run(cfg)
+        return 0
+
+    return Command(help=help, run=main)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse for subcommands: a mistake is a ConfigError (one line, exit 2), not a
     usage dump with exit 2 from inside argparse."""

@@ -13,13 +13,11 @@ from __future__ import annotations
 import logging
 import sys
 
-from mindspeed_core.cli import Command, debug_enabled, guarded
-from mindspeed_core.config import config_from_args, to_dict
+from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import (
     current_distributed,
     destroy_distributed,
     init_distributed,
-    setup_logging,
 )
 from mindspeed_llm.train.config import PretrainConfig
 
@@ -61,30 +59,14 @@ def pretrain(cfg: PretrainConfig) -> dict[str, float]:
             destroy_distributed()
 
 
-def _usage() -> str:
-    lines = [
-        "usage: mindspeed pretrain [--config FILE] [--section.field VALUE ...]",
-        "",
-        "With no arguments: the debug Llama on the embedded demo corpus (CPU, a few minutes).",
-        "Fields and defaults:",
-    ]
-    for section, values in to_dict(PretrainConfig()).items():
-        for name, value in values.items():
-            lines.append(f"  --{section}.{name} {value}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(_usage())
-        return 0
-    cfg = config_from_args(PretrainConfig, argv)
-    setup_logging()
-    pretrain(cfg)
-    return 0
-
-
-command = Command(help="pretrain a decoder LLM (no arguments: the embedded demo)", run=main)
+command = config_command(
+    "pretrain",
+    PretrainConfig,
+    pretrain,
+    help="pretrain a decoder LLM (no arguments: the embedded demo)",
+    demo="the debug Llama on the embedded demo corpus (CPU, a few minutes).",
+)
+main = command.run
 
 
 if __name__ == "__main__":

@@ -16,13 +16,11 @@ import json
 import logging
 import sys
 
-from mindspeed_core.cli import Command, debug_enabled, guarded
-from mindspeed_core.config import config_from_args, to_dict
+from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import (
     current_distributed,
     destroy_distributed,
     init_distributed,
-    setup_logging,
 )
 from mindspeed_llm.models.common.parallelize import ModelHook
 from mindspeed_llm.train.sft_config import SFTConfig
@@ -91,30 +89,14 @@ def _demo_accuracy(trainer) -> float | None:
     return exact_match(trainer.model, trainer.data.tokenizer, trainer.data.template, records)
 
 
-def _usage() -> str:
-    lines = [
-        "usage: mindspeed sft [--config FILE] [--section.field VALUE ...]",
-        "",
-        "With no arguments: a debug Llama on the embedded counting task (CPU, a few minutes).",
-        "Fields and defaults:",
-    ]
-    for section, values in to_dict(SFTConfig()).items():
-        if isinstance(values, dict):
-            lines += [f"  --{section}.{name} {value}" for name, value in values.items()]
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(_usage())
-        return 0
-    cfg = config_from_args(SFTConfig, argv)
-    setup_logging()
-    sft(cfg)
-    return 0
-
-
-command = Command(help="supervised fine-tuning (no arguments: the embedded demo)", run=main)
+command = config_command(
+    "sft",
+    SFTConfig,
+    sft,
+    help="supervised fine-tuning (no arguments: the embedded demo)",
+    demo="a debug Llama on the embedded counting task (CPU, a few minutes).",
+)
+main = command.run
 
 
 if __name__ == "__main__":

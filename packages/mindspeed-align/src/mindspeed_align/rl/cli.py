@@ -14,13 +14,11 @@ import sys
 from pathlib import Path
 
 from mindspeed_align.rl.config import GRPOConfig
-from mindspeed_core.cli import Command, debug_enabled, guarded
-from mindspeed_core.config import config_from_args, to_dict
+from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import (
     current_distributed,
     destroy_distributed,
     init_distributed,
-    setup_logging,
 )
 from mindspeed_core.errors import ConfigError
 
@@ -147,30 +145,14 @@ def _evaluate(step, held_out, tokenizer, rewards, cfg: GRPOConfig) -> tuple[floa
     return greedy, sampled
 
 
-def _usage() -> str:
-    lines = [
-        "usage: mindspeed grpo [--config FILE] [--section.field VALUE ...]",
-        "",
-        "With no arguments: GRPO on the demo's arithmetic (CPU, a few minutes).",
-        "Fields and defaults:",
-    ]
-    for section, values in to_dict(GRPOConfig()).items():
-        for name, value in values.items():
-            lines.append(f"  --{section}.{name} {value}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(_usage())
-        return 0
-    cfg = config_from_args(GRPOConfig, argv)
-    setup_logging()
-    grpo(cfg)
-    return 0
-
-
-command = Command(help="GRPO with rule rewards (no arguments: the embedded demo)", run=main)
+command = config_command(
+    "grpo",
+    GRPOConfig,
+    grpo,
+    help="GRPO with rule rewards (no arguments: the embedded demo)",
+    demo="GRPO on the demo's arithmetic (CPU, a few minutes).",
+)
+main = command.run
 
 
 if __name__ == "__main__":
