@@ -1,7 +1,7 @@
 """Parallelism applied from outside a plain model, on PyTorch's own engine.
 
 Order of application (as torchtitan): `split_pipeline` -> `apply_tp` -> `apply_ep` ->
-`apply_cp` -> `apply_ac` -> `apply_fsdp` / `apply_ddp` (all but the split on each
+`apply_cp` -> `apply_ac` -> `apply_compile` -> `apply_fsdp` / `apply_ddp` (all but the split on each
 pipeline stage). Each takes the mesh
 from `ParallelDims.mesh(name)`; a None mesh (degree 1) makes the call a no-op, so one
 code path serves every layout. `dtensor.local` / `dtensor.full` turn a tensor that may
@@ -10,6 +10,7 @@ be a DTensor into this rank's shard or the whole value.
 
 from mindspeed_core.parallel.ac import AC_MODES, apply_ac
 from mindspeed_core.parallel.blocks import find_blocks
+from mindspeed_core.parallel.compile import apply_compile
 from mindspeed_core.parallel.config import ParallelConfig
 from mindspeed_core.parallel.context_parallel import (
     CP_MODES,
@@ -54,6 +55,7 @@ __all__ = [
     "SCHEDULES",
     "TPPlan",
     "apply_ac",
+    "apply_compile",
     "apply_cp",
     "ExpertParallel",
     "all_to_all",

@@ -85,6 +85,7 @@ def build_model(
     before_tp: ModelHook | None = None,
     after_tp: ModelHook | None = None,
     frozen: bool = False,
+    compile: bool = False,
 ) -> BuiltModel:
     """Build `config` on `device`, load `hf_path`'s weights, parallelise it on `dims`.
 
@@ -100,8 +101,10 @@ def build_model(
         before_tp: swap the head before anything is split (see `parallelize_decoder`).
         after_tp: inject adapters after TP, before CP/recompute/FSDP (LoRA).
         frozen: no gradients, eval mode, no recompute: a reference model.
+        compile: torch.compile each block (after TP and recompute, before FSDP).
     """
     _check_offload(parallel, torch.device(device), "none" if frozen else ac)
+    _check_compile(compile, dims)
     set_seed(seed, dims, vary_along=())
     spec = get_model_spec(config.family)
     with torch.device(device):
@@ -115,6 +118,8 @@ def build_model(
     options = _parallelize_options(parallel, dims, dtype, "none" if frozen else ac)
     options.update(loss_parallel=loss_parallel)
     options.update({k: v for k, v in (("before_tp", before_tp), ("after_tp", after_tp)) if v})
+    if compile:  # only when asked: a family's own parallelize may not know the option
+        options.update(compile=True)
     if dims.pp > 1:
         pipeline = _pipeline(spec, model, dims, device, parallel, options)
         whole, parts = None, pipeline.model_parts
@@ -151,6 +156,16 @@ def _parallelize_options(parallel: ParallelConfig, dims, dtype, ac: str) -> dict
         options.update(cp_mode=parallel.cp_mode, ulysses_degree=parallel.ulysses_degree)
     options.update({k: True for k in ("activation_offload", "cpu_offload") if getattr(parallel, k)})
     return options
+
+
+def _check_compile(compile: bool, dims: ParallelDims) -> None:
+    """Compiled tensor-parallel blocks fail in their backward on torch 2.14 (a DTensor
+    redistribution receives a plain tensor): refused rather than a traceback mid-step."""
+    if compile and dims.tp > 1:
+        raise ConfigError(
+            f"train.compile=true with parallel.tp={dims.tp} is not supported yet (torch.compile "
+            "of tensor-parallel blocks fails in backward); use train.compile=false or tp=1"
+        )
 
 
 def _check_offload(parallel: ParallelConfig, device: torch.device, ac: str) -> None:

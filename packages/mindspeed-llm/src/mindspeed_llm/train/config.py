@@ -81,6 +81,9 @@ class TrainSection:
     """Compute dtype; master weights and gradient reduction stay fp32."""
     ac: Literal["none", "full", "selective"] = "none"
     """Activation recompute per block."""
+    compile: bool = False
+    """torch.compile each transformer block (after tensor parallel and recompute, before
+    FSDP; parameter names unchanged). The first steps pay the compilation."""
     eval_interval: int = 100
     """Validation loss every N steps (0: never)."""
     eval_batches: int = 2

@@ -97,6 +97,7 @@ class Trainer:
             hf_path=cfg.model.hf_path,
             before_tp=before_tp,
             after_tp=after_tp,
+            compile=cfg.train.compile,
         )
         return build_train_parts(
             model,

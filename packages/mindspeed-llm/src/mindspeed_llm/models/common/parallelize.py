@@ -25,6 +25,7 @@ from mindspeed_core.parallel import (
     ParallelDims,
     PipelineParts,
     apply_ac,
+    apply_compile,
     apply_cp,
     apply_ddp,
     apply_ep,
@@ -55,6 +56,7 @@ def parallelize_decoder(
     ulysses_degree: int | None = None,
     activation_offload: bool = False,
     cpu_offload: bool = False,
+    compile: bool = False,
     before_tp: ModelHook | None = None,
     after_tp: ModelHook | None = None,
 ) -> nn.Module:
@@ -115,6 +117,8 @@ def parallelize_decoder(
     apply_cp(model, dims.mesh("cp"), mode=cp_mode, ulysses_degree=ulysses_degree,
              attention_fn=attention_fn)  # fmt: skip
     apply_ac(model, ac_mode)
+    if compile:
+        apply_compile(model)
     if cpu_offload and not dims.fsdp_enabled:
         raise ParallelError("cpu_offload (optimizer-state offload) needs FSDP: dp_shard x cp > 1")
     if dims.fsdp_enabled:
