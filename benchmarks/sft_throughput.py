@@ -1,6 +1,7 @@
 """`mindspeed sft` against TRL's SFTTrainer: the same model, samples and packing, one epoch.
 
     python benchmarks/sft_throughput.py [--samples 256] [--seq 512] [--batch 4] [--threads 2]
+                                        [--lora R]
 
 Both sides fine-tune the same randomly initialised Llama folder (vocab 2048, hidden 256,
 intermediate 688, 4 layers, 4 heads, 2 kv heads, fp32) on the same chat samples (a
@@ -10,6 +11,10 @@ into rows of `--seq` tokens, `--batch` rows per optimizer step, AdamW, completio
 step: packed rows with `cu_seqlens`, mindspeed_ops' kernels and chunked cross entropy);
 theirs is `trl.SFTTrainer(packing=True)` (best-fit-decreasing packing, padding-free
 rows with position ids) on transformers' LlamaForCausalLM with SDPA attention.
+
+`--lora R`: both sides train LoRA adapters of rank R (alpha 2R) on every linear layer of
+the decoder instead of all weights (ours: `--lora.rank R`; theirs: `peft_config=
+peft.LoraConfig(...)` passed to SFTTrainer).
 
 Each side runs in its own subprocess: samples/s is the epoch's samples over the wall
 time of the training steps (tokenisation and model loading left out on both sides);
@@ -94,6 +99,7 @@ def _ours(folder: Path, data: Path, args) -> dict:
     from mindspeed_core.config import load_config
     from mindspeed_core.distributed import destroy_distributed, init_distributed
     from mindspeed_llm.data.collate import IGNORE_INDEX
+    from mindspeed_llm.peft import lora_trainer_options
     from mindspeed_llm.train.objectives import NextToken, segment_ids
     from mindspeed_llm.train.sft_config import SFTConfig
     from mindspeed_llm.train.sft_data import SFTData
@@ -105,10 +111,12 @@ def _ours(folder: Path, data: Path, args) -> dict:
         "--data.valid_fraction=0", f"--data.cache_dir={folder.parent / 'cache'}",
         f"--train.micro_batch={args.batch}", f"--train.global_batch={args.batch}",
         "--train.eval_interval=0", "--optim.warmup_steps=1", "--optim.lr=1e-4",
-        f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
+        f"--logging.run_dir={folder.parent / 'run'}",
+        f"--lora.rank={args.lora}", f"--lora.alpha={2 * args.lora}"])  # fmt: skip
     info = init_distributed(device_type="cpu")
     baseline = _rss_mb()
-    trainer = Trainer(cfg, info, data=SFTData, objective=NextToken(), command="sft")
+    trainer = Trainer(cfg, info, data=SFTData, objective=NextToken(), command="sft",
+                      **lora_trainer_options(cfg.lora))  # fmt: skip
     samples, start = 0, time.perf_counter()
     for _ in range(cfg.train.steps):
         for batch in (step_batches := trainer.data.next_step()):
@@ -140,7 +148,15 @@ def _theirs(folder: Path, data: Path, args) -> dict:
                            num_train_epochs=1, learning_rate=1e-4, warmup_steps=1,
                            report_to=[], use_cpu=True, save_strategy="no", logging_steps=1000,
                            dataloader_num_workers=0, disable_tqdm=True)  # fmt: skip
-    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok)
+    peft_config = None
+    if args.lora:
+        import peft
+
+        peft_config = peft.LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                      "gate_proj", "up_proj", "down_proj"])  # fmt: skip
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok,
+                             peft_config=peft_config)  # fmt: skip
     start = time.perf_counter()
     out = trainer.train()
     seconds = time.perf_counter() - start
@@ -156,6 +172,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lora", type=int, default=0, help="adapter rank (0: full)")
     parser.add_argument("--side", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -172,7 +189,8 @@ def main() -> None:
         results = {}
         for side in ("ours", "theirs"):
             cmd = [sys.executable, __file__, "--side", side, "--root", str(root),
-                   f"--seq={args.seq}", f"--batch={args.batch}", f"--threads={args.threads}"]  # fmt: skip
+                   f"--seq={args.seq}", f"--batch={args.batch}", f"--threads={args.threads}",
+                   f"--lora={args.lora}"]  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
             done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
             if done.returncode:
@@ -180,7 +198,7 @@ def main() -> None:
             results[side] = json.loads(done.stdout.strip().splitlines()[-1])
     ours, theirs = results["ours"], results["theirs"]
     print(json.dumps({
-        "benchmark": "sft_throughput", "mode": "full", "dtype": "fp32", "seq": args.seq,
+        "benchmark": "sft_throughput", "mode": f"lora r={args.lora}" if args.lora else "full", "dtype": "fp32", "seq": args.seq,
         "batch_rows": args.batch, "ours": ours, "trl": theirs,
         "speedup": round(ours["samples_per_s"] / theirs["samples_per_s"], 2),
         "memory_ratio": round(ours["peak_mem_mb"] / theirs["peak_mem_mb"], 2)}))  # fmt: skip
