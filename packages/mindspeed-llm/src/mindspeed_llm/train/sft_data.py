@@ -53,9 +53,7 @@ class SFTData(Stateful):
 
         data = cfg.data
         if not data.paths:
-            from mindspeed_llm.sft_demo import use_demo_data
-
-            use_demo_data(cfg)
+            self.use_demo(cfg)
         tokenizer_path = data.tokenizer or cfg.model.hf_path
         if tokenizer_path is None:
             raise ConfigError("data.tokenizer (or model.hf_path) is required with data.paths")
@@ -64,7 +62,7 @@ class SFTData(Stateful):
         _check_fits(data, model_cfg, self.tokenizer)
         self.template = resolve_template(data.chat_template, data.tokenizer)
         self.cfg, self.seq_len = cfg, data.seq_len
-        samples, stats = load_samples(data, self.template, self.tokenizer)
+        samples, stats = self.load(data)
         self.stats = stats
         self.train, self.valid = _split(samples, data.valid_fraction, cfg.train.seed)
         self.rows = self._rows(self.train)
@@ -80,6 +78,16 @@ class SFTData(Stateful):
                         len(self.rows), data.mode, len(self.valid))  # fmt: skip
         self.pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
         self.consumed = 0
+
+    def use_demo(self, cfg) -> None:
+        """Point `cfg.data` at the embedded demo (a subclass points it at its own)."""
+        from mindspeed_llm.sft_demo import use_demo_data
+
+        use_demo_data(cfg)
+
+    def load(self, data) -> tuple[list, SFTStats]:
+        """Every training unit of `data.paths` and the counts (a subclass may read pairs)."""
+        return load_samples(data, self.template, self.tokenizer)
 
     def _rows(self, samples: list[Sample]) -> list[list[Sample]]:
         if self.cfg.data.mode == "pad":

@@ -1,0 +1,78 @@
+"""The DPO configuration: SFT's sections (themselves pretraining's) plus a `dpo` section.
+
+`model`, `data`, `parallel`, `optim`, `train`, `checkpoint`, `logging` and `profile` are the
+classes `SFTConfig` uses, with the same spellings; `data.paths` hold preference records
+(`mindspeed_align.pairs`) and `train.micro_batch`/`global_batch` count pairs. Defaults are the
+embedded demo (`mindspeed dpo` with no arguments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from mindspeed_align.losses import DPO_LOSSES
+from mindspeed_core.errors import ConfigError
+from mindspeed_core.optim import OptimConfig
+from mindspeed_llm.train.config import LoggingSection, TrainSection
+from mindspeed_llm.train.sft_config import SFTConfig
+
+__all__ = ["DPOConfig", "DPOSection", "REFERENCE_FREE"]
+
+REFERENCE_FREE = ("simpo", "orpo")
+"""Losses that read no reference model."""
+
+
+@dataclass(kw_only=True)
+class DPOSection:
+    loss: Literal["sigmoid", "hinge", "ipo", "robust", "simpo", "orpo"] = "sigmoid"
+    """The preference loss (`mindspeed_align.losses`): DPO's sigmoid (cDPO with
+    label_smoothing), hinge, ipo, robust; or the reference-free simpo and orpo."""
+    beta: float = 0.1
+    """β: the inverse temperature of the implicit reward (ORPO: the weight λ of its odds-ratio
+    term)."""
+    label_smoothing: float = 0.0
+    """ε: the assumed fraction of flipped labels (sigmoid: cDPO; robust; simpo)."""
+    ref: Literal["auto", "model", "none"] = "auto"
+    """The reference: a frozen copy of the starting model under the run's layout (`model`), none
+    (`none`, only for simpo and orpo), or `auto`: model for DPO losses, none for simpo/orpo."""
+    pref_ftx: float = 0.0
+    """Weight of the NLL of the chosen reply (per-token mean, per pair) added to each pair's loss
+    (MindSpeed-LLM's name; ORPO always adds it with weight 1 + pref_ftx)."""
+    simpo_gamma: float = 0.5
+    """SimPO's target margin γ (TRL's `simpo_gamma`; MindSpeed-LLM's gamma_beta_ratio is γ/β)."""
+
+    def __post_init__(self):
+        if self.beta <= 0:
+            raise ConfigError(f"dpo.beta={self.beta} must be positive")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        if self.ref == "none" and self.loss in DPO_LOSSES:
+            raise ConfigError(f"dpo.ref=none: dpo.loss={self.loss} needs a reference model "
+                              f"(ref: model), or pick a reference-free loss {REFERENCE_FREE}")  # fmt: skip
+        if self.pref_ftx < 0:
+            raise ConfigError(f"dpo.pref_ftx={self.pref_ftx} must be >= 0")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.ref == "model" or (self.ref == "auto" and self.loss not in REFERENCE_FREE)
+
+
+def _dpo_train() -> TrainSection:
+    return TrainSection(steps=120, micro_batch=8, global_batch=16, eval_interval=0)
+
+
+@dataclass(kw_only=True)
+class DPOConfig(SFTConfig):
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10))
+    train: TrainSection = field(default_factory=_dpo_train)
+    logging: LoggingSection = field(default_factory=lambda: LoggingSection(run_dir=Path("runs/dpo")))
+    dpo: DPOSection = field(default_factory=DPOSection)
+    """The preference method (loss, β, reference)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.parallel.cp > 1 or self.parallel.pp > 1:
+            raise ConfigError(f"dpo: parallel.cp={self.parallel.cp}, parallel.pp={self.parallel.pp}: "
+                              "context and pipeline parallel are not supported yet (tp and dp are)")  # fmt: skip

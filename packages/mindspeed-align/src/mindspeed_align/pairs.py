@@ -1,0 +1,94 @@
+"""Preference pairs: records -> encoded (chosen, rejected) samples -> packed micro-batches.
+
+A record is `{prompt, chosen, rejected}` (strings, TRL's standard format) or a pairwise record
+with a message-list prompt (`mindspeed_llm.data.sft_records.pairwise_messages`: prompt,
+instruction/input, conversations or messages, plus chosen and rejected). Each side is the prompt
+plus its reply, encoded with the run's chat template as an SFT sample (only the reply
+supervised). `PairData` is SFT's data source (`mindspeed_llm.train.sft_data.SFTData`: sampler,
+validation split, exact resume) whose unit is a pair: `train.micro_batch` counts pairs, and a
+micro-batch packs them (`logps.pack_pairs`) with both sides of a pair in one row.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from mindspeed_align.logps import Pair, pack_pairs
+from mindspeed_core.errors import DataError
+from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
+from mindspeed_llm.data.sft import SFTStats, encode_sample
+from mindspeed_llm.data.sft_records import RecordError, pairwise_messages, read_records
+from mindspeed_llm.train.sft_data import SFTData
+
+__all__ = ["PairData", "encode_pair", "load_pairs"]
+
+logger = logging.getLogger("mindspeed.dpo")
+
+
+def encode_pair(template, tokenizer, record, where: str) -> Pair:
+    """A record's (chosen, rejected) samples.
+
+    Raises:
+        DataError: naming `where` (file:line): a bad record, chosen equal to rejected, or a
+            prompt whose tokens are not the same before both replies.
+    """
+    try:
+        chosen_msgs, rejected_msgs = pairwise_messages(record)
+    except RecordError as err:
+        raise DataError(f"{where}: {err}") from None
+    if chosen_msgs[-1]["content"] == rejected_msgs[-1]["content"]:
+        raise DataError(f"{where}: chosen and rejected are the same reply; a pair must differ")
+    try:
+        chosen, rejected = (encode_sample(template, tokenizer, m) for m in (chosen_msgs, rejected_msgs))
+    except DataError as err:  # no reply, or a template that cannot run
+        raise DataError(f"{where}: {err}") from None
+    if not np.array_equal(_prompt(chosen), _prompt(rejected)):
+        raise DataError(f"{where}: the prompt's tokens differ before the chosen and the rejected "
+                        "reply (the chat template or tokenizer merges prompt and reply)")  # fmt: skip
+    return chosen, rejected
+
+
+def _prompt(sample) -> np.ndarray:
+    """The ids before the first supervised token (labels are shifted by one)."""
+    ids, labels = sample
+    first = int(np.argmax(labels != IGNORE_INDEX))
+    return ids[: first + 1]
+
+
+def load_pairs(data, template, tokenizer) -> tuple[list[Pair], SFTStats]:
+    """Every pair of `data.paths` (.json/.jsonl/.parquet); pairs longer than `data.seq_len`
+    (both sides together, they share a row) are left out and counted as dropped."""
+    stats, pairs = SFTStats(), []
+    for path in data.paths:
+        for where, record in read_records(Path(path)):
+            stats.records += 1
+            pair = encode_pair(template, tokenizer, record, where)
+            if len(pair[0][0]) + len(pair[1][0]) > data.seq_len:
+                stats.dropped += 1
+                continue
+            pairs.append(pair)
+    stats.samples = len(pairs)
+    if not pairs:
+        raise DataError(f"data.paths {data.paths}: no pair fits data.seq_len={data.seq_len} ({stats.line()})")
+    return pairs, stats
+
+
+class PairData(SFTData):
+    """SFT's data source with pairs as units (see the module docstring)."""
+
+    def use_demo(self, cfg) -> None:
+        from mindspeed_align.dpo_demo import use_demo_pairs
+
+        use_demo_pairs(cfg)
+
+    def load(self, data) -> tuple[list[Pair], SFTStats]:
+        return load_pairs(data, self.template, self.tokenizer)
+
+    def _rows(self, pairs: list[Pair]) -> list[Pair]:
+        return list(pairs)
+
+    def _collate(self, groups: list[list[Pair]]) -> list[Batch]:
+        return [pack_pairs(g, self.seq_len, self.pad_id) for g in groups]

@@ -1,0 +1,130 @@
+"""`mindspeed dpo` on a tiny Hugging Face Llama folder: the first step's loss and rewards are the
+pure loss of log-probs computed by separate forwards, dp_shard=2 gives one process's losses, and
+bad input is one line and exit status 2 with nothing written."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from mindspeed_align.dpo import build_reference, dpo, main
+from mindspeed_align.dpo_config import DPOConfig
+from mindspeed_align.losses import dpo_loss
+from mindspeed_align.pairs import PairData
+from mindspeed_core.cli import guarded
+from mindspeed_core.config import load_config
+from mindspeed_core.distributed import destroy_distributed, init_distributed
+from mindspeed_core.testing import import_sibling, run_distributed
+from mindspeed_core.training import read_metrics
+from mindspeed_llm.data.sft_templates import TEMPLATES
+from mindspeed_llm.train.trainer import Trainer
+
+_LLM_TESTS = str(Path(__file__).resolve().parents[2] / "mindspeed-llm" / "tests" / "x.py")
+chat_tests = import_sibling(_LLM_TESTS, "test_chat_template")
+models_hf = import_sibling(_LLM_TESTS, "models_hf")
+WORDS = ["apples", "rivers", "tools", "clouds"]
+
+
+def make_inputs(root, n=8):
+    """A tiny HF Llama folder (random weights, a ChatML tokenizer) and a pairs file."""
+    folder = chat_tests.make_folder(root / "model", TEMPLATES["chatml"])
+    models_hf.make_hf("llama").save_pretrained(folder)
+    rows = [{"prompt": f"user {i} asks about {WORDS[i % 4]}", "chosen": f"the answer is {i * 7}",
+             "rejected": "no idea" if i % 2 else f"maybe {i} or {i + 1}"} for i in range(n)]  # fmt: skip
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder, data
+
+
+def run_args(folder, data, run_dir, *extra):
+    return [f"--model.hf_path={folder}", f"--data.paths=[{data}]", "--data.seq_len=64",
+            "--data.valid_fraction=0", "--model.ops_impl=reference", "--train.eval_interval=0",
+            "--optim.warmup_steps=1", "--optim.lr=1e-3", "--logging.log_interval=1",
+            "--logging.progress=false", "--logging.tensorboard=false", f"--logging.run_dir={run_dir}",
+            *extra]  # fmt: skip
+
+
+def _alone(model, ids, labels):
+    """(log-prob sum, supervised tokens) of one sequence from its own forward."""
+    ids, labels = torch.as_tensor(ids)[None], torch.as_tensor(labels)[None]
+    logits = model(ids, position_ids=torch.arange(ids.shape[1])[None],
+                   cu_seqlens=torch.tensor([0, ids.shape[1]], dtype=torch.int32))  # fmt: skip
+    keep = labels[0] != -100
+    logp = torch.log_softmax(logits.float(), -1)[0][keep].gather(-1, labels[0][keep][:, None]).sum()
+    return logp, keep.sum()
+
+
+def test_first_step_is_the_pure_loss_of_separate_forwards(tmp_path):
+    folder, data = make_inputs(tmp_path)
+    args = run_args(folder, data, tmp_path / "run", "--train.steps=2", "--train.micro_batch=4",
+                    "--train.global_batch=8", "--dpo.loss=ipo", "--dpo.beta=0.5", "--dpo.pref_ftx=0.3")  # fmt: skip
+    cfg = load_config(DPOConfig, None, args)
+    info = init_distributed(device_type="cpu")
+    try:
+        from mindspeed_align.dpo import PreferenceObjective
+
+        objective = PreferenceObjective(cfg.dpo)
+        trainer = Trainer(cfg, info, data=PairData, objective=objective, command="dpo")
+        reference = build_reference(trainer, cfg)
+        with torch.no_grad():  # a reference unlike the policy, so the rewards are not all zero
+            for p in reference.model.parameters():
+                p.mul_(0.9)
+        objective.reference, objective.reference_ctx = reference.model, reference.loss
+        micro_batches = trainer.data.next_step()
+        pairs = [trainer.data._row(i) for i in range(8)]
+        with torch.no_grad():
+            pol = [_alone(trainer.model, *s) for p in pairs for s in p]
+            ref = [_alone(reference.model, *s) for p in pairs for s in p]
+        result = trainer.step(micro_batches)
+    finally:
+        destroy_distributed()
+    logps, lengths = torch.stack([p[0] for p in pol]), torch.stack([p[1] for p in pol]).float()
+    ref_logps = torch.stack([r[0] for r in ref])
+    pure = dpo_loss(logps[0::2], logps[1::2], ref_logps[0::2], ref_logps[1::2], beta=0.5, loss="ipo",
+                    chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2])  # fmt: skip
+    expected = (pure.losses - 0.3 * logps[0::2] / lengths[0::2]).mean()
+    assert result.loss == pytest.approx(float(expected), rel=1e-5)
+    margins = pure.chosen_rewards - pure.rejected_rewards
+    assert abs(float(margins.mean())) > 1e-3  # the check below is not about zeros
+    for key, value in [("rewards/chosen", pure.chosen_rewards.mean()), ("rewards/margins", margins.mean()),
+                       ("rewards/accuracies", (margins > 0).float().mean()), ("logps/rejected", logps[1::2].mean())]:  # fmt: skip
+        assert result.metrics[key] == pytest.approx(float(value), rel=1e-5, abs=1e-6), key
+
+
+def _dp_shard(folder, data, root):
+    dpo(load_config(DPOConfig, None, run_args(folder, data, root / "dp", "--train.steps=3",
+        "--train.micro_batch=2", "--train.global_batch=4", "--parallel.dp_shard=2")))  # fmt: skip
+    return read_metrics(root / "dp" / "metrics.jsonl")
+
+
+@pytest.mark.distributed
+def test_dp_shard_equals_one_process(tmp_path):
+    folder, data = make_inputs(tmp_path, n=12)
+    dpo(load_config(DPOConfig, None, run_args(folder, data, tmp_path / "one", "--train.steps=3",
+                                              "--train.micro_batch=4", "--train.global_batch=4")))  # fmt: skip
+    one = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    assert len(one) == 3 and one[-1]["loss"] < one[0]["loss"] and one[-1]["rewards/margins"] > 0
+    dp = run_distributed(_dp_shard, 2, folder, data, tmp_path, timeout=600)[0]
+    for key in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "grad_norm"):
+        torch.testing.assert_close([m[key] for m in dp], [m[key] for m in one], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+    folder, data = make_inputs(tmp_path, n=2)
+    same = tmp_path / "same.jsonl"
+    same.write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": "a"}) + "\n")
+    cases = [
+        ([], tmp_path / "missing.jsonl", r"does not exist: .*missing.jsonl"),
+        ([], same, r"same.jsonl:1: chosen and rejected are the same reply"),
+        (["--dpo.ref=none"], data, r"dpo.ref=none: dpo.loss=sigmoid needs a reference model"),
+    ]
+    capsys.readouterr()
+    for extra, path, message in cases:
+        run_dir = tmp_path / "run"
+        assert guarded(main, run_args(folder, path, run_dir, *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines()[-1].startswith("error: ") and "Traceback" not in err, err
+        assert re.search(message, err.splitlines()[-1]), err
+        assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
