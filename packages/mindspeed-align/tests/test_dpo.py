@@ -128,3 +128,14 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert err.splitlines()[-1].startswith("error: ") and "Traceback" not in err, err
         assert re.search(message, err.splitlines()[-1]), err
         assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_embedded_demo_reaches_the_accuracy_goal(tmp_path, monkeypatch):
+    """`mindspeed dpo` with no arguments: SFT warm start, then DPO on the generated pairs."""
+    monkeypatch.setenv("MINDSPEED_CACHE", str(tmp_path / "cache"))
+    cfg = load_config(DPOConfig, None, [f"--logging.run_dir={tmp_path / 'run'}", "--logging.progress=false"])
+    summary = dpo(cfg)
+    assert summary["reward_accuracy_before"] == 0.0  # the policy is the reference: every reward 0
+    assert summary["reward_accuracy_after"] > 0.9
+    assert summary["policy_preference_after"] >= summary["policy_preference_before"] - 0.02

@@ -60,12 +60,12 @@ class DPOSection:
 
 
 def _dpo_train() -> TrainSection:
-    return TrainSection(steps=120, micro_batch=8, global_batch=16, eval_interval=0)
+    return TrainSection(steps=200, micro_batch=8, global_batch=16, eval_interval=0)
 
 
 @dataclass(kw_only=True)
 class DPOConfig(SFTConfig):
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_steps=10))
     train: TrainSection = field(default_factory=_dpo_train)
     logging: LoggingSection = field(default_factory=lambda: LoggingSection(run_dir=Path("runs/dpo")))
     dpo: DPOSection = field(default_factory=DPOSection)
