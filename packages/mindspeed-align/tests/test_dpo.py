@@ -93,6 +93,52 @@ def test_first_step_is_the_pure_loss_of_separate_forwards(tmp_path):
         assert result.metrics[key] == pytest.approx(float(value), rel=1e-5, abs=1e-6), key
 
 
+# TRL 1.16's DPOTrainer on the same folder and 8 pairs (bf16=False, beta=0.1): the first batch's
+# metrics and the gradient norm of its loss, recorded so the comparison runs without TRL.
+TRL_FIRST = {"loss": 0.6931471824645996, "logps/chosen": -66.13158416748047,
+             "logps/rejected": -68.73853302001953, "grad_norm": 4.19710636138916}
+
+
+def trl_first_step(folder, data):
+    trl = pytest.importorskip("trl")
+    import datasets
+    import transformers
+
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    dataset = datasets.Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}],
+                                           "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                                           "rejected": [{"role": "assistant", "content": r["rejected"]}]}
+                                          for r in rows])  # fmt: skip
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tok.pad_token = "<unk>"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    config = trl.DPOConfig(output_dir=str(folder.parent / "trl"), per_device_train_batch_size=8, max_length=128,
+                           beta=0.1, bf16=False, report_to=[], use_cpu=True, dataset_num_proc=None)  # fmt: skip
+    trainer = trl.DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tok)
+    batch = next(iter(trainer.get_train_dataloader()))
+    model.train()
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    return {"loss": float(loss), "logps/chosen": metrics["logps/chosen"],
+            "logps/rejected": metrics["logps/rejected"], "grad_norm": float(norm)}  # fmt: skip
+
+
+def test_first_step_equals_trl_dpo_trainer(tmp_path):
+    """Loss, log-probs and the gradient norm of the first step (policy = reference, so the
+    log-probs and the gradient are what can differ)."""
+    folder, data = make_inputs(tmp_path)
+    dpo(load_config(DPOConfig, None, run_args(folder, data, tmp_path / "run", "--train.steps=1",
+        "--train.micro_batch=8", "--train.global_batch=8", "--data.seq_len=128")))  # fmt: skip
+    ours = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    for key, value in TRL_FIRST.items():
+        assert ours[key] == pytest.approx(value, rel=1e-4), key
+    theirs = trl_first_step(folder, data)
+    for key, value in theirs.items():
+        assert ours[key] == pytest.approx(value, rel=1e-4), key
+
+
 def _dp_shard(folder, data, root):
     dpo(load_config(DPOConfig, None, run_args(folder, data, root / "dp", "--train.steps=3",
         "--train.micro_batch=2", "--train.global_batch=4", "--parallel.dp_shard=2")))  # fmt: skip
