@@ -22,14 +22,8 @@ import torch
 from mindspeed_align.dpo_config import DPOConfig, DPOSection
 from mindspeed_align.logps import SLOT_KEY, sequence_logps
 from mindspeed_align.losses import dpo_loss, orpo_loss, simpo_loss
-from mindspeed_core.cli import Command, debug_enabled, guarded
-from mindspeed_core.config import config_from_args, to_dict
-from mindspeed_core.distributed import (
-    current_distributed,
-    destroy_distributed,
-    init_distributed,
-    setup_logging,
-)
+from mindspeed_core.cli import config_command, debug_enabled, guarded
+from mindspeed_core.distributed import current_distributed, destroy_distributed, init_distributed
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
 
 __all__ = ["PreferenceObjective", "build_reference", "command", "dpo"]
@@ -169,27 +163,14 @@ def _demo_accuracy(trainer, objective, cfg) -> dict[str, float] | None:
         trainer.model.train(was_training)
 
 
-def _usage() -> str:
-    lines = ["usage: mindspeed dpo [--config FILE] [--section.field VALUE ...]", "",
-             "With no arguments: SFT then DPO of a debug Llama on the embedded counting task (CPU).",
-             "Fields and defaults:"]  # fmt: skip
-    for section, values in to_dict(DPOConfig()).items():
-        if isinstance(values, dict):
-            lines += [f"  --{section}.{name} {value}" for name, value in values.items()]
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    if any(a in ("-h", "--help") for a in argv):
-        print(_usage())
-        return 0
-    cfg = config_from_args(DPOConfig, argv)
-    setup_logging()
-    dpo(cfg)
-    return 0
-
-
-command = Command(help="direct preference optimisation (no arguments: the embedded demo)", run=main)
+command = config_command(
+    "dpo",
+    DPOConfig,
+    dpo,
+    help="direct preference optimisation (no arguments: the embedded demo)",
+    demo="SFT then DPO of a debug Llama on the embedded counting task (CPU, a few minutes).",
+)
+main = command.run
 
 
 if __name__ == "__main__":
