@@ -180,6 +180,29 @@ def kto_loss(
     return PreferenceOutput(losses=losses, chosen_rewards=rewards[desirable], rejected_rewards=rewards[~desirable])
 
 
+def reward_loss(
+    chosen_scores: Tensor,
+    rejected_scores: Tensor,
+    *,
+    margin: Tensor | float | None = None,
+    center_coefficient: float | None = None,
+) -> Tensor:
+    """Pairwise (Bradley-Terry) loss of a reward model, per pair.
+
+    With scores ``r_w`` (chosen) and ``r_l`` (rejected), optional margin ``m`` and centring
+    coefficient ``c``: ``−logσ(r_w − r_l − m) + c·(r_w + r_l)²``. The mean over pairs is TRL's
+    ``RewardTrainer`` loss (``margin`` column, ``center_rewards_coefficient``; OpenRLHF's
+    ``PairWiseLoss`` without centring).
+    """
+    diff = chosen_scores.float() - rejected_scores.float()
+    if margin is not None:
+        diff = diff - margin
+    losses = -F.logsigmoid(diff)
+    if center_coefficient:
+        losses = losses + center_coefficient * (chosen_scores.float() + rejected_scores.float()) ** 2
+    return losses
+
+
 def reward_metrics(out: PreferenceOutput) -> dict[str, float]:
     """TRL's reward metrics for a pairwise batch: ``rewards/{chosen,rejected,margins,accuracies}``."""
     margins = out.chosen_rewards - out.rejected_rewards
