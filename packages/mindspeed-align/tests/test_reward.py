@@ -70,7 +70,9 @@ def _hf_scores(folder, seqs):
     """transformers' AutoModelForSequenceClassification on right-padded rows of `seqs`."""
     import transformers
 
-    model = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(folder), dtype=torch.float32
+    )
     pad = model.config.pad_token_id
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad, dtype=torch.long)
@@ -92,7 +94,9 @@ def test_first_step_and_hf_export(tmp_path):
     info = init_distributed(device_type="cpu")
     try:
         objective = RewardObjective(pad_id=0, center_coefficient=0.01)
-        trainer = Trainer(cfg, info, data=PairData, objective=objective, before_tp=add_score_head, command="rm")
+        trainer = Trainer(
+            cfg, info, data=PairData, objective=objective, before_tp=add_score_head, command="rm"
+        )
         objective.pad_id = pad = trainer.data.pad_id
         micro_batches = trainer.data.next_step()
         seqs = [s[0] for i in range(8) for s in trainer.data._row(i)]
@@ -105,12 +109,19 @@ def test_first_step_and_hf_export(tmp_path):
     finally:
         destroy_distributed()
     chosen, rejected = first[0::2], first[1::2]
-    assert result.loss == pytest.approx(float(reward_loss(chosen, rejected, center_coefficient=0.01).mean()), rel=1e-5)
+    assert result.loss == pytest.approx(
+        float(reward_loss(chosen, rejected, center_coefficient=0.01).mean()), rel=1e-5
+    )
     assert result.metrics["accuracy"] == pytest.approx(float((chosen > rejected).float().mean()))
-    assert result.metrics["margin"] == pytest.approx(float((chosen - rejected).mean()), rel=1e-5, abs=1e-6)
+    assert result.metrics["margin"] == pytest.approx(
+        float((chosen - rejected).mean()), rel=1e-5, abs=1e-6
+    )
     assert not torch.allclose(after, first)  # the step changed the scores the export must carry
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert hf_config["architectures"] == ["LlamaForSequenceClassification"] and hf_config["num_labels"] == 1
+    assert (
+        hf_config["architectures"] == ["LlamaForSequenceClassification"]
+        and hf_config["num_labels"] == 1
+    )
     pytest.importorskip("transformers")
     torch.testing.assert_close(_hf_scores(tmp_path / "hf", seqs), after, rtol=1e-5, atol=1e-5)
 
@@ -133,7 +144,9 @@ def test_tp2_equals_one_process_and_the_command(tmp_path, capsys):
     assert len(one) == 3 and {"accuracy", "margin", "mean_reward"} <= set(one[0])
     tp = run_distributed(_tp2, 2, folder, data, tmp_path, timeout=600)[0]
     for key in ("loss", "accuracy", "margin", "mean_reward", "grad_norm"):
-        torch.testing.assert_close([m[key] for m in tp], [m[key] for m in one], rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(
+            [m[key] for m in tp], [m[key] for m in one], rtol=1e-4, atol=1e-5, msg=key
+        )
     same = tmp_path / "same.jsonl"
     same.write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": "a"}) + "\n")
     cases = [([], tmp_path / "missing.jsonl", r"does not exist: .*missing.jsonl"),
@@ -154,6 +167,11 @@ def test_tp2_equals_one_process_and_the_command(tmp_path, capsys):
 def test_demo_reward_model_accuracy(tmp_path, monkeypatch):
     """`mindspeed rm` with no arguments: SFT warm start, then the reward model on the demo pairs."""
     monkeypatch.setenv("MINDSPEED_CACHE", str(tmp_path / "cache"))
-    cfg = load_config(RMConfig, None, [f"--logging.run_dir={tmp_path / 'run'}", "--logging.progress=false"])
+    cfg = load_config(
+        RMConfig, None, [f"--logging.run_dir={tmp_path / 'run'}", "--logging.progress=false"]
+    )
     summary = rm(cfg)
-    assert summary["accuracy_after"] > 0.9 and summary["accuracy_after"] > summary["accuracy_before"] + 0.2
+    assert (
+        summary["accuracy_after"] > 0.9
+        and summary["accuracy_after"] > summary["accuracy_before"] + 0.2
+    )

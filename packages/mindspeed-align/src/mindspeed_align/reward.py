@@ -28,7 +28,13 @@ from mindspeed_align.losses import reward_loss
 from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
 
-__all__ = ["RewardObjective", "add_score_head", "export_classifier", "full_state_dict", "sequence_scores"]
+__all__ = [
+    "RewardObjective",
+    "add_score_head",
+    "export_classifier",
+    "full_state_dict",
+    "sequence_scores",
+]
 
 METRICS = ("accuracy", "margin", "mean_reward")
 """TRL RewardTrainer's metric names (means over the step's pairs)."""
@@ -119,7 +125,9 @@ def export_classifier(state: dict[str, Tensor], config, out: Path, *, pad_token_
     tensors = get_model_spec(config.family).hf_adapter.to_hf(state, names_cfg)
     tensors["score.weight"] = head
     hf_config = config.to_hf_dict()
-    hf_config["architectures"] = [hf_config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")]
+    hf_config["architectures"] = [
+        hf_config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+    ]
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
     hf_config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, pad_token_id=pad_token_id,
                      torch_dtype=dtypes.pop() if len(dtypes) == 1 else "float32")  # fmt: skip
@@ -127,7 +135,9 @@ def export_classifier(state: dict[str, Tensor], config, out: Path, *, pad_token_
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        writer = SafetensorsWriter(tmp / "model.safetensors", [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()])
+        writer = SafetensorsWriter(
+            tmp / "model.safetensors", [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
+        )
         for name, tensor in tensors.items():
             writer.write(name, tensor)
         writer.close()

@@ -19,9 +19,19 @@ from pathlib import Path
 
 import torch
 
-from mindspeed_align.reward import RewardObjective, add_score_head, export_classifier, full_state_dict
+from mindspeed_align.reward import (
+    RewardObjective,
+    add_score_head,
+    export_classifier,
+    full_state_dict,
+)
 from mindspeed_core.cli import config_command, debug_enabled, guarded
-from mindspeed_core.distributed import current_distributed, destroy_distributed, init_distributed, is_rank0
+from mindspeed_core.distributed import (
+    current_distributed,
+    destroy_distributed,
+    init_distributed,
+    is_rank0,
+)
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
 from mindspeed_llm.train.config import LoggingSection, TrainSection
@@ -43,7 +53,9 @@ class RewardSection:
 
     def __post_init__(self):
         if self.center_rewards_coefficient < 0:
-            raise ConfigError(f"rm.center_rewards_coefficient={self.center_rewards_coefficient} must be >= 0")
+            raise ConfigError(
+                f"rm.center_rewards_coefficient={self.center_rewards_coefficient} must be >= 0"
+            )
 
 
 def _rm_train() -> TrainSection:
@@ -65,7 +77,9 @@ class RMConfig(SFTConfig):
                               "context and pipeline parallel are not supported yet (tp and dp are)")  # fmt: skip
         self.parallel.loss_parallel = False  # a one-output head has no vocabulary to shard
         if self.lora.rank:
-            raise ConfigError("rm: lora.rank > 0 is not supported yet (the score head would need training too)")
+            raise ConfigError(
+                "rm: lora.rank > 0 is not supported yet (the score head would need training too)"
+            )
 
 
 def rm(cfg: RMConfig) -> dict[str, float]:
@@ -86,10 +100,14 @@ def rm(cfg: RMConfig) -> dict[str, float]:
 
             start = warm_start(cfg, info)
         objective = RewardObjective(pad_id=0, center_coefficient=cfg.rm.center_rewards_coefficient)
-        trainer = Trainer(cfg, info, data=PairData, objective=objective, before_tp=add_score_head, command="rm")
+        trainer = Trainer(
+            cfg, info, data=PairData, objective=objective, before_tp=add_score_head, command="rm"
+        )
         objective.pad_id = trainer.data.pad_id
         if start is not None:
-            trainer.model.load_state_dict({k: v for k, v in start.items() if k != "output.weight"}, strict=False)
+            trainer.model.load_state_dict(
+                {k: v for k, v in start.items() if k != "output.weight"}, strict=False
+            )
         before = _demo_accuracy(trainer, cfg) if demo else None
         summary = trainer.run()
         if before is not None:
@@ -110,7 +128,9 @@ def _export(trainer, cfg: RMConfig) -> None:
         tokenizer = cfg.data.tokenizer or cfg.model.hf_path
         out = export_classifier(state, trainer.model_cfg, cfg.rm.export_hf, pad_token_id=trainer.data.pad_id,
                                 tokenizer=tokenizer)  # fmt: skip
-        logger.info("exported the reward model to %s (Hugging Face *ForSequenceClassification)", out)
+        logger.info(
+            "exported the reward model to %s (Hugging Face *ForSequenceClassification)", out
+        )
 
 
 @torch.no_grad()
@@ -122,7 +142,9 @@ def score_pairs(model, batches, pad_id: int) -> tuple[torch.Tensor, torch.Tensor
     chosen, rejected = [], []
     for batch in batches:
         slots = batch[SLOT_KEY].masked_fill(batch["input_ids"] == pad_id, -1)
-        out = model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"])
+        out = model(
+            batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"]
+        )
         scores = sequence_scores(out, slots, int(batch[SLOT_KEY].max()) + 1)
         chosen.append(scores[0::2])
         rejected.append(scores[1::2])
@@ -141,8 +163,14 @@ def _demo_accuracy(trainer, cfg) -> float | None:
         return None
     data = trainer.data
     lines = ensure_dpo_demo().heldout.read_text().splitlines()
-    pairs = [encode_pair(data.template, data.tokenizer, json.loads(line), f"heldout:{i}") for i, line in enumerate(lines)]
-    batches = [pack_pairs(pairs[i : i + 50], cfg.data.seq_len * 8, data.pad_id) for i in range(0, len(pairs), 50)]
+    pairs = [
+        encode_pair(data.template, data.tokenizer, json.loads(line), f"heldout:{i}")
+        for i, line in enumerate(lines)
+    ]
+    batches = [
+        pack_pairs(pairs[i : i + 50], cfg.data.seq_len * 8, data.pad_id)
+        for i in range(0, len(pairs), 50)
+    ]
     was_training = trainer.model.training
     trainer.model.eval()
     try:
