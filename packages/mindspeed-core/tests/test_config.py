@@ -220,3 +220,23 @@ def test_cli_good_input_prints_resolved_config(tmp_path):
     assert proc.returncode == 0, proc.stderr
     path = write(tmp_path, proc.stdout)
     assert load_config(AppConfig, path).optim.lr == 0.25
+
+
+def test_a_section_given_in_part_keeps_its_owners_defaults():
+    """A config whose section default differs from the section class's own defaults
+    (e.g. SFT's `train.steps=400`) keeps it when another field of that section is set."""
+    from dataclasses import dataclass, field
+
+    from mindspeed_core.config import load_config
+
+    @dataclass(kw_only=True)
+    class Section:
+        steps: int = 100
+        batch: int = 1
+
+    @dataclass(kw_only=True)
+    class Owner:
+        train: Section = field(default_factory=lambda: Section(steps=400))
+
+    cfg = load_config(Owner, None, ["--train.batch=4"])
+    assert (cfg.train.steps, cfg.train.batch) == (400, 4)

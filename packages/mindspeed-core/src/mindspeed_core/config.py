@@ -91,7 +91,12 @@ def from_dict(
     for name, field in fields.items():
         path = _prefix + name
         if name in data:
-            kwargs[name] = _convert(data[name], hints[name], path, origins)
+            value = data[name]
+            if isinstance(value, Mapping) and field.default_factory is not dataclasses.MISSING:
+                default = field.default_factory()  # a section given in part keeps the
+                if dataclasses.is_dataclass(default):  # defaults its owner chose for the rest
+                    value = {**to_dict(default), **value}
+            kwargs[name] = _convert(value, hints[name], path, origins)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{origins.of(_prefix.rstrip('.'))}: missing required field '{path}'")
     try:
