@@ -3,8 +3,7 @@
 import torch
 import transformers
 
-from mindspeed_llm.models import Transformer, TransformerConfig
-from mindspeed_llm.models.common import hf_adapter
+from mindspeed_llm.models import Transformer, TransformerConfig, get_model_spec
 
 SEQ = 24
 TINY = {
@@ -47,9 +46,15 @@ CASES = {
     "mistral-window": ("MistralConfig", {"sliding_window": 8}),
 }
 
+FAMILY_CASES = {
+    "phi3": ("Phi3Config", {"sliding_window": 8, "pad_token_id": 0, "eos_token_id": 2}),
+}
+"""Families whose Hugging Face names are not the dense adapter's (tested in
+test_models_families.py)."""
+
 
 def make_hf(case: str, device="cpu", **changes):
-    cls_name, extra = CASES[case]
+    cls_name, extra = {**CASES, **FAMILY_CASES}[case]
     config = getattr(transformers, cls_name)(**{**TINY, **extra, **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -67,7 +72,8 @@ def make_hf(case: str, device="cpu", **changes):
 def ours_from(hf_model) -> Transformer:
     config = TransformerConfig.from_hf(hf_model.config.to_dict())
     model = Transformer(config).to(hf_model.device)
-    model.load_state_dict(hf_adapter.from_hf(hf_model.state_dict(), config))
+    adapter = get_model_spec(config.family).hf_adapter
+    model.load_state_dict(adapter.from_hf(hf_model.state_dict(), config))
     return model.eval()
 
 

@@ -178,8 +178,27 @@ def mindspeed_to_hf(
             for hf in hf_names.get(fqn, ()):
                 write(hf, tensor)
             if computed and fqn not in hf_names:
-                for hf, made in hf_io.to_hf_one(config, meta, fqn[len(prefix) :], tensor).items():
+                compute(fqn[len(prefix) :], tensor)
+
+        # Computed tensors of a layer are made once all their sources are read (one stacked
+        # expert tensor gives several; a fused q/k/v needs three); a layer's sources are
+        # dropped once all its computed tensors are written.
+        todo: dict[int | None, set[str]] = {}
+        for hf in hf_shapes:
+            if hf not in renamed:
+                todo.setdefault(hf_io._layer_of(hf), set()).add(hf)
+        pending: dict[int | None, dict[str, torch.Tensor]] = {}
+
+        def compute(name: str, tensor: torch.Tensor) -> None:
+            layer = hf_io._layer_of(name)
+            sources = pending.setdefault(layer, {})
+            sources[name] = tensor
+            for hf, made in hf_io.to_hf_some(config, meta, sources).items():
+                if hf in todo.get(layer, ()):
+                    todo[layer].discard(hf)
                     write(hf, made)
+            if not todo.get(layer):
+                pending.pop(layer)
 
         try:
             with _progress(len(wanted), "mindspeed -> hf") as bar:

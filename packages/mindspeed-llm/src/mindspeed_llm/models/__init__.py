@@ -10,7 +10,16 @@ Each family folder holds `flavors.py` (named sizes) and `hf.py` (its Hugging Fac
 `models.loading` loads a model from a Hugging Face folder or a MindSpeed checkpoint.
 """
 
-from mindspeed_llm.models import llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from mindspeed_llm.models import (
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from mindspeed_llm.models.common import Transformer
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_llm.models.registry import (
@@ -22,7 +31,7 @@ from mindspeed_llm.models.registry import (
     unregister_model,
 )
 
-for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe):
+for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, phi3):
     register_model(_family.SPEC)
 
 __all__ = [

@@ -284,9 +284,17 @@ def to_hf_one(
 ) -> dict[str, torch.Tensor]:
     """The computed Hugging Face tensors made from our tensor `name` alone (e.g. the
     per-expert weights of a stacked expert tensor); the others stay meta and are dropped."""
+    return to_hf_some(config, ours, {name: tensor})
+
+
+def to_hf_some(
+    config: TransformerConfig, ours: Mapping[str, Any], real: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The computed Hugging Face tensors made from our tensors `real` (e.g. a fused q/k/v
+    weight, made once its three parts are all real); the others stay meta and are dropped."""
     adapter = get_model_spec(config.family).hf_adapter
     probe = _meta(ours)
-    probe[name] = tensor
+    probe.update(real)
     return {hf: t for hf, t in adapter.to_hf(probe, config).items() if not t.is_meta}
 
 
