@@ -48,6 +48,17 @@ CASES = {
 
 FAMILY_CASES = {
     "phi3": ("Phi3Config", {"sliding_window": 8, "pad_token_id": 0, "eos_token_id": 2}),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            # small caps so that capping changes the answer
+            "attn_logit_softcapping": 0.5,
+            "final_logit_softcapping": 1.5,
+        },
+    ),
 }
 """Families whose Hugging Face names are not the dense adapter's (tested in
 test_models_families.py)."""

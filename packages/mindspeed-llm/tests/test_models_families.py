@@ -70,3 +70,49 @@ def test_phi3_refuses_longrope_and_a_bad_fused_tensor():
     del sd["model.layers.0.mlp.gate_up_proj.weight"]
     with pytest.raises(CheckpointError, match="missing model.layers.0.mlp.gate_up_proj"):
         adapter.from_hf(sd, ours)
+
+
+def test_gemma2_features_each_change_the_logits():
+    """So the parity above checks each: without it transformers' own logits differ."""
+    hf = make_hf("gemma2")
+    config = ours_from(hf).config
+    assert config.full_attention_layers == (1,) and config.sliding_window == 8
+    assert config.post_norms and config.norm_unit_offset and config.tie_word_embeddings
+    ids = tokens()
+    with torch.no_grad():
+        base = hf(ids).logits
+        for change in (
+            {"attn_logit_softcapping": None},
+            {"final_logit_softcapping": None},
+            {"layer_types": ["full_attention"] * 2},
+            {"query_pre_attn_scalar": 16},
+        ):
+            other = make_hf("gemma2", **change)
+            assert not torch.allclose(other(ids).logits, base, atol=1e-3), change
+            torch.testing.assert_close(ours_from(other)(ids), other(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_gemma2_packed_documents_match_separate_runs():
+    model = ours_from(make_hf("gemma2"))
+    lengths = [5, 19, 13, 11]  # two rows of 24
+    docs = [tokens(1, n, seed=10 + i) for i, n in enumerate(lengths)]
+    packed = torch.cat(docs, dim=1).view(2, SEQ)
+    cu_seqlens = torch.tensor([0, 5, 24, 37, 48], dtype=torch.int32)
+    with torch.no_grad():
+        got = model(packed, cu_seqlens=cu_seqlens).flatten(0, 1)
+        alone = torch.cat([model(d)[0] for d in docs])
+    torch.testing.assert_close(got, alone, atol=ATOL, rtol=0)
+
+
+def test_gemma2_config_round_trips_and_refuses_what_it_lacks():
+    hf = make_hf("gemma2")
+    config = TransformerConfig.from_hf(hf.config.to_dict())
+    again = TransformerConfig.from_hf(config.to_hf_dict())
+    assert again == config
+    bad = {**hf.config.to_dict(), "use_bidirectional_attention": True}
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):
+        TransformerConfig.from_hf(bad)
+    with pytest.raises(ConfigError, match="hidden_activation='gelu'"):
+        TransformerConfig.from_hf({**hf.config.to_dict(), "hidden_activation": "gelu"})
+    with pytest.raises(ConfigError, match="full_attention_layers"):
+        TransformerConfig(**{**config.__dict__, "full_attention_layers": (5,)})

@@ -88,6 +88,7 @@ def _same_config(a: Path, b: Path):
         ("mixtral", "40KB"),
         ("qwen2_moe", None),
         ("phi3", "40KB"),  # fused qkv_proj / gate_up_proj, split and fused again
+        ("gemma2", None),  # post norms, tied, soft caps, alternating windows
     ],
 )
 def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):

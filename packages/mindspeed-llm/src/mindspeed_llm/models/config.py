@@ -20,6 +20,7 @@ from mindspeed_llm.models.hf_format import format_of_family, format_of_model_typ
 
 _ROUTER_SCORES = ("softmax", "sigmoid")
 _OPS_IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
+_ACTS = ("silu", "gelu_tanh")
 
 ROPE_SCALING = {
     "linear": ({"factor"}, {}),
@@ -110,6 +111,25 @@ class TransformerConfig:
     """Every `decoder_sparse_step`-th block is MoE (Qwen-MoE); the others are dense."""
     mlp_only_layers: tuple[int, ...] = ()
     """Blocks that stay dense (Qwen-MoE)."""
+    hidden_act: str = "silu"
+    """Feed-forward gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
+    norm_unit_offset: bool = False
+    """Every RMSNorm multiplies by (1 + weight), weights initialised to 0 (Gemma)."""
+    post_norms: bool = False
+    """An RMSNorm also on the attention and feed-forward outputs, before each residual add
+    (`post_attention_norm`, `post_ffn_norm`; Gemma 2)."""
+    scale_embeddings: bool = False
+    """Embeddings times sqrt(hidden_size), rounded to the activations' dtype (Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores scaled by query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2); runs a plain
+    PyTorch attention, not the fused op; not under context parallel or a KV cache."""
+    final_logit_softcapping: float | None = None
+    """Logits -> cap * tanh(logits / cap) (Gemma 2)."""
+    full_attention_layers: tuple[int, ...] = ()
+    """With `sliding_window`: blocks that attend to every earlier key (Gemma 2's odd
+    blocks); the others slide."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     ops_impl: str = "auto"
@@ -148,7 +168,20 @@ class TransformerConfig:
         if not isinstance(self.family, str) or not self.family:
             raise ConfigError(f"family={self.family!r} must be a non-empty string")
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
+        self._check_gemma()
         self._check_moe()
+
+    def _check_gemma(self) -> None:
+        if self.hidden_act not in _ACTS:
+            raise ConfigError(f"hidden_act={self.hidden_act!r} must be one of {_ACTS}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int | float) or value <= 0):
+                raise ConfigError(f"{name}={value!r} must be a positive number or None")
+        self.full_attention_layers = tuple(self.full_attention_layers)
+        bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"full_attention_layers {bad} are not blocks of {self.num_layers}")
 
     def _check_moe(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 0:

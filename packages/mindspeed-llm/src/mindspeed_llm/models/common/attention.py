@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
+from mindspeed_core.errors import ConfigError
 from mindspeed_llm.models.common.norm import RMSNorm
+from mindspeed_llm.models.common.softcap_attention import softcapped_attention
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import attention, rotary_embedding
 
@@ -24,10 +26,14 @@ RopeTables = tuple[Tensor, Tensor]
 class Attention(nn.Module):
     """Multi-head attention with `num_kv_heads` key/value heads shared by query groups."""
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, layer_id: int | None = None):
         super().__init__()
         self.head_dim = config.head_dim
-        self.sliding_window = config.sliding_window
+        full = layer_id is not None and layer_id in config.full_attention_layers
+        self.sliding_window = None if full else config.sliding_window
+        scalar = config.query_pre_attn_scalar
+        self.scale = None if scalar is None else scalar**-0.5
+        self.softcap = config.attn_logit_softcapping
         self.impl = config.ops_impl
         # Set by mindspeed_core's `apply_cp`: inputs are this rank's zig-zag sequence shards.
         self.context_parallel = None
@@ -37,8 +43,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl)
+            offset = config.norm_unit_offset
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl, offset=offset)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl, offset=offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -81,7 +88,9 @@ class Attention(nn.Module):
         cos, sin = rope
         q = rotary_embedding(q, cos, sin, position_ids, impl=self.impl)
         k = rotary_embedding(k, cos, sin, position_ids, impl=self.impl)
-        if kv_cache is not None:
+        if self.scale is not None or self.softcap is not None:
+            out = self._scaled_or_capped(q, k, v, cu_seqlens, cached=kv_cache is not None)
+        elif kv_cache is not None:
             out = kv_cache.attend(q, k, v, window=self.sliding_window)
         elif self.context_parallel is not None:
             if cu_seqlens is not None:  # packed local documents: (tokens, heads, head_dim)
@@ -95,3 +104,33 @@ class Attention(nn.Module):
                 q, k, v, window=self.sliding_window, cu_seqlens=cu_seqlens, impl=self.impl
             )
         return self.wo(out.reshape(batch, seq, -1))
+
+    def _scaled_or_capped(self, q, k, v, cu_seqlens, *, cached: bool) -> Tensor:
+        """Gemma 2's attention: its own score scale, optionally soft-capped scores."""
+        if cached or self.context_parallel is not None:
+            raise ConfigError(
+                "query_pre_attn_scalar / attn_logit_softcapping are not supported with "
+                "a KV cache or context parallel"
+            )
+        scale = self.scale if self.scale is not None else self.head_dim**-0.5
+        if cu_seqlens is not None:  # packed layout: (batch * seq, heads, head_dim)
+            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        if self.softcap is None:
+            return attention(
+                q,
+                k,
+                v,
+                window=self.sliding_window,
+                cu_seqlens=cu_seqlens,
+                scale=scale,
+                impl=self.impl,
+            )
+        return softcapped_attention(
+            q,
+            k,
+            v,
+            softcap=self.softcap,
+            scale=scale,
+            window=self.sliding_window,
+            cu_seqlens=cu_seqlens,
+        )

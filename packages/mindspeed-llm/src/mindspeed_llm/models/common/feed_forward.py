@@ -1,7 +1,8 @@
-"""The SwiGLU feed-forward: w2(silu(w1 x) * w3 x)."""
+"""The SwiGLU feed-forward: w2(silu(w1 x) * w3 x); GeGLU (gelu_tanh, Gemma) on request."""
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mindspeed_ops import swiglu
@@ -13,9 +14,12 @@ class FeedForward(nn.Module):
     torchtitan's names, so `tp_plan.llama_tp_plan` shards w1/w3 by column and w2 by row.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, impl: str = "auto"):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, impl: str = "auto", act: str = "silu"
+    ):
         super().__init__()
         self.impl = impl
+        self.act = act  # "silu" (the fused swiglu op) or "gelu_tanh" (plain PyTorch)
         self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -26,4 +30,6 @@ class FeedForward(nn.Module):
         nn.init.normal_(self.w2.weight, std=out_std)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.act == "gelu_tanh":
+            return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
         return self.w2(swiglu(self.w1(x), self.w3(x), impl=self.impl))

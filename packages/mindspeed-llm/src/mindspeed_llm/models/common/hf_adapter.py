@@ -42,6 +42,11 @@ _QK_NORM = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",
     "attention.k_norm.weight": "self_attn.k_norm.weight",
 }
+_POST_NORMS = {  # Gemma 2: its post_attention_layernorm is on the attention's output
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+}
 # Buffers some older Hugging Face checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -53,6 +58,8 @@ def name_map(config: TransformerConfig) -> dict[str, str]:
         layer.update(_QKV_BIAS)
     if config.qk_norm:
         layer.update(_QK_NORM)
+    if config.post_norms:
+        layer.update(_POST_NORMS)
     names = dict(_TOP)
     if config.tie_word_embeddings:
         del names["output.weight"]

@@ -41,13 +41,16 @@ def decoder_format(
     flags: Mapping[str, Any] | None = None,
     window: HFKeys | None = None,
     experts: HFKeys | None = None,
+    extra: HFKeys | None = None,
+    hidden_act: str = "silu",
 ) -> HFFormat:
-    """The `HFFormat` of a family of our decoder (see the module docstring)."""
+    """The `HFFormat` of a family of our decoder (see the module docstring); `extra`: the
+    family's own keys (Gemma 2's), `hidden_act`: the Hugging Face activation it allows."""
     flags = dict(flags or {})
-    parts = [p for p in (window, experts) if p is not None]
+    parts = [p for p in (window, experts, extra) if p is not None]
 
     def read(hf: dict[str, Any]) -> dict[str, Any]:
-        _check_features(hf, qkv_bias=bool(flags.get("qkv_bias")))
+        _check_features(hf, qkv_bias=bool(flags.get("qkv_bias")), hidden_act=hidden_act)
         fields = {**_read_common(hf), **flags}
         for part in parts:
             fields.update(part.read(hf))
@@ -117,11 +120,12 @@ def _write_common(config: TransformerConfig) -> dict[str, Any]:
     }
 
 
-def _check_features(hf: dict[str, Any], *, qkv_bias: bool) -> None:
+def _check_features(hf: dict[str, Any], *, qkv_bias: bool, hidden_act: str = "silu") -> None:
     """Refuse options our modules do not build, instead of silently ignoring them."""
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ConfigError(f"hidden_act={act!r} is not supported (only 'silu', i.e. SwiGLU)")
+    for key in ("hidden_act", "hidden_activation"):
+        act = hf.get(key) or hidden_act
+        if act != hidden_act:
+            raise ConfigError(f"{key}={act!r} is not supported (only {hidden_act!r})")
     if hf.get("mlp_bias"):
         raise ConfigError("mlp_bias=true is not supported")
     # A family with built-in q/k/v biases (Qwen2) has them regardless; elsewhere

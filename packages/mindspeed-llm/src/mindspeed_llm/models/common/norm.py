@@ -17,14 +17,18 @@ class RMSNorm(nn.Module):
     gradient is marked Partial over the sharded mesh dims so DTensor sums it across ranks.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, impl: str = "auto"):
+    def __init__(self, dim: int, eps: float = 1e-6, *, impl: str = "auto", offset: bool = False):
         super().__init__()
         self.eps = eps
         self.impl = impl
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset  # multiply by (1 + weight), weight initialised to 0 (Gemma)
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        (nn.init.zeros_ if self.offset else nn.init.ones_)(self.weight)
+
+    def _scale(self, weight: Tensor) -> Tensor:
+        return weight + 1 if self.offset else weight
 
     def forward(self, x: Tensor) -> Tensor:
         if isinstance(x, DTensor):
@@ -34,7 +38,7 @@ class RMSNorm(nn.Module):
             # A replicated weight over this rank's share of a tensor-parallel input (the local
             # heads of q/k): the local weight gradient is a partial sum over ranks.
             weight = weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
-        return rms_norm(x, weight, self.eps, impl=self.impl)
+        return rms_norm(x, self._scale(weight), self.eps, impl=self.impl)
 
     def _forward_dtensor(self, x: DTensor) -> DTensor:
         if any(p.is_shard(x.ndim - 1) or p.is_shard(-1) for p in x.placements):
@@ -48,7 +52,7 @@ class RMSNorm(nn.Module):
             grads = [Partial() if p.is_shard() else Replicate() for p in x.placements]
             weight = weight.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
             weight = weight.to_local(grad_placements=grads)
-        out = rms_norm(x.to_local(), weight, self.eps, impl=self.impl)
+        out = rms_norm(x.to_local(), self._scale(weight), self.eps, impl=self.impl)
         return DTensor.from_local(
             out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=x.stride()
         )

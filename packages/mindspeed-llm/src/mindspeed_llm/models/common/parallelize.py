@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module
-from torch.distributed.tensor.parallel import PrepareModuleInput
+from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
 from mindspeed_core.errors import ParallelError
 from mindspeed_core.memory import offload_activations
@@ -139,6 +139,9 @@ def parallelize_decoder(
     return model
 
 
+_POST_NORMS = ("post_attention_norm", "post_ffn_norm")
+
+
 def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     config = model.config
     plan = llama_tp_plan(
@@ -148,6 +151,8 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
     )
+    if sequence_parallel and config.post_norms:  # Gemma 2's output norms see sequence shards
+        plan.update({f"layers.*.{n}": SequenceParallel() for n in _POST_NORMS})
     head = getattr(model, "output", None)
     if head is not None and getattr(head, "out_features", config.vocab_size) != config.vocab_size:
         if loss_parallel:

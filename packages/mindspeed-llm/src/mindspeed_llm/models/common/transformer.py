@@ -31,20 +31,34 @@ class Block(nn.Module):
     def __init__(self, layer_id: int, config: TransformerConfig):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(config.hidden_size, config.norm_eps, impl=config.ops_impl)
-        self.attention = Attention(config)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.norm_eps, impl=config.ops_impl)
+        self.attention_norm = _norm(config)
+        self.attention = Attention(config, layer_id)
+        self.ffn_norm = _norm(config)
         self.feed_forward = (
             MoE(config)
             if config.is_moe_layer(layer_id)
-            else FeedForward(config.hidden_size, config.intermediate_size, impl=config.ops_impl)
+            else FeedForward(
+                config.hidden_size,
+                config.intermediate_size,
+                impl=config.ops_impl,
+                act=config.hidden_act,
+            )
         )
+        # Gemma 2: norms on the attention and feed-forward outputs too.
+        self.post_attention_norm = _norm(config) if config.post_norms else None
+        self.post_ffn_norm = _norm(config) if config.post_norms else None
 
     def init_weights(self, std: float) -> None:
         # torchtitan's depth scaling of the projections that write into the residual stream.
         out_std = std / math.sqrt(2 * (self.layer_id + 1))
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
+        for norm in (
+            self.attention_norm,
+            self.ffn_norm,
+            self.post_attention_norm,
+            self.post_ffn_norm,
+        ):
+            if norm is not None:
+                norm.reset_parameters()
         self.attention.init_weights(std, out_std)
         self.feed_forward.init_weights(std, out_std)
 
@@ -57,14 +71,26 @@ class Block(nn.Module):
         *,
         kv_cache: LayerCache | None = None,
     ) -> Tensor:
-        h = x + self.attention(
+        out = self.attention(
             self.attention_norm(x),
             rope,
             position_ids=position_ids,
             cu_seqlens=cu_seqlens,
             kv_cache=kv_cache,
         )
-        return h + self.feed_forward(self.ffn_norm(h))
+        if self.post_attention_norm is not None:
+            out = self.post_attention_norm(out)
+        h = x + out
+        out = self.feed_forward(self.ffn_norm(h))
+        if self.post_ffn_norm is not None:
+            out = self.post_ffn_norm(out)
+        return h + out
+
+
+def _norm(config: TransformerConfig) -> RMSNorm:
+    return RMSNorm(
+        config.hidden_size, config.norm_eps, impl=config.ops_impl, offset=config.norm_unit_offset
+    )
 
 
 class Transformer(nn.Module):
@@ -84,7 +110,7 @@ class Transformer(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): Block(i, config) for i in range(config.num_layers)})
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps, impl=config.ops_impl)
+        self.norm = _norm(config)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -158,6 +184,8 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
         else:
             h = self.tok_embeddings(tokens)  # (batch, seq, hidden)
+            if self.config.scale_embeddings:  # Gemma: sqrt(hidden) rounded to h's dtype
+                h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
         if cu_seqlens is not None and position_ids is None:
             position_ids = position_ids_from_cu_seqlens(cu_seqlens).view(h.shape[0], -1)
         rope = (self.rope_cos, self.rope_sin)
@@ -172,4 +200,8 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        return h if self.output is None else self.output(h)  # (batch, seq, vocab)
+        if self.output is None:
+            return h
+        logits = self.output(h)  # (batch, seq, vocab)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
