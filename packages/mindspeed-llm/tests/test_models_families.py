@@ -1,12 +1,22 @@
 """Families beyond the Llama-named ones (Phi-3: fused q/k/v and gate/up in Hugging Face's
-names) give transformers' logits (fp32) and their weights go to and from HF unchanged."""
+names; Gemma 2: soft caps, post norms, alternating windows, GeGLU) give transformers'
+logits (fp32), their weights go to and from HF unchanged, and tp=2 gives one process's
+logits and gradients."""
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from mindspeed_core.errors import CheckpointError, ConfigError
-from mindspeed_core.testing import import_sibling
-from mindspeed_llm.models import Transformer, TransformerConfig, get_model_spec
+from mindspeed_core.parallel import ParallelDims, loss_parallel_context
+from mindspeed_core.testing import import_sibling, run_distributed
+from mindspeed_llm.models import (
+    Transformer,
+    TransformerConfig,
+    build_model_config,
+    get_model_spec,
+)
 
 models_hf = import_sibling(__file__, "models_hf")
 SEQ, TINY = models_hf.SEQ, models_hf.TINY
@@ -116,3 +126,55 @@ def test_gemma2_config_round_trips_and_refuses_what_it_lacks():
         TransformerConfig.from_hf({**hf.config.to_dict(), "hidden_activation": "gelu"})
     with pytest.raises(ConfigError, match="full_attention_layers"):
         TransformerConfig(**{**config.__dict__, "full_attention_layers": (5,)})
+
+
+TP_CASES = {  # name: (family, config changes, parallelize options)
+    "gemma2_tp2_sp_loss_parallel": (
+        "gemma2",
+        {"tie_word_embeddings": False},
+        {"sequence_parallel": True, "loss_parallel": True},
+    ),
+    "phi3_tp2": ("phi3", {"sliding_window": 8}, {}),
+}
+
+
+def _step(family, changes, options=None):
+    """Logits, loss and gradients of one step; no options: the one-process reference."""
+    spec = get_model_spec(family)
+    torch.manual_seed(0)
+    model = spec.build(build_model_config(family, flavor="debug", **changes))
+    if options is not None:
+        model = spec.parallelize(model, ParallelDims(tp=2).build(), **options)
+    gen = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, 512, (2, 16), generator=gen) for _ in range(2))
+    with loss_parallel_context((options or {}).get("loss_parallel", False)):
+        logits = model(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+
+    def full(t):
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+    grads = {n: full(p.grad) for n, p in model.named_parameters()}
+    return {"logits": full(logits), "loss": full(loss), **grads}
+
+
+def _tp_cases():
+    return {
+        name: _step(family, changes, options)
+        for name, (family, changes, options) in TP_CASES.items()
+    }
+
+
+@pytest.mark.distributed
+def test_tp2_matches_one_process():
+    ranks = run_distributed(_tp_cases, 2, timeout=300)
+    for name, (family, changes, _) in TP_CASES.items():
+        ref = _step(family, changes)
+        assert len(ref) > 10  # logits, loss and every parameter's gradient
+        for results in ranks:
+            assert results[name].keys() == ref.keys(), name
+            for key, value in ref.items():
+                torch.testing.assert_close(
+                    results[name][key], value, atol=ATOL, rtol=0, msg=f"{name} {key}"
+                )

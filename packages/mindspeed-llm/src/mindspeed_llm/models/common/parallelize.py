@@ -152,7 +152,7 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         loss_parallel=loss_parallel,
     )
     if sequence_parallel and config.post_norms:  # Gemma 2's output norms see sequence shards
-        plan.update({f"layers.*.{n}": SequenceParallel() for n in _POST_NORMS})
+        plan.update({f"layers.*.{n}": SequenceParallel(use_local_output=True) for n in _POST_NORMS})
     head = getattr(model, "output", None)
     if head is not None and getattr(head, "out_features", config.vocab_size) != config.vocab_size:
         if loss_parallel:
