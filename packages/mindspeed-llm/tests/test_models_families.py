@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from mindspeed_core.errors import CheckpointError, ConfigError
 from mindspeed_core.parallel import ParallelDims, loss_parallel_context
 from mindspeed_core.testing import import_sibling, run_distributed
+from mindspeed_llm.generation import GenerationConfig, generate
 from mindspeed_llm.models import (
     Transformer,
     TransformerConfig,
@@ -178,3 +179,28 @@ def test_tp2_matches_one_process():
                 torch.testing.assert_close(
                     results[name][key], value, atol=ATOL, rtol=0, msg=f"{name} {key}"
                 )
+
+
+@pytest.mark.parametrize("case", list(models_hf.FAMILY_CASES))
+def test_greedy_with_kv_cache_matches_transformers(case):
+    """Decoding through our KV cache (Gemma 2: soft caps and alternating windows there too)
+    gives transformers' greedy tokens; a left-padded batch gives the one-by-one tokens."""
+    hf = make_hf(case)
+    ours = ours_from(hf)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (11, 3)]
+    config = GenerationConfig(max_new_tokens=20)
+    alone = [generate(ours, [p], config)[0] for p in prompts]
+    assert generate(ours, prompts, config) == alone
+    for prompt, got in zip(prompts, alone, strict=True):
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=20,
+            min_new_tokens=20,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert got == out[0, len(prompt) :].tolist()

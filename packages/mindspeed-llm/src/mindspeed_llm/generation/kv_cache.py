@@ -82,10 +82,20 @@ class KVCache:
         self._mask_for = self._mask = None
 
     def attend(
-        self, index: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None
+        self,
+        index: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        window: int | None = None,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
         """Write k, v (batch, seq, kv_heads, head_dim) of layer `index` at the offset and
-        attend q (batch, seq, heads, head_dim) to the cache up to them; same shape as q."""
+        attend q (batch, seq, heads, head_dim) to the cache up to them; same shape as q.
+        `scale`: of the scores (default head_dim ** -0.5); `softcap`: scores -> softcap *
+        tanh(scores / softcap) before the mask (Gemma 2, plain PyTorch)."""
         seq = q.shape[1]
         start, end = self.offset, self.offset + seq
         if end > self.max_len:
@@ -94,6 +104,8 @@ class KVCache:
         keys[:, :, start:end] = k.transpose(1, 2)
         values[:, :, start:end] = v.transpose(1, 2)
         mask = self._attention_mask(seq, window, q.device)
+        if softcap is not None:
+            return _softcapped(q, keys[:, :, :end], values[:, :, :end], mask, scale, softcap)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # (batch, heads, seq, head_dim)
             keys[:, :, :end],
@@ -101,6 +113,7 @@ class KVCache:
             attn_mask=mask,
             is_causal=mask is None and seq > 1,
             enable_gqa=q.shape[2] != k.shape[2],
+            scale=scale,
         )
         return out.transpose(1, 2)
 
@@ -124,6 +137,22 @@ class KVCache:
         return self._mask
 
 
+def _softcapped(q, keys, values, mask, scale, softcap) -> Tensor:
+    """Soft-capped attention of q (batch, seq, heads, d) to cached keys/values (batch,
+    kv_heads, len, d) under a bool mask (None: causal from offset 0)."""
+    group = q.shape[2] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)
+    values = values.float().repeat_interleave(group, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = q.float().transpose(1, 2) @ keys.transpose(-1, -2) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        seq, length = scores.shape[-2:]
+        mask = torch.ones(seq, length, dtype=torch.bool, device=q.device).tril(length - seq)
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ values).transpose(1, 2).to(q.dtype)
+
+
 class LayerCache:
     """One layer's view of a `KVCache` (what `Attention.forward` receives)."""
 
@@ -132,5 +161,5 @@ class LayerCache:
     def __init__(self, cache: KVCache, index: int):
         self.cache, self.index = cache, index
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
-        return self.cache.attend(self.index, q, k, v, window)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None, **kw) -> Tensor:
+        return self.cache.attend(self.index, q, k, v, window, **kw)

@@ -124,7 +124,7 @@ class TransformerConfig:
     """Attention scores scaled by query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5."""
     attn_logit_softcapping: float | None = None
     """Attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2); runs a plain
-    PyTorch attention, not the fused op; not under context parallel or a KV cache."""
+    PyTorch attention, not the fused op; not under context parallel."""
     final_logit_softcapping: float | None = None
     """Logits -> cap * tanh(logits / cap) (Gemma 2)."""
     full_attention_layers: tuple[int, ...] = ()

@@ -88,10 +88,12 @@ class Attention(nn.Module):
         cos, sin = rope
         q = rotary_embedding(q, cos, sin, position_ids, impl=self.impl)
         k = rotary_embedding(k, cos, sin, position_ids, impl=self.impl)
-        if self.scale is not None or self.softcap is not None:
-            out = self._scaled_or_capped(q, k, v, cu_seqlens, cached=kv_cache is not None)
-        elif kv_cache is not None:
-            out = kv_cache.attend(q, k, v, window=self.sliding_window)
+        if kv_cache is not None:
+            out = kv_cache.attend(
+                q, k, v, window=self.sliding_window, scale=self.scale, softcap=self.softcap
+            )
+        elif self.scale is not None or self.softcap is not None:
+            out = self._scaled_or_capped(q, k, v, cu_seqlens)
         elif self.context_parallel is not None:
             if cu_seqlens is not None:  # packed local documents: (tokens, heads, head_dim)
                 q, k, v = (t.flatten(0, 1) for t in (q, k, v))
@@ -105,12 +107,12 @@ class Attention(nn.Module):
             )
         return self.wo(out.reshape(batch, seq, -1))
 
-    def _scaled_or_capped(self, q, k, v, cu_seqlens, *, cached: bool) -> Tensor:
+    def _scaled_or_capped(self, q, k, v, cu_seqlens) -> Tensor:
         """Gemma 2's attention: its own score scale, optionally soft-capped scores."""
-        if cached or self.context_parallel is not None:
+        if self.context_parallel is not None:
             raise ConfigError(
-                "query_pre_attn_scalar / attn_logit_softcapping are not supported with "
-                "a KV cache or context parallel"
+                "query_pre_attn_scalar / attn_logit_softcapping are not supported under "
+                "context parallel"
             )
         scale = self.scale if self.scale is not None else self.head_dim**-0.5
         if cu_seqlens is not None:  # packed layout: (batch * seq, heads, head_dim)
