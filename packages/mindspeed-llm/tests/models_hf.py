@@ -59,6 +59,19 @@ FAMILY_CASES = {
             "final_logit_softcapping": 1.5,
         },
     ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        },
+    ),
 }
 """Families whose Hugging Face names are not the dense adapter's (tested in
 test_models_families.py)."""

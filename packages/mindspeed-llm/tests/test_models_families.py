@@ -29,7 +29,7 @@ ATOL = 1e-5
 def test_logits_match_transformers(case):
     hf = make_hf(case)
     ours = ours_from(hf)
-    assert ours.config.family == hf.config.model_type
+    assert ours.config.family == hf.config.model_type.removesuffix("_text")
     ids = tokens()
     with torch.no_grad():
         expected = hf(ids).logits
@@ -132,10 +132,15 @@ def test_gemma2_config_round_trips_and_refuses_what_it_lacks():
 TP_CASES = {  # name: (family, config changes, parallelize options)
     "gemma2_tp2_sp_loss_parallel": (
         "gemma2",
-        {"tie_word_embeddings": False},
+        {"tie_word_embeddings": False, "sliding_window": 4},
         {"sequence_parallel": True, "loss_parallel": True},
     ),
     "phi3_tp2": ("phi3", {"sliding_window": 8}, {}),
+    "gemma3_tp2_sp": (
+        "gemma3",
+        {"tie_word_embeddings": False, "sliding_window": 4},
+        {"sequence_parallel": True},
+    ),
 }
 
 
@@ -204,3 +209,17 @@ def test_greedy_with_kv_cache_matches_transformers(case):
             pad_token_id=0,
         )
         assert got == out[0, len(prompt) :].tolist()
+
+
+def test_gemma3_local_rope_and_qk_norms_count():
+    hf = make_hf("gemma3")
+    config = ours_from(hf).config
+    assert config.local_rope_theta == 10000.0 and config.rope_theta == 1e6
+    assert config.rope_scaling["type"] == "linear" and config.qk_norm
+    assert TransformerConfig.from_hf(config.to_hf_dict()) == config
+    ids = tokens()
+    rope = hf.config.rope_parameters
+    other = make_hf("gemma3", rope_parameters={**rope, "sliding_attention": {"rope_theta": 50.0}})
+    with torch.no_grad():
+        assert not torch.allclose(other(ids).logits, hf(ids).logits, atol=1e-3)
+        torch.testing.assert_close(ours_from(other)(ids), other(ids).logits, atol=ATOL, rtol=0)

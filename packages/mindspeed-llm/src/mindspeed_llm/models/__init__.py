@@ -12,6 +12,7 @@ Each family folder holds `flavors.py` (named sizes) and `hf.py` (its Hugging Fac
 
 from mindspeed_llm.models import (
     gemma2,
+    gemma3,
     llama,
     mistral,
     mixtral,
@@ -32,7 +33,7 @@ from mindspeed_llm.models.registry import (
     unregister_model,
 )
 
-for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, phi3, gemma2):
+for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, phi3, gemma2, gemma3):
     register_model(_family.SPEC)
 
 __all__ = [

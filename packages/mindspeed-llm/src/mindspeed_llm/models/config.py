@@ -127,6 +127,9 @@ class TransformerConfig:
     PyTorch attention, not the fused op; not under context parallel."""
     final_logit_softcapping: float | None = None
     """Logits -> cap * tanh(logits / cap) (Gemma 2)."""
+    local_rope_theta: float | None = None
+    """Blocks with the sliding window use RoPE of this base without `rope_scaling` (Gemma 3's
+    rope_local_base_freq); None: every block uses `rope_theta` and `rope_scaling`."""
     full_attention_layers: tuple[int, ...] = ()
     """With `sliding_window`: blocks that attend to every earlier key (Gemma 2's odd
     blocks); the others slide."""
@@ -174,7 +177,12 @@ class TransformerConfig:
     def _check_gemma(self) -> None:
         if self.hidden_act not in _ACTS:
             raise ConfigError(f"hidden_act={self.hidden_act!r} must be one of {_ACTS}")
-        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        for name in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "local_rope_theta",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int | float) or value <= 0):
                 raise ConfigError(f"{name}={value!r} must be a positive number or None")

@@ -8,6 +8,7 @@ by layer index (the state-dict names are those of a ModuleList).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,6 +88,11 @@ class Block(nn.Module):
         return h + out
 
 
+def _local_rope(config: TransformerConfig) -> TransformerConfig:
+    """The config whose RoPE tables the sliding-window blocks use (`local_rope_theta`)."""
+    return replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+
+
 def _norm(config: TransformerConfig) -> RMSNorm:
     return RMSNorm(
         config.hidden_size, config.norm_eps, impl=config.ops_impl, offset=config.norm_unit_offset
@@ -117,6 +123,10 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if config.local_rope_theta is not None:  # Gemma 3: another RoPE for windowed blocks
+            cos, sin = rope_tables(_local_rope(config))
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
         if self.rope_cos.device.type != "meta":
             self.init_weights()
 
@@ -136,6 +146,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         device = buffer_device or self.rope_cos.device
         self.rope_cos, self.rope_sin = rope_tables(self.config, device)
+        if self.config.local_rope_theta is not None:
+            self.rope_local_cos, self.rope_local_sin = rope_tables(_local_rope(self.config), device)
         std = self.config.init_std
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight, std=std)
@@ -189,10 +201,18 @@ class Transformer(nn.Module):
         if cu_seqlens is not None and position_ids is None:
             position_ids = position_ids_from_cu_seqlens(cu_seqlens).view(h.shape[0], -1)
         rope = (self.rope_cos, self.rope_sin)
+        local = None
+        if self.config.local_rope_theta is not None:
+            local = (self.rope_local_cos, self.rope_local_sin)
         for name, layer in self.layers.items():
             layer_cache = None if kv_cache is None else kv_cache.layer(int(name))
+            slides = local is not None and layer.attention.sliding_window is not None
             h = layer(
-                h, rope, position_ids=position_ids, cu_seqlens=cu_seqlens, kv_cache=layer_cache
+                h,
+                local if slides else rope,
+                position_ids=position_ids,
+                cu_seqlens=cu_seqlens,
+                kv_cache=layer_cache,
             )
         if kv_cache is not None:
             kv_cache.advance(tokens.shape[1])

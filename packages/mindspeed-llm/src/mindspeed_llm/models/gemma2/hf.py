@@ -14,7 +14,8 @@ from mindspeed_llm.models.config import TransformerConfig
 ACT = "gelu_pytorch_tanh"
 
 
-def _read(hf: dict[str, Any]) -> dict[str, Any]:
+def read_gemma(hf: dict[str, Any]) -> dict[str, Any]:
+    """Our Gemma flags from a Gemma 2 (or 3) config.json."""
     if hf.get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention=true is not supported")
     n = hf["num_hidden_layers"]
@@ -38,7 +39,9 @@ def _read(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _write(config: TransformerConfig) -> dict[str, Any]:
+def write_gemma(config: TransformerConfig) -> dict[str, Any]:
+    """Gemma 2's (and 3's) own config.json keys."""
+
     def kind(i: int) -> str:
         slides = config.sliding_window is not None and i not in config.full_attention_layers
         return "sliding_attention" if slides else "full_attention"
@@ -54,5 +57,5 @@ def _write(config: TransformerConfig) -> dict[str, Any]:
 
 
 FORMAT = decoder_format(
-    "gemma2", "Gemma2ForCausalLM", extra=HFKeys(read=_read, write=_write), hidden_act=ACT
+    "gemma2", "Gemma2ForCausalLM", extra=HFKeys(read=read_gemma, write=write_gemma), hidden_act=ACT
 )
