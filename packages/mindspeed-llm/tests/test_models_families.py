@@ -223,3 +223,14 @@ def test_gemma3_local_rope_and_qk_norms_count():
     with torch.no_grad():
         assert not torch.allclose(other(ids).logits, hf(ids).logits, atol=1e-3)
         torch.testing.assert_close(ours_from(other)(ids), other(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_hidden_states_then_project_give_the_logits():
+    """What eval's scorer does (final soft cap included)."""
+    model = ours_from(make_hf("gemma2"))
+    ids = tokens()
+    with torch.no_grad():
+        hidden = model(ids, return_hidden=True)
+        assert hidden.shape == (2, SEQ, TINY["hidden_size"])
+        torch.testing.assert_close(model.project(hidden[:, 5:]), model(ids)[:, 5:])
+        assert model(ids).abs().max() <= model.config.final_logit_softcapping

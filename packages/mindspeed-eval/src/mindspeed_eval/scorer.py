@@ -180,7 +180,7 @@ class Scorer:
         )
         hidden = decoder_hidden_states(self.model, tokens)  # (batch, seq, hidden)
         picks = [hidden[i, len(r) - keep[r] : len(r)] for i, r in enumerate(batch)]
-        logits = _full(self.model.output(torch.cat(picks)))  # (sum of keeps, vocab)
+        logits = _full(self.model.project(torch.cat(picks)))  # (sum of keeps, vocab)
         logprobs = F.log_softmax(logits.float(), dim=-1)
         return list(logprobs.split([keep[r] for r in batch]))
 
@@ -244,17 +244,9 @@ class Scorer:
 
 def decoder_hidden_states(model: nn.Module, tokens: Tensor) -> Tensor:
     """Final-norm hidden states of a `Transformer` for (batch, seq) tokens, positions
-    0..seq-1 in every row (right padding cannot reach earlier positions).
-
-    The model's forward minus its output projection: scoring projects only the positions
-    it needs. Belongs in mindspeed-llm as a forward option (e.g. `return_hidden=True`);
-    kept here because eval must not change the models package.
-    """
-    h = model.tok_embeddings(tokens)  # (batch, seq, hidden)
-    rope = (model.rope_cos, model.rope_sin)
-    for layer in model.layers.values():
-        h = layer(h, rope)
-    return model.norm(h)
+    0..seq-1 in every row (right padding cannot reach earlier positions); the model's
+    `project` makes logits of the positions scoring needs."""
+    return model(tokens, return_hidden=True)
 
 
 def _full(t: Tensor) -> Tensor:

@@ -166,6 +166,7 @@ class Transformer(nn.Module):
         *,
         kv_cache: KVCache | None = None,
         logits_to_keep: int = 0,
+        return_hidden: bool = False,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -181,6 +182,8 @@ class Transformer(nn.Module):
                 then moves on by seq. Give `position_ids` with it.
             logits_to_keep: n > 0: logits of the last n positions only (a prompt's
                 prefill needs one, not seq x vocab); 0: every position.
+            return_hidden: return the final-norm hidden states (batch, seq, hidden)
+                instead of logits; `project` turns chosen positions into logits.
 
         Returns:
             (batch, seq, vocab_size) logits (vocab-sharded DTensor under loss parallel).
@@ -218,10 +221,15 @@ class Transformer(nn.Module):
             kv_cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
+        if return_hidden:
+            return h
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        if self.output is None:
-            return h
-        logits = self.output(h)  # (batch, seq, vocab)
+        return h if self.output is None else self.project(h)
+
+    def project(self, h: Tensor) -> Tensor:
+        """Logits (..., vocab) of final-norm hidden states (..., hidden): the output
+        projection, then `final_logit_softcapping` if set."""
+        logits = self.output(h)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
