@@ -2,8 +2,9 @@
 
 Three optimizer steps on packed documents (cu_seqlens, the custom ops of `ops_impl=auto`),
 fp32 on CPU, compiled vs eager in the same layout, 1e-5 relative: one process (not slow),
-dp_shard=2 with full recompute and pp=2 with selective recompute (slow). Tensor parallel
-is refused (torch 2.14 fails in the backward of compiled tensor-parallel blocks).
+tp=2 with sequence parallel (the embedding's async collective feeds the first compiled
+block: see `apply_compile`), and tp=2, dp_shard=2 with full recompute and pp=2 with
+selective recompute (slow).
 Every compiled block runs as one graph: no graph break is counted, and Dynamo's
 `explain` of a block's forward finds one graph, no break.
 """
@@ -13,7 +14,6 @@ import torch
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
-from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
 from mindspeed_core.parallel.compile import is_compiled
@@ -96,14 +96,16 @@ def test_a_block_compiles_to_one_graph_without_breaks():
     assert any("mindspeed" in op for op in ops)  # the custom ops are in the graph
 
 
-def test_compile_with_tensor_parallel_is_refused_in_one_line():
-    """torch 2.14 fails in the backward of compiled tensor-parallel blocks (a DTensor
-    redistribution receives a plain tensor): refused before anything is built."""
-    dims = ParallelConfig(tp=2).dims(2)
-    config = build_model_config("llama", flavor="debug")
-    with pytest.raises(ConfigError, match=r"train.compile=true with parallel.tp=2"):
-        build_model(config, dims, torch.device("cpu"), parallel=ParallelConfig(tp=2), seq_len=SEQ,
-                    compile=True)  # fmt: skip
+@pytest.mark.distributed
+def test_compiled_training_is_eager_training_tp2_sequence_parallel():
+    parallel = ParallelConfig(tp=2, sequence_parallel=True)
+    _assert_same(run_distributed(_compare, 2, parallel, timeout=600))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_training_is_eager_training_tp2():
+    _assert_same(run_distributed(_compare, 2, ParallelConfig(tp=2), timeout=600))
 
 
 @pytest.mark.distributed

@@ -11,10 +11,12 @@ context manager), and the block is not wrapped, so state-dict names gain no `_or
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from mindspeed_core.parallel.blocks import find_blocks
 
@@ -40,10 +42,22 @@ def apply_compile(
     for block in find_blocks(module, blocks):
         # An instance attribute shadows the class's forward; nn.Module.__call__ keeps
         # running the block's hooks (recompute, FSDP) around it, uncompiled.
-        block.forward = torch.compile(
-            block.forward, fullgraph=fullgraph, backend=backend, dynamic=dynamic
-        )
+        compiled = torch.compile(block.forward, fullgraph=fullgraph, backend=backend, dynamic=dynamic)
+        block.forward = functools.wraps(compiled)(functools.partial(_settled_call, compiled))
     return module
+
+
+def _settled_call(compiled, *args, **kwargs):
+    """`compiled(*args, **kwargs)` with in-flight collective results settled first.
+
+    Tensor parallel's embedding returns the result of an async all-reduce as an
+    `AsyncCollectiveTensor`; given one as an input, a compiled graph's backward hands a plain
+    tensor to the redistribution before it (torch 2.14: "'Tensor' object has no attribute
+    '_local_tensor'"). A copy made eagerly waits for the collective and keeps the autograd
+    edge; it happens only for such inputs (the first block's, once per micro-batch).
+    """
+    args = tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
+    return compiled(*args, **kwargs)
 
 
 def is_compiled(block: nn.Module) -> bool:

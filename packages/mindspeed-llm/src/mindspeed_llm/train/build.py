@@ -104,7 +104,6 @@ def build_model(
         compile: torch.compile each block (after TP and recompute, before FSDP).
     """
     _check_offload(parallel, torch.device(device), "none" if frozen else ac)
-    _check_compile(compile, dims)
     set_seed(seed, dims, vary_along=())
     spec = get_model_spec(config.family)
     with torch.device(device):
@@ -156,16 +155,6 @@ def _parallelize_options(parallel: ParallelConfig, dims, dtype, ac: str) -> dict
         options.update(cp_mode=parallel.cp_mode, ulysses_degree=parallel.ulysses_degree)
     options.update({k: True for k in ("activation_offload", "cpu_offload") if getattr(parallel, k)})
     return options
-
-
-def _check_compile(compile: bool, dims: ParallelDims) -> None:
-    """Compiled tensor-parallel blocks fail in their backward on torch 2.14 (a DTensor
-    redistribution receives a plain tensor): refused rather than a traceback mid-step."""
-    if compile and dims.tp > 1:
-        raise ConfigError(
-            f"train.compile=true with parallel.tp={dims.tp} is not supported yet (torch.compile "
-            "of tensor-parallel blocks fails in backward); use train.compile=false or tp=1"
-        )
 
 
 def _check_offload(parallel: ParallelConfig, device: torch.device, ac: str) -> None:
