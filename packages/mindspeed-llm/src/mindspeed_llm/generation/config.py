@@ -41,10 +41,20 @@ class GenerationConfig:
     """Seed of the sampling generator (None: a fresh one; every tp rank draws the same)."""
     use_cache: bool = True
     """Keep keys and values (the fast path); False recomputes the whole sequence per token."""
+    compile: bool = False
+    """torch.compile the model's blocks for decoding, in place and once (dynamic shapes:
+    a graph for the prefill, one for every decode step); the first call pays for it."""
+    num_return_sequences: int = 1
+    """Outputs per prompt (n samples: RL rollouts, pass@k), prompt-major; with the cache
+    every prompt is prefilled once and its keys and values are shared by its n rows."""
 
     def __post_init__(self):
         for name in ("stop_token_ids", "stop_strings"):  # lists from JSON or callers
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.num_return_sequences < 1:
+            raise ConfigError(
+                f"num_return_sequences must be at least 1, got {self.num_return_sequences}"
+            )
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):

@@ -21,7 +21,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from mindspeed_core.errors import DataError
-from mindspeed_core.parallel import dtensor
+from mindspeed_core.parallel import apply_compile, dtensor
+from mindspeed_core.parallel.compile import is_compiled
 from mindspeed_llm.generation.config import GenerationConfig
 from mindspeed_llm.generation.kv_cache import KVCache
 from mindspeed_llm.generation.sampling import next_tokens
@@ -47,7 +48,8 @@ def generate(
             true return ends that row there.
 
     Returns:
-        For each prompt its new tokens, a stop token included as the last one.
+        For each prompt its new tokens, a stop token included as the last one; with
+        `config.num_return_sequences` n > 1, n lists per prompt, prompt after prompt.
     """
     steps = TokenSteps(model, prompts_token_ids, config or GenerationConfig())
     for new in steps:
@@ -66,7 +68,11 @@ class TokenSteps:
         self, model: nn.Module, prompts: Sequence[Sequence[int]], config: GenerationConfig
     ):
         self.model, self.config = model, config
-        self.prompts = _checked_prompts(prompts, model.config.vocab_size)
+        if config.compile:
+            compile_for_decoding(model)
+        n = config.num_return_sequences
+        unique = _checked_prompts(prompts, model.config.vocab_size)
+        self.prompts = [p for p in unique for _ in range(n)]  # row = prompt * n + sample
         self.outputs: list[list[int]] = [[] for _ in self.prompts]
         self.finished = [False] * len(self.prompts)
         longest = max(len(p) for p in self.prompts)
@@ -123,21 +129,23 @@ class TokenSteps:
         return seen
 
     def _prefill(self) -> Tensor:
-        lengths = [len(p) for p in self.prompts]
+        """Prefill each prompt once; its n sample rows share its keys and values."""
+        n = self.config.num_return_sequences
+        prompts = self.prompts[::n]
+        lengths = [len(p) for p in prompts]
         longest = max(lengths)
-        pads = [longest - n for n in lengths]
+        pads = [longest - length for length in lengths]
         tokens = torch.tensor(
-            [[0] * pad + p for pad, p in zip(pads, self.prompts, strict=True)], device=self.device
+            [[0] * pad + p for pad, p in zip(pads, prompts, strict=True)], device=self.device
         )
         pad_t = torch.tensor(pads, device=self.device)[:, None]
         positions = (torch.arange(longest, device=self.device)[None, :] - pad_t).clamp_(min=0)
-        self._cache = KVCache.for_model(
-            self.model, len(self.prompts), longest + self.max_new_tokens
-        )
+        self._cache = KVCache.for_model(self.model, len(prompts), longest + self.max_new_tokens)
         self._cache.reset(pads)
-        self._positions = torch.tensor(lengths, device=self.device)[:, None]
         logits = self.model(tokens, position_ids=positions, kv_cache=self._cache, logits_to_keep=1)
-        return self._last_logits(logits)
+        self._cache.repeat_rows(n)
+        self._positions = torch.tensor(lengths, device=self.device).repeat_interleave(n)[:, None]
+        return self._last_logits(logits).repeat_interleave(n, dim=0)
 
     def _decode(self, tokens: Tensor) -> Tensor:
         logits = self.model(tokens[:, None], position_ids=self._positions, kv_cache=self._cache)
@@ -157,6 +165,13 @@ class TokenSteps:
     @staticmethod
     def _last_logits(logits: Tensor) -> Tensor:
         return dtensor.full(logits)[:, -1]
+
+
+def compile_for_decoding(model: nn.Module) -> nn.Module:
+    """torch.compile each block of `model` (a `Transformer`) for generation, once."""
+    if not all(is_compiled(block) for block in model.layers.values()):
+        apply_compile(model, fullgraph=False, dynamic=True)
+    return model
 
 
 def _checked_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:

@@ -51,15 +51,17 @@ class KVCache:
     def for_model(cls, model: nn.Module, batch: int, max_len: int) -> KVCache:
         """A cache shaped for `model` (a `Transformer`, whole or tensor parallel)."""
         config = model.config
-        weight = next(iter(model.layers.values())).attention.wk.weight
-        local = dtensor.local(weight)
+        wk = next(iter(model.layers.values())).attention.wk
+        local = dtensor.local(wk.weight)
+        # An int8 weight-only layer (`generation.quantize`) computes in its scale's dtype.
+        dtype = local.dtype if local.is_floating_point() else wk.scale.dtype
         return cls(
             num_layers=config.num_layers,
             batch=batch,
             max_len=max_len,
             num_kv_heads=local.shape[0] // config.head_dim,
             head_dim=config.head_dim,
-            dtype=local.dtype,
+            dtype=dtype,
             device=local.device,
         )
 
@@ -73,6 +75,18 @@ class KVCache:
         device = self.keys[0].device
         pads = torch.tensor(pad_lengths, device=device)[:, None]
         self.key_mask = torch.arange(self.max_len, device=device)[None, :] >= pads
+
+    def repeat_rows(self, n: int) -> None:
+        """Each row becomes n consecutive rows holding its keys and values (n samples
+        sharing one prefill)."""
+        if n == 1:
+            return
+        self.keys = [k.repeat_interleave(n, dim=0) for k in self.keys]
+        self.values = [v.repeat_interleave(n, dim=0) for v in self.values]
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask.repeat_interleave(n, dim=0)
+        self.batch *= n
+        self._mask_for = self._mask = None
 
     def layer(self, index: int) -> LayerCache:
         return self._layers[index]

@@ -160,7 +160,7 @@ class _Run:
         ids = [generator.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         self.steps = TokenSteps(generator.model, ids, config)
         decode = generator.tokenizer.decode
-        self.streams = [TextStream(decode, config.stop_strings) for _ in prompts]
+        self.streams = [TextStream(decode, config.stop_strings) for _ in self.steps.prompts]
         self.stop_ids = frozenset(config.stop_token_ids)
 
     def chunks(self) -> Iterator[tuple[int, str]]:
