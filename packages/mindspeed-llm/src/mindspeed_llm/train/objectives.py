@@ -74,6 +74,12 @@ class Objective(ABC):
     def loss(self, outputs: Tensor, targets: dict[str, Tensor], ctx: LossContext) -> LossOutput:
         """The sum of the unit losses of one micro-batch (or its context-parallel share)."""
 
+    def finish_metrics(self, metrics: dict[str, float], units: float) -> dict[str, float]:
+        """The step's reported metrics from the reduced ones (each metric sum over every
+        rank divided by the step's `units`); an objective whose metrics are means over a
+        subset of its units (KTO's desirable examples) turns ratios of sums into them here."""
+        return metrics
+
 
 def token_nll(logits: Tensor, labels: Tensor, ctx: LossContext, reduction: str = "sum") -> Tensor:
     """Cross entropy of (..., vocab) logits against labels (-100 ignored): "sum", or

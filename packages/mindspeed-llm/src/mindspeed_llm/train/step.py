@@ -108,6 +108,7 @@ class TrainStep:
         else:
             loss_sum, sums = self._forward_backward(micro_batches, weight)
         loss, metrics = self._reduce(loss_sum, sums, units)
+        metrics = self.objective.finish_metrics(metrics, units)
         metrics.update(self._router_step())
         grad_norm = self._optimizer_step(loss)
         return StepResult(loss, grad_norm, units, int(tokens), metrics)
