@@ -13,6 +13,7 @@ preference data (pairwise records) share these.
 | `sharegpt` | conversations [{from, value}], system, tools  |
 | `messages` | messages [{role, content}], system, tools     |
 | `pairwise` | prompt (or instruction/input, conversations, messages), chosen, rejected |
+| `unpaired` | KTO's: prompt (as pairwise), completion (or output, response), label (or kto_tag) |
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "pairwise_messages",
     "read_records",
     "record_messages",
+    "unpaired_messages",
     "record_tools",
 ]
 
@@ -213,6 +215,28 @@ def pairwise_messages(
         for side in ("chosen", "rejected")
     )
     return chosen, rejected
+
+
+UNPAIRED_REPLY_KEYS = ("completion", "output", "response")
+"""Where an unpaired (KTO) record keeps its reply: TRL's name first, then alpaca's."""
+
+
+def unpaired_messages(
+    record: Any, keys: Mapping[str, Any] | None = None
+) -> tuple[list[dict], bool]:
+    """(conversation, desirable) of an unpaired preference record (TRL's KTO format): the
+    prompt's messages (read as `pairwise_messages` reads them) then the completion, and its
+    boolean `label` (LLaMA-Factory's `kto_tag` is accepted too)."""
+    if not isinstance(record, Mapping):
+        raise RecordError(f"a record must be a JSON object, got {type(record).__name__}")
+    reply = next(
+        (k for k in UNPAIRED_REPLY_KEYS if record.get(k) is not None), UNPAIRED_REPLY_KEYS[0]
+    )
+    keys = {**DEFAULT_MAP_KEYS["pairwise"], **(keys or {}), "chosen": reply, "rejected": reply}
+    label = record.get("label", record.get("kto_tag"))
+    if not isinstance(label, bool):
+        raise RecordError(f"key 'label' (or 'kto_tag') must be true or false, got {label!r}")
+    return pairwise_messages(record, keys)[0], label
 
 
 def _msg(role: str, content: str) -> dict[str, str]:

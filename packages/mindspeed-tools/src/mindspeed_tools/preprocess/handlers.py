@@ -11,6 +11,7 @@ names work too) and knows the output keys it writes:
 | `messages` (OpenAI)                            | messages [{role, content}], tools         | input_ids, attention_mask, labels |
 | `pairwise` / `AlpacaStylePairwiseHandler`      | prompt (or instruction/input), chosen, rejected | chosen_/rejected_ input_ids, labels |
 | `SharegptStylePairwiseHandler` (the same)      | conversations or messages, chosen, rejected | chosen_/rejected_ input_ids, labels |
+| `kto` / `unpaired` (TRL's KTO format)          | prompt (as pairwise), completion, label   | input_ids, attention_mask, labels, kto_label |
 
 Instruction and pairwise records are rendered with the tokenizer folder's chat template
 (`mindspeed_llm.chat_template`); labels are -100 on every token outside the assistant
@@ -33,6 +34,7 @@ from mindspeed_llm.data.sft_records import (
     pairwise_messages,
     record_messages,
     record_tools,
+    unpaired_messages,
 )
 
 __all__ = [
@@ -56,10 +58,14 @@ _ALIASES = {
     "pairwise": "pairwise",
     "AlpacaStylePairwiseHandler": "pairwise",
     "SharegptStylePairwiseHandler": "pairwise",
+    "kto": "kto",
+    "unpaired": "kto",
 }
 HANDLERS = tuple(sorted(_ALIASES))
 SFT_KEYS = ("input_ids", "attention_mask", "labels")
 PAIRWISE_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+KTO_KEYS = (*SFT_KEYS, "kto_label")
+"""KTO: an SFT sample plus its label, one value per record (1 desirable, 0 undesirable)."""
 
 
 def canonical_handler(name: str) -> str | None:
@@ -71,7 +77,7 @@ def output_keys(handler: str, json_keys: tuple[str, ...]) -> tuple[str, ...]:
     """The dataset keys a handler writes, in file order."""
     if handler == "pretrain":
         return json_keys
-    return PAIRWISE_KEYS if handler == "pairwise" else SFT_KEYS
+    return {"pairwise": PAIRWISE_KEYS, "kto": KTO_KEYS}.get(handler, SFT_KEYS)
 
 
 @dataclass
@@ -110,6 +116,11 @@ class Handler:
             return self._pretrain(record)
         if self.name == "pairwise":
             return self._pairwise(record)
+        if self.name == "kto":
+            messages, desirable = unpaired_messages(record, self.map_keys)
+            ids, labels = self._encode(messages)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels,
+                    "kto_label": [int(desirable)]}  # fmt: skip
         messages = record_messages(record, self.name, self.map_keys)
         ids, labels = self._encode(messages, record_tools(record, self.map_keys))
         return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}

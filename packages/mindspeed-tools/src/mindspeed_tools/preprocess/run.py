@@ -45,7 +45,9 @@ CHUNK_SIZE = 64
 MAX_REPORTED = 20  # bad records reported one by one; the rest only counted
 IGNORE_INDEX = -100
 # Output keys that shadow another key's tokens: not counted in the summary's tokens.
-_NOT_TOKENS = frozenset({"attention_mask", "labels", "chosen_labels", "rejected_labels"})
+_NOT_TOKENS = frozenset(
+    {"attention_mask", "labels", "chosen_labels", "rejected_labels", "kto_label"}
+)
 
 
 @dataclass(kw_only=True)
