@@ -42,11 +42,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "chat_template.jinja")  # fmt: skip
 
 
-def add_score_head(model: nn.Module, dims=None) -> None:
-    """`before_tp` hook: the vocabulary head becomes a bias-free `Linear(hidden, 1)` (the
-    `score` of transformers' sequence classifiers), drawn from the run's seeded generator."""
+def add_score_head(model: nn.Module, dims=None, *, num_outputs: int = 1) -> None:
+    """`before_tp` hook: the vocabulary head becomes a bias-free `Linear(hidden, num_outputs)`
+    (the `score` of transformers' sequence and token classifiers), drawn from the run's seeded
+    generator (`functools.partial` picks `num_outputs`)."""
     device = model.norm.weight.device
-    model.output = nn.Linear(model.config.hidden_size, 1, bias=False, device=device)
+    model.output = nn.Linear(model.config.hidden_size, num_outputs, bias=False, device=device)
 
 
 def sequence_scores(scores: Tensor, slots: Tensor, num_slots: int) -> Tensor:

@@ -101,6 +101,25 @@ def encode_sample(
     return np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
 
 
+def encode_steps(tokenizer, prompt: str, steps: Sequence[str], labels: Sequence[bool],
+                 separator: str = "\n") -> Sample:  # fmt: skip
+    """A process-supervision sample, as TRL's PRMTrainer tokenizes it: BOS (when the
+    tokenizer has one), the prompt, then each step followed by `separator`; the labels
+    (aligned with the ids, not shifted) hold the step's label (1 right, 0 wrong) at the last
+    token of its separator and -100 everywhere else."""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    ids = bos + tokenizer.encode(prompt, add_bos=False)
+    out = [IGNORE_INDEX] * len(ids)
+    sep = tokenizer.encode(separator, add_bos=False)
+    if not sep:
+        raise DataError(f"the step separator {separator!r} encodes to no token")
+    for step, label in zip(steps, labels, strict=True):
+        chunk = tokenizer.encode(step, add_bos=False) + sep
+        ids += chunk
+        out += [IGNORE_INDEX] * (len(chunk) - 1) + [int(label)]
+    return np.asarray(ids, dtype=np.int64), np.asarray(out, dtype=np.int64)
+
+
 def _tokenize_records(path, handler, template, tokenizer, strict) -> tuple[list[Sample], SFTStats]:
     stats, samples, keys = SFTStats(), [], merge_map_keys(handler)
     for where, record in read_records(path):

@@ -14,6 +14,7 @@ preference data (pairwise records) share these.
 | `messages` | messages [{role, content}], system, tools     |
 | `pairwise` | prompt (or instruction/input, conversations, messages), chosen, rejected |
 | `unpaired` | KTO's: prompt (as pairwise), completion (or output, response), label (or kto_tag) |
+| `stepwise` | TRL's stepwise supervision: prompt, completions (or steps), labels (one bool a step) |
 """
 
 from __future__ import annotations
@@ -237,6 +238,23 @@ def unpaired_messages(
     if not isinstance(label, bool):
         raise RecordError(f"key 'label' (or 'kto_tag') must be true or false, got {label!r}")
     return pairwise_messages(record, keys)[0], label
+
+
+def stepwise_record(record: Any) -> tuple[str, list[str], list[bool]]:
+    """(prompt, steps, labels) of a process-supervision record (TRL's stepwise format:
+    `prompt`, `completions` or `steps`, and `labels`, one boolean per step)."""
+    if not isinstance(record, Mapping):
+        raise RecordError(f"a record must be a JSON object, got {type(record).__name__}")
+    prompt = _field(record, "prompt", str)
+    key = "completions" if record.get("completions") is not None else "steps"
+    steps, labels = _field(record, key, list), _field(record, "labels", list)
+    if not steps or not all(isinstance(s, str) for s in steps):
+        raise RecordError(f"key {key!r} must be a non-empty list of strings")
+    if len(labels) != len(steps) or not all(isinstance(v, bool) for v in labels):
+        raise RecordError(
+            f"key 'labels' must hold one true/false per step ({len(steps)}), got {labels!r}"
+        )
+    return prompt, steps, labels
 
 
 def _msg(role: str, content: str) -> dict[str, str]:

@@ -12,6 +12,10 @@ names work too) and knows the output keys it writes:
 | `pairwise` / `AlpacaStylePairwiseHandler`      | prompt (or instruction/input), chosen, rejected | chosen_/rejected_ input_ids, labels |
 | `SharegptStylePairwiseHandler` (the same)      | conversations or messages, chosen, rejected | chosen_/rejected_ input_ids, labels |
 | `kto` / `unpaired` (TRL's KTO format)          | prompt (as pairwise), completion, label   | input_ids, attention_mask, labels, kto_label |
+| `prm` / `stepwise` (TRL's stepwise supervision) | prompt, completions (or steps), labels   | input_ids, attention_mask, labels (step labels, not shifted) |
+
+The `prm` handler joins the steps with `--map-keys '{"step_separator": "..."}'` (default a
+newline, TRL's) and puts each step's label at the last token of its separator.
 
 Instruction and pairwise records are rendered with the tokenizer folder's chat template
 (`mindspeed_llm.chat_template`); labels are -100 on every token outside the assistant
@@ -34,6 +38,7 @@ from mindspeed_llm.data.sft_records import (
     pairwise_messages,
     record_messages,
     record_tools,
+    stepwise_record,
     unpaired_messages,
 )
 
@@ -60,6 +65,8 @@ _ALIASES = {
     "SharegptStylePairwiseHandler": "pairwise",
     "kto": "kto",
     "unpaired": "kto",
+    "prm": "prm",
+    "stepwise": "prm",
 }
 HANDLERS = tuple(sorted(_ALIASES))
 SFT_KEYS = ("input_ids", "attention_mask", "labels")
@@ -116,6 +123,16 @@ class Handler:
             return self._pretrain(record)
         if self.name == "pairwise":
             return self._pairwise(record)
+        if self.name == "prm":
+            from mindspeed_llm.data.sft import encode_steps  # imports torch: only when used
+
+            ids, labels = encode_steps(self.tokenizer, *stepwise_record(record),
+                                       separator=self.map_keys.get("step_separator", "\n"))  # fmt: skip
+            return {
+                "input_ids": ids.tolist(),
+                "attention_mask": [1] * len(ids),
+                "labels": labels.tolist(),
+            }
         if self.name == "kto":
             messages, desirable = unpaired_messages(record, self.map_keys)
             ids, labels = self._encode(messages)
