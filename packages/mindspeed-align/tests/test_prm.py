@@ -46,8 +46,9 @@ def test_golden_step_label_positions():
     "3 + 3 = 7 ки" (position 20); -100 everywhere else. The preprocess handler agrees."""
     tok = WordTokenizer()
     ids, labels = encode_steps(tok, *stepwise_record(RECORD), separator=" ки")
-    words = "<s> what is 1 + 2 + 3 ? 1 + 2 = 3 ки 3 + 3 = 7 ки".split()
-    assert len(ids) == len(words) == 21 and ids[0] == 1 and ids[14] == ids[20] == tok.vocab["ки"]
+    words = "what is 1 + 2 + 3 ? 1 + 2 = 3 ки 3 + 3 = 7 ки".split()  # noqa: SIM905
+    assert ids.tolist() == [1] + [tok.vocab[w] for w in words] and len(ids) == 21
+    assert ids[14] == ids[20] == tok.vocab["ки"]
     assert {i: int(v) for i, v in enumerate(labels) if v != -100} == {14: 1, 20: 0}
     out = Handler("prm", tok, map_keys={"step_separator": " ки"})(RECORD)
     assert out["input_ids"] == ids.tolist() and out["labels"] == labels.tolist()
