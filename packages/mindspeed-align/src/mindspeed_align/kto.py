@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from mindspeed_align.common import check_layout, process_group, warm_start_for_demo
 from mindspeed_align.dpo import PreferenceObjective, build_reference
 from mindspeed_align.kto_data import LABEL_KEY, KTOData
 from mindspeed_align.logps import SLOT_KEY, sequence_logps
 from mindspeed_align.losses import kto_kl_estimate, kto_loss
 from mindspeed_core.cli import config_command, debug_enabled, guarded
-from mindspeed_core.distributed import current_distributed, destroy_distributed, init_distributed
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
 from mindspeed_llm.train.config import LoggingSection, TrainSection
@@ -81,14 +81,10 @@ class KTOConfig(SFTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.parallel.cp > 1 or self.parallel.pp > 1:
-            raise ConfigError(f"kto: parallel.cp={self.parallel.cp}, parallel.pp={self.parallel.pp}: "
-                              "context and pipeline parallel are not supported yet (tp and dp are)")  # fmt: skip
+        check_layout(self, "kto")
         if self.train.micro_batch < 2:
             raise ConfigError(f"kto: train.micro_batch={self.train.micro_batch}: the KL estimate pairs each "
                               "prompt with another example's completion of the micro-batch; use 2 or more")  # fmt: skip
-        if self.lora.rank:
-            raise ConfigError("kto: lora.rank > 0 is not supported yet")
 
 
 class KTOObjective(PreferenceObjective):
@@ -143,20 +139,10 @@ class KTOObjective(PreferenceObjective):
 
 def kto(cfg: KTOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
     """Run KTO in this process (one rank of a torchrun job, or alone)."""
-    import torch.distributed as dist
-
     from mindspeed_llm.train.trainer import Trainer
 
-    demo = not cfg.data.paths
-    owns_group = not dist.is_initialized()
-    device = None if cfg.train.device == "auto" else cfg.train.device
-    info = init_distributed(device_type=device) if owns_group else current_distributed(device)
-    try:
-        start = None
-        if demo:
-            from mindspeed_align.dpo_demo import warm_start
-
-            start = warm_start(cfg, info)
+    with process_group(cfg) as info:
+        start = warm_start_for_demo(cfg, info)
         objective = KTOObjective(cfg.kto)
         trainer = Trainer(cfg, info, data=KTOData, objective=objective, before_tp=before_tp, after_tp=after_tp,
                           command="kto")  # fmt: skip
@@ -167,7 +153,7 @@ def kto(cfg: KTOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
         if start is not None:
             trainer.model.load_state_dict(start)
             objective.reference.load_state_dict(start)
-        before = _demo_accuracy(trainer, objective, cfg) if demo else None
+        before = _demo_accuracy(trainer, objective, cfg) if start is not None else None
         summary = trainer.run()
         if before is not None:
             after = _demo_accuracy(trainer, objective, cfg)
@@ -178,9 +164,6 @@ def kto(cfg: KTOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
                         before["reward_accuracy"], after["reward_accuracy"],
                         before["policy_preference"], after["policy_preference"])  # fmt: skip
         return summary
-    finally:
-        if owns_group:
-            destroy_distributed()
 
 
 def _demo_accuracy(trainer, objective, cfg):

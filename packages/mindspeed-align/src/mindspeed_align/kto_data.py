@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mindspeed_align.common import read_units
 from mindspeed_align.logps import pack_pairs
 from mindspeed_core.distributed import is_rank0
 from mindspeed_core.errors import DataError
@@ -92,24 +93,15 @@ def load_examples(data, template, tokenizer) -> tuple[list[KTOExample], SFTStats
     Raises:
         DataError: a bad record, or data with only one label class (naming the files).
     """
-    stats, examples = SFTStats(), []
-    for path in data.paths:
-        found = (
+
+    def read(path):
+        return (
             _raw(path, template, tokenizer)
             if Path(path).suffix.lower() in RAW_SUFFIXES
             else _prefix(path)
         )
-        stats.records += len(found)
-        for example in found:
-            if 2 * len(example[0][0]) > data.seq_len:
-                stats.dropped += 1
-            else:
-                examples.append(example)
-    stats.samples = len(examples)
-    if not examples:
-        raise DataError(
-            f"data.paths {data.paths}: no example fits data.seq_len={data.seq_len} ({stats.line()})"
-        )
+
+    examples, stats = read_units(data, read, lambda e: 2 * len(e[0][0]))
     classes = {d for _, d in examples}
     if len(classes) == 1:
         raise DataError(f"{', '.join(map(str, data.paths))}: every example is labelled {classes.pop()}; KTO needs "

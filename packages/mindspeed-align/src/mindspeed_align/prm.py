@@ -24,11 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mindspeed_align.common import check_layout, evaluating, process_group, warm_start_for_demo
 from mindspeed_align.prm_data import PRMData
 from mindspeed_align.reward import add_score_head
 from mindspeed_core.cli import config_command, debug_enabled, guarded
-from mindspeed_core.distributed import current_distributed, destroy_distributed, init_distributed
-from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
 from mindspeed_llm.data.collate import IGNORE_INDEX
 from mindspeed_llm.train.config import LoggingSection, TrainSection
@@ -48,12 +47,12 @@ class PRMSection:
 
 
 def _prm_train() -> TrainSection:
-    return TrainSection(steps=200, micro_batch=8, global_batch=16, eval_interval=0)
+    return TrainSection(steps=1000, micro_batch=8, global_batch=16, eval_interval=0)
 
 
 @dataclass(kw_only=True)
 class PRMConfig(SFTConfig):
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_steps=10))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-3, warmup_steps=10))
     train: TrainSection = field(default_factory=_prm_train)
     logging: LoggingSection = field(
         default_factory=lambda: LoggingSection(run_dir=Path("runs/prm"))
@@ -63,14 +62,8 @@ class PRMConfig(SFTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.parallel.cp > 1 or self.parallel.pp > 1:
-            raise ConfigError(f"prm: parallel.cp={self.parallel.cp}, parallel.pp={self.parallel.pp}: "
-                              "context and pipeline parallel are not supported yet (tp and dp are)")  # fmt: skip
+        check_layout(self, "prm")
         self.parallel.loss_parallel = False  # a two-output head has no vocabulary to shard
-        if self.lora.rank:
-            raise ConfigError(
-                "prm: lora.rank > 0 is not supported yet (the head would need training too)"
-            )
 
 
 class StepObjective(Objective):
@@ -108,27 +101,17 @@ def step_accuracy(model, batches) -> float:
 
 def prm(cfg: PRMConfig) -> dict[str, float]:
     """Train a process reward model in this process (one rank of a torchrun job, or alone)."""
-    import torch.distributed as dist
-
     from mindspeed_llm.train.trainer import Trainer
 
-    demo = not cfg.data.paths
-    owns_group = not dist.is_initialized()
-    device = None if cfg.train.device == "auto" else cfg.train.device
-    info = init_distributed(device_type=device) if owns_group else current_distributed(device)
-    try:
-        start = None
-        if demo:
-            from mindspeed_align.dpo_demo import warm_start
-
-            start = warm_start(cfg, info)
+    with process_group(cfg) as info:
+        start = warm_start_for_demo(cfg, info)
         trainer = Trainer(cfg, info, data=PRMData, objective=StepObjective(), command="prm",
                           before_tp=functools.partial(add_score_head, num_outputs=2))  # fmt: skip
         if start is not None:
             trainer.model.load_state_dict(
                 {k: v for k, v in start.items() if k != "output.weight"}, strict=False
             )
-        before = _demo_accuracy(trainer, cfg) if demo else None
+        before = _demo_accuracy(trainer, cfg) if start is not None else None
         summary = trainer.run()
         if before is not None:
             summary.update(
@@ -137,9 +120,6 @@ def prm(cfg: PRMConfig) -> dict[str, float]:
             logger.info("held-out step accuracy: %.2f before, %.2f after",
                         summary["step_accuracy_before"], summary["step_accuracy_after"])  # fmt: skip
         return summary
-    finally:
-        if owns_group:
-            destroy_distributed()
 
 
 def _demo_accuracy(trainer, cfg) -> float | None:
@@ -150,17 +130,12 @@ def _demo_accuracy(trainer, cfg) -> float | None:
     if trainer.dims.world_size > 1:
         return None
     data = trainer.data
-    heldout = ensure_prm_demo().heldout
-    samples = load_steps(type(cfg.data)(paths=[heldout], seq_len=cfg.data.seq_len), data.tokenizer,
-                         cfg.prm.step_separator)[0]  # fmt: skip
+    heldout = type(cfg.data)(paths=[ensure_prm_demo().heldout], seq_len=cfg.data.seq_len)
+    samples = load_steps(heldout, data.tokenizer, cfg.prm.step_separator)[0]
     batches = [collate_rows([[s] for s in samples[i : i + 50]], cfg.data.seq_len, data.pad_id)
                for i in range(0, len(samples), 50)]  # fmt: skip
-    was_training = trainer.model.training
-    trainer.model.eval()
-    try:
+    with evaluating(trainer.model):
         return step_accuracy(trainer.model, batches)
-    finally:
-        trainer.model.train(was_training)
 
 
 command = config_command(

@@ -13,17 +13,14 @@ second number, the total), each step wrong with probability 0.4.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch.distributed as dist
 
+from mindspeed_align.common import read_units, write_folder
 from mindspeed_core.distributed import is_rank0
 from mindspeed_core.errors import DataError
 from mindspeed_llm.data.sft import Sample, SFTStats, encode_steps
@@ -40,25 +37,15 @@ WRONG = 0.4
 
 def load_steps(data, tokenizer, separator: str) -> tuple[list[Sample], SFTStats]:
     """Every sample of `data.paths`; longer than `data.seq_len`: dropped and counted."""
-    stats, samples = SFTStats(), []
-    for path in data.paths:
-        found = (
+
+    def read(path):
+        return (
             _raw(path, tokenizer, separator)
             if Path(path).suffix.lower() in RAW_SUFFIXES
             else _prefix(path)
         )
-        stats.records += len(found)
-        for sample in found:
-            if len(sample[0]) > data.seq_len:
-                stats.dropped += 1
-            else:
-                samples.append(sample)
-    stats.samples = len(samples)
-    if not samples:
-        raise DataError(
-            f"data.paths {data.paths}: no sample fits data.seq_len={data.seq_len} ({stats.line()})"
-        )
-    return samples, stats
+
+    return read_units(data, read, lambda s: len(s[0]))
 
 
 def _raw(path, tokenizer, separator: str) -> list[Sample]:
@@ -139,18 +126,9 @@ def ensure_prm_demo(root: Path | None = None) -> PRMDemo:
     demo = PRMDemo(folder / "train.jsonl", folder / "heldout.jsonl", sft.tokenizer)
     if demo.heldout.is_file():
         return demo
-    staging = Path(tempfile.mkdtemp(prefix=".prm-demo-", dir=root))
-    try:
-        rng = random.Random(5)
-        train = [_steps(rng) for _ in range(NUM_TRAIN)]
-        seen = {r["prompt"] for r in train}
-        heldout = [
-            r for r in (_steps(rng) for _ in range(8 * NUM_HELDOUT)) if r["prompt"] not in seen
-        ]
-        for name, rows in (("train.jsonl", train), ("heldout.jsonl", heldout[:NUM_HELDOUT])):
-            (staging / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staging, folder)  # all or nothing
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    rng = random.Random(5)
+    train = [_steps(rng) for _ in range(NUM_TRAIN)]
+    seen = {r["prompt"] for r in train}
+    heldout = [r for r in (_steps(rng) for _ in range(8 * NUM_HELDOUT)) if r["prompt"] not in seen]
+    write_folder(folder, {"train.jsonl": train, "heldout.jsonl": heldout[:NUM_HELDOUT]})
     return demo

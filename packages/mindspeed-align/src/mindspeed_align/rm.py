@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from mindspeed_align.common import check_layout, evaluating, process_group, warm_start_for_demo
 from mindspeed_align.reward import (
     RewardObjective,
     add_score_head,
@@ -26,12 +27,7 @@ from mindspeed_align.reward import (
     full_state_dict,
 )
 from mindspeed_core.cli import config_command, debug_enabled, guarded
-from mindspeed_core.distributed import (
-    current_distributed,
-    destroy_distributed,
-    init_distributed,
-    is_rank0,
-)
+from mindspeed_core.distributed import is_rank0
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
 from mindspeed_llm.train.config import LoggingSection, TrainSection
@@ -72,33 +68,17 @@ class RMConfig(SFTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.parallel.cp > 1 or self.parallel.pp > 1:
-            raise ConfigError(f"rm: parallel.cp={self.parallel.cp}, parallel.pp={self.parallel.pp}: "
-                              "context and pipeline parallel are not supported yet (tp and dp are)")  # fmt: skip
+        check_layout(self, "rm")
         self.parallel.loss_parallel = False  # a one-output head has no vocabulary to shard
-        if self.lora.rank:
-            raise ConfigError(
-                "rm: lora.rank > 0 is not supported yet (the score head would need training too)"
-            )
 
 
 def rm(cfg: RMConfig) -> dict[str, float]:
     """Train a reward model in this process (one rank of a torchrun job, or alone)."""
-    import torch.distributed as dist
-
     from mindspeed_align.pairs import PairData
     from mindspeed_llm.train.trainer import Trainer
 
-    demo = not cfg.data.paths
-    owns_group = not dist.is_initialized()
-    device = None if cfg.train.device == "auto" else cfg.train.device
-    info = init_distributed(device_type=device) if owns_group else current_distributed(device)
-    try:
-        start = None
-        if demo:
-            from mindspeed_align.dpo_demo import warm_start
-
-            start = warm_start(cfg, info)
+    with process_group(cfg) as info:
+        start = warm_start_for_demo(cfg, info)
         objective = RewardObjective(pad_id=0, center_coefficient=cfg.rm.center_rewards_coefficient)
         trainer = Trainer(
             cfg, info, data=PairData, objective=objective, before_tp=add_score_head, command="rm"
@@ -108,7 +88,7 @@ def rm(cfg: RMConfig) -> dict[str, float]:
             trainer.model.load_state_dict(
                 {k: v for k, v in start.items() if k != "output.weight"}, strict=False
             )
-        before = _demo_accuracy(trainer, cfg) if demo else None
+        before = _demo_accuracy(trainer, cfg) if start is not None else None
         summary = trainer.run()
         if before is not None:
             summary.update(accuracy_before=before, accuracy_after=_demo_accuracy(trainer, cfg))
@@ -117,9 +97,6 @@ def rm(cfg: RMConfig) -> dict[str, float]:
         if cfg.rm.export_hf is not None:
             _export(trainer, cfg)
         return summary
-    finally:
-        if owns_group:
-            destroy_distributed()
 
 
 def _export(trainer, cfg: RMConfig) -> None:
@@ -171,13 +148,9 @@ def _demo_accuracy(trainer, cfg) -> float | None:
         pack_pairs(pairs[i : i + 50], cfg.data.seq_len * 8, data.pad_id)
         for i in range(0, len(pairs), 50)
     ]
-    was_training = trainer.model.training
-    trainer.model.eval()
-    try:
+    with evaluating(trainer.model):
         chosen, rejected = score_pairs(trainer.model, batches, data.pad_id)
-        return float((chosen > rejected).float().mean())
-    finally:
-        trainer.model.train(was_training)
+    return float((chosen > rejected).float().mean())
 
 
 command = config_command(
