@@ -14,7 +14,7 @@ from mindspeed_align.kto_data import KTOData, encode_example, load_examples
 from mindspeed_core.cli import guarded
 from mindspeed_core.config import load_config
 from mindspeed_core.distributed import destroy_distributed, init_distributed
-from mindspeed_core.testing import import_sibling
+from mindspeed_core.testing import import_sibling, run_distributed
 from mindspeed_llm.train.trainer import Trainer
 
 test_dpo = import_sibling(__file__, "test_dpo")
@@ -130,6 +130,54 @@ def test_first_step_equals_trl_kto_trainer(tmp_path):
     theirs = trl_first_step(folder, records)
     for key, value in theirs.items():
         assert ours[key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+
+
+def _objective_on_rank():
+    """This rank's KTO loss on its own random micro-batch, the KL averaged over both ranks."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from mindspeed_align.kto import KTOSection
+    from mindspeed_align.kto_data import kto_batch
+    from mindspeed_align.logps import SLOT_KEY, sequence_logps
+    from mindspeed_llm.train.objectives import LossContext
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    samples = []
+    for i in range(4):  # 3 prompt tokens, 2 + i completion tokens
+        ids = torch.randint(0, 16, (5 + i,), generator=gen).numpy()
+        samples.append(((ids, np.array([-100, -100, *ids[3:], -100])), i % 2 == rank))
+    batch = kto_batch(samples, 32, 0)
+    logits = torch.randn(*batch["input_ids"].shape, 16, generator=gen)
+    num_slots = int(batch[SLOT_KEY].max()) + 1
+    logps = sequence_logps(logits, batch["labels"], batch[SLOT_KEY], num_slots)[0]
+    ref = logps - 1 - torch.randn(num_slots, generator=gen)  # log-ratios about 1: z > 0
+    objective = KTOObjective(KTOSection(beta=0.5), kl_group=dist.group.WORLD)
+    targets = {
+        "labels": batch["labels"],
+        SLOT_KEY: batch[SLOT_KEY],
+        "ref_logps": ref,
+        "kto_label": batch["kto_label"],
+    }
+    out = objective.loss(logits, targets, LossContext())
+    return logps, ref, batch["kto_label"], float(out.loss_sum), float(out.metrics["kl"])
+
+
+@pytest.mark.distributed
+def test_kl_estimate_is_averaged_over_data_parallel_ranks():
+    """Two ranks with different micro-batches: each rank's loss uses z = max(0, mean of the two
+    ranks' own mismatched log-ratio means), as TRL gathers it."""
+    from mindspeed_align.losses import kto_loss
+
+    ranks = run_distributed(_objective_on_rank, 2, timeout=300)
+    local = [float((logps[1::2] - ref[1::2]).mean()) for logps, ref, *_ in ranks]
+    z = max(0.0, sum(local) / 2)
+    assert z > 0 and local[0] != pytest.approx(local[1])  # averaging changes something
+    for logps, ref, labels, loss_sum, kl_sum in ranks:
+        expected = kto_loss(logps[0::2], ref[0::2], labels, torch.tensor(z), beta=0.5).losses.sum()
+        assert loss_sum == pytest.approx(float(expected), rel=1e-6)
+        assert kl_sum == pytest.approx(4 * z, rel=1e-6)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
