@@ -14,6 +14,7 @@ from mindspeed_align.kto_data import KTOData, encode_example, load_examples
 from mindspeed_core.cli import guarded
 from mindspeed_core.config import load_config
 from mindspeed_core.distributed import destroy_distributed, init_distributed
+from mindspeed_core.errors import ConfigError
 from mindspeed_core.testing import import_sibling, run_distributed
 from mindspeed_llm.train.trainer import Trainer
 
@@ -239,6 +240,8 @@ def test_preprocess_kto_prefix_reads_as_the_raw_file(tmp_path):
     ]
     summary = preprocess(parse_args([*map(str, args), "--no-progress"]))
     assert (summary.documents, summary.skipped) == (3, 1)
+    with pytest.raises(ConfigError, match="--pack needs --seq-length and an instruction handler"):
+        parse_args([*map(str, args), "--pack", "--seq-length", "64"])  # one label per row: no packing
     tokenizer = load_tokenizer(folder)
     template = resolve_template(None, folder)
     data = SimpleNamespace(seq_len=256)

@@ -85,7 +85,9 @@ class PreprocessConfig:
                 "--seq-length and --pack apply to instruction and pairwise handlers; "
                 "pretraining documents are cut into samples at training time"
             )
-        if self.pack and (self.seq_length is None or self.handler.name == "pairwise"):
+        if self.pack and (
+            self.seq_length is None or self.handler.name in ("pairwise", "kto", "prm")
+        ):
             raise ConfigError("--pack needs --seq-length and an instruction handler")
         if self.neat_pack and not self.pack:
             raise ConfigError("--neat-pack requires --pack")
