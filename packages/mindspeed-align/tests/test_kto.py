@@ -16,6 +16,7 @@ from mindspeed_core.config import load_config
 from mindspeed_core.distributed import destroy_distributed, init_distributed
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.testing import import_sibling, run_distributed
+from mindspeed_core.training import read_metrics
 from mindspeed_llm.train.trainer import Trainer
 
 test_dpo = import_sibling(__file__, "test_dpo")
@@ -241,7 +242,9 @@ def test_preprocess_kto_prefix_reads_as_the_raw_file(tmp_path):
     summary = preprocess(parse_args([*map(str, args), "--no-progress"]))
     assert (summary.documents, summary.skipped) == (3, 1)
     with pytest.raises(ConfigError, match="--pack needs --seq-length and an instruction handler"):
-        parse_args([*map(str, args), "--pack", "--seq-length", "64"])  # one label per row: no packing
+        parse_args(
+            [*map(str, args), "--pack", "--seq-length", "64"]
+        )  # one label per row: no packing
     tokenizer = load_tokenizer(folder)
     template = resolve_template(None, folder)
     data = SimpleNamespace(seq_len=256)
@@ -253,6 +256,28 @@ def test_preprocess_kto_prefix_reads_as_the_raw_file(tmp_path):
     assert [d for _, d in from_prefix] == [True, False, True] == [d for _, d in from_raw]
     for (a, _), (b, _) in zip(from_raw, from_prefix, strict=True):
         assert (a[0] == b[0]).all() and (a[1] == b[1]).all()
+
+
+def _kto_run(folder, data, run_dir, *extra):
+    kto(load_config(KTOConfig, None, test_dpo.run_args(folder, data, run_dir, "--train.steps=3",
+        "--train.micro_batch=4", "--train.global_batch=4", "--data.seq_len=256", *extra)))  # fmt: skip
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_equals_one_process(tmp_path):
+    """Vocabulary-parallel log-probs (tp=2, loss parallel) give one process's KTO steps."""
+    folder, data = make_inputs(tmp_path, n=12)
+    one = _kto_run(folder, data, tmp_path / "one")
+    tp = run_distributed(
+        _kto_run, 2, folder, data, tmp_path / "tp", "--parallel.tp=2", timeout=600
+    )[0]
+    assert len(one) == 3 and abs(one[-1]["rewards/margins"]) > 0
+    for key in ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "grad_norm"):
+        torch.testing.assert_close(
+            [m[key] for m in tp], [m[key] for m in one], rtol=1e-4, atol=1e-6, msg=key
+        )
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ from mindspeed_align.reward import add_score_head
 from mindspeed_core.cli import guarded
 from mindspeed_core.config import load_config
 from mindspeed_core.distributed import destroy_distributed, init_distributed
-from mindspeed_core.testing import import_sibling
+from mindspeed_core.testing import import_sibling, run_distributed
+from mindspeed_core.training import read_metrics
 from mindspeed_llm.data.sft import encode_steps
 from mindspeed_llm.data.sft_records import stepwise_record
 from mindspeed_llm.train.trainer import Trainer
@@ -126,6 +127,31 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert "Traceback" not in err and re.search(r"bad.jsonl:1: key 'labels' must hold one true/false per step \(2\)",
                                                 err.splitlines()[-1]), err  # fmt: skip
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _prm_run(folder, data, run_dir, *extra):
+    prm(load_config(PRMConfig, None, test_dpo.run_args(folder, data, run_dir, "--train.steps=3",
+        "--train.micro_batch=2", "--train.global_batch=4", *extra)))  # fmt: skip
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_and_dp2_equal_one_process(tmp_path):
+    """The two-output head kept whole under tp=2; dp_shard=2 divides by every rank's steps."""
+    folder, data = make_inputs(tmp_path, n=8)
+    one = _prm_run(folder, data, tmp_path / "one")
+    tp = run_distributed(
+        _prm_run, 2, folder, data, tmp_path / "tp", "--parallel.tp=2", timeout=600
+    )[0]
+    dp = run_distributed(
+        _prm_run, 2, folder, data, tmp_path / "dp", "--parallel.dp_shard=2", timeout=600
+    )[0]
+    assert len(one) == 3 and one[-1]["loss"] < one[0]["loss"]
+    for other in (tp, dp):
+        for key in ("loss", "accuracy", "grad_norm"):
+            torch.testing.assert_close([m[key] for m in other], [m[key] for m in one], rtol=1e-4, atol=1e-6,
+                                       msg=key)  # fmt: skip
 
 
 @pytest.mark.slow

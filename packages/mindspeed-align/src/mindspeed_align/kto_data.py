@@ -105,7 +105,7 @@ def load_examples(data, template, tokenizer) -> tuple[list[KTOExample], SFTStats
     classes = {d for _, d in examples}
     if len(classes) == 1:
         raise DataError(f"{', '.join(map(str, data.paths))}: every example is labelled {classes.pop()}; KTO needs "
-                        "desirable (label true) and undesirable (label false) examples")  # fmt: skip
+                        f"desirable (label true) and undesirable (label false) examples ({stats.line()})")  # fmt: skip
     return examples, stats
 
 
