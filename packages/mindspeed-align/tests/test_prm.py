@@ -9,7 +9,7 @@ import torch
 
 from mindspeed_align.prm import PRMConfig, StepObjective, main, prm
 from mindspeed_align.prm_data import PRMData
-from mindspeed_align.reward import add_score_head
+from mindspeed_align.reward import add_score_head, export_classifier, full_state_dict
 from mindspeed_core.cli import guarded
 from mindspeed_core.config import load_config
 from mindspeed_core.distributed import destroy_distributed, init_distributed
@@ -72,7 +72,8 @@ def make_inputs(root, n=4):
 
 def test_first_step_equals_hf_token_classifier(tmp_path):
     """Loss (cross entropy at the step ends, mean over every labelled step of the step) and
-    gradient norm equal transformers' LlamaForTokenClassification with the same weights."""
+    gradient norm equal transformers' LlamaForTokenClassification with the same weights; the
+    trained model exported as *ForTokenClassification gives our logits in transformers."""
     import transformers
 
     folder, data = make_inputs(tmp_path)
@@ -88,8 +89,18 @@ def test_first_step_equals_hf_token_classifier(tmp_path):
         score = trainer.model.output.weight.detach().clone()
         samples = [s for (s,) in trainer.data.rows]
         result = trainer.step(trainer.data.next_step())
+        exported = export_classifier(full_state_dict(trainer.model), trainer.model_cfg, tmp_path / "hf",
+                                     pad_token_id=trainer.data.pad_id, tokenizer=folder, task="token")  # fmt: skip
+        x = torch.as_tensor(samples[0][0])[None]
+        with torch.no_grad():
+            trained = trainer.model(x, position_ids=torch.arange(x.shape[1])[None],
+                                    cu_seqlens=torch.tensor([0, x.shape[1]], dtype=torch.int32))  # fmt: skip
     finally:
         destroy_distributed()
+    loaded = transformers.AutoModelForTokenClassification.from_pretrained(
+        str(exported), dtype=torch.float32
+    )
+    torch.testing.assert_close(loaded.eval()(input_ids=x).logits, trained, rtol=1e-5, atol=1e-5)
     config = transformers.AutoConfig.from_pretrained(str(folder), num_labels=2)
     config.token_classification_bias = False  # our head has no bias
     hf = transformers.AutoModelForTokenClassification.from_pretrained(

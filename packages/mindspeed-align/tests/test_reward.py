@@ -12,7 +12,7 @@ import torch
 from mindspeed_align.losses import reward_loss
 from mindspeed_align.pairs import PairData
 from mindspeed_align.reward import RewardObjective, add_score_head
-from mindspeed_align.rm import RMConfig, _export, main, rm
+from mindspeed_align.rm import RMConfig, export_trained, main, rm
 from mindspeed_core.cli import guarded
 from mindspeed_core.config import load_config
 from mindspeed_core.distributed import destroy_distributed, init_distributed
@@ -105,7 +105,7 @@ def test_first_step_and_hf_export(tmp_path):
         result = trainer.step(micro_batches)
         with torch.no_grad():
             after = torch.stack([_alone_score(trainer.model, s, pad) for s in seqs])
-        _export(trainer, cfg)
+        export_trained(trainer, cfg.data, cfg.model, cfg.rm.export_hf)
     finally:
         destroy_distributed()
     chosen, rejected = first[0::2], first[1::2]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from mindspeed_align.common import check_layout, evaluating, process_group, warm_start_for_demo
 from mindspeed_align.prm_data import PRMData
 from mindspeed_align.reward import add_score_head
+from mindspeed_align.rm import export_trained
 from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.optim import OptimConfig
 from mindspeed_llm.data.collate import IGNORE_INDEX
@@ -44,6 +45,9 @@ class PRMSection:
     step_separator: str = "\n"
     """Appended to every step; the step's label is read at its last token (TRL's name and
     default)."""
+    export_hf: Path | None = None
+    """Write the trained model here at the end as a Hugging Face *ForTokenClassification folder
+    with two labels (0 wrong, 1 right; None: only the run's checkpoints)."""
 
 
 def _prm_train() -> TrainSection:
@@ -119,6 +123,8 @@ def prm(cfg: PRMConfig) -> dict[str, float]:
             )
             logger.info("held-out step accuracy: %.2f before, %.2f after",
                         summary["step_accuracy_before"], summary["step_accuracy_after"])  # fmt: skip
+        if cfg.prm.export_hf is not None:
+            export_trained(trainer, cfg.data, cfg.model, cfg.prm.export_hf, task="token")
         return summary
 
 

@@ -112,9 +112,11 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
 
 def export_classifier(state: dict[str, Tensor], config, out: Path, *, pad_token_id: int,
-                      tokenizer: Path | None = None) -> Path:  # fmt: skip
-    """Write a Hugging Face `*ForSequenceClassification` folder (config.json with one label,
-    model.safetensors, the tokenizer's files) from a reward model's whole state dict.
+                      tokenizer: Path | None = None, task: str = "sequence") -> Path:  # fmt: skip
+    """Write a Hugging Face `*ForSequenceClassification` folder (task "sequence": a reward model)
+    or `*ForTokenClassification` (task "token": a process reward model, its head without bias)
+    (config.json with one label per head output, model.safetensors, the tokenizer's files) from
+    the model's whole state dict.
 
     The folder appears whole or not at all (written beside it, then renamed).
     """
@@ -126,11 +128,14 @@ def export_classifier(state: dict[str, Tensor], config, out: Path, *, pad_token_
     tensors = get_model_spec(config.family).hf_adapter.to_hf(state, names_cfg)
     tensors["score.weight"] = head
     hf_config = config.to_hf_dict()
-    hf_config["architectures"] = [
-        hf_config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
-    ]
+    suffix = {"sequence": "ForSequenceClassification", "token": "ForTokenClassification"}[task]
+    hf_config["architectures"] = [hf_config["architectures"][0].replace("ForCausalLM", suffix)]
+    if task == "token":
+        hf_config["token_classification_bias"] = False
+    labels = [f"LABEL_{i}" for i in range(head.shape[0])]
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
-    hf_config.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0}, pad_token_id=pad_token_id,
+    hf_config.update(num_labels=len(labels), id2label={str(i): k for i, k in enumerate(labels)},
+                     label2id={k: i for i, k in enumerate(labels)}, pad_token_id=pad_token_id,
                      torch_dtype=dtypes.pop() if len(dtypes) == 1 else "float32")  # fmt: skip
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -95,19 +95,19 @@ def rm(cfg: RMConfig) -> dict[str, float]:
             logger.info("held-out reward-model accuracy: %.2f before, %.2f after",
                         summary["accuracy_before"], summary["accuracy_after"])  # fmt: skip
         if cfg.rm.export_hf is not None:
-            _export(trainer, cfg)
+            export_trained(trainer, cfg.data, cfg.model, cfg.rm.export_hf)
         return summary
 
 
-def _export(trainer, cfg: RMConfig) -> None:
-    state = full_state_dict(trainer.model)  # every rank: gathers the shards
+def export_trained(trainer, data, model, out: Path, *, task: str = "sequence") -> None:
+    """Write the trained classifier to `out` as a Hugging Face folder (`reward.export_classifier`;
+    every rank gathers the shards, rank 0 writes)."""
+    state = full_state_dict(trainer.model)
     if is_rank0():
-        tokenizer = cfg.data.tokenizer or cfg.model.hf_path
-        out = export_classifier(state, trainer.model_cfg, cfg.rm.export_hf, pad_token_id=trainer.data.pad_id,
-                                tokenizer=tokenizer)  # fmt: skip
-        logger.info(
-            "exported the reward model to %s (Hugging Face *ForSequenceClassification)", out
-        )
+        tokenizer = data.tokenizer or model.hf_path
+        written = export_classifier(state, trainer.model_cfg, out, pad_token_id=trainer.data.pad_id,
+                                    tokenizer=tokenizer, task=task)  # fmt: skip
+        logger.info("exported %s (Hugging Face *For%sClassification)", written, task.capitalize())
 
 
 @torch.no_grad()
