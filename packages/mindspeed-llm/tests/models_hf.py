@@ -72,6 +72,11 @@ FAMILY_CASES = {
             },
         },
     ),
+    # partial rotary (a quarter of the head here, half in the published models), q/k/v biases
+    "glm4": (
+        "Glm4Config",
+        {"head_dim": 32, "partial_rotary_factor": 0.25, "pad_token_id": 0, "eos_token_id": 2},
+    ),
 }
 """Families whose Hugging Face names are not the dense adapter's (tested in
 test_models_families.py)."""

@@ -129,6 +129,29 @@ def test_gemma2_config_round_trips_and_refuses_what_it_lacks():
         TransformerConfig(**{**config.__dict__, "full_attention_layers": (5,)})
 
 
+def test_glm4_reads_v4_and_v5_spellings_and_its_partial_rotary_counts():
+    """v5 keeps partial_rotary_factor in rope_parameters, v4 at the top level; both give
+    rotary_dim, the written config reads back equal, and RoPE on a quarter of each head is
+    not RoPE on all of it (the pass-through channels get no rotation)."""
+    hf = make_hf("glm4")
+    v5 = hf.config.to_dict()
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4.update(rope_theta=10000.0, partial_rotary_factor=0.25)
+    config = TransformerConfig.from_hf(v5)
+    assert config.rotary_dim == 8 and config.qkv_bias and config.post_norms
+    assert TransformerConfig.from_hf(v4) == config
+    assert TransformerConfig.from_hf(config.to_hf_dict()) == config
+    ours, ids = ours_from(hf), tokens()
+    full = Transformer(TransformerConfig(**{**config.__dict__, "rotary_dim": None}))
+    full.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert (ours(ids) - full.eval()(ids)).abs().max() > 1e-3
+    with pytest.raises(ConfigError, match="attention_bias=false"):
+        TransformerConfig.from_hf({**v5, "attention_bias": False})
+    with pytest.raises(ConfigError, match="rotary_dim=7"):
+        TransformerConfig(**{**config.__dict__, "rotary_dim": 7})
+
+
 TP_CASES = {  # name: (family, config changes, parallelize options)
     "gemma2_tp2_sp_loss_parallel": (
         "gemma2",
@@ -136,6 +159,7 @@ TP_CASES = {  # name: (family, config changes, parallelize options)
         {"sequence_parallel": True, "loss_parallel": True},
     ),
     "phi3_tp2": ("phi3", {"sliding_window": 8}, {}),
+    "glm4_tp2_sp": ("glm4", {}, {"sequence_parallel": True}),
     "gemma3_tp2_sp": (
         "gemma3",
         {"tie_word_embeddings": False, "sliding_window": 4},

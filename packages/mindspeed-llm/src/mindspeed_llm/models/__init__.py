@@ -13,6 +13,7 @@ Each family folder holds `flavors.py` (named sizes) and `hf.py` (its Hugging Fac
 from mindspeed_llm.models import (
     gemma2,
     gemma3,
+    glm4,
     llama,
     mistral,
     mixtral,
@@ -33,7 +34,7 @@ from mindspeed_llm.models.registry import (
     unregister_model,
 )
 
-for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, phi3, gemma2, gemma3):
+for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, phi3, gemma2, gemma3, glm4):
     register_model(_family.SPEC)
 
 __all__ = [

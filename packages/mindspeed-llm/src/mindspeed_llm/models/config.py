@@ -130,6 +130,11 @@ class TransformerConfig:
     local_rope_theta: float | None = None
     """Blocks with the sliding window use RoPE of this base without `rope_scaling` (Gemma 3's
     rope_local_base_freq); None: every block uses `rope_theta` and `rope_scaling`."""
+    rotary_dim: int | None = None
+    """Channels of each head that RoPE rotates (GLM's partial rotary: head_dim / 2); the
+    other pairs get a zero frequency (cos 1, sin 0). Pairs are (i, i + head_dim / 2) as
+    everywhere here: a family whose checkpoints pair channels otherwise permutes q/k rows
+    in its adapter. None: every channel."""
     full_attention_layers: tuple[int, ...] = ()
     """With `sliding_window`: blocks that attend to every earlier key (Gemma 2's odd
     blocks); the others slide."""
@@ -166,6 +171,14 @@ class TransformerConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive number")
         if self.sliding_window is not None:
             _check_positive_int("sliding_window", self.sliding_window)
+        if self.rotary_dim is not None and (
+            not isinstance(self.rotary_dim, int)
+            or not 0 < self.rotary_dim <= self.head_dim
+            or self.rotary_dim % 2
+        ):
+            raise ConfigError(
+                f"rotary_dim={self.rotary_dim!r} must be an even number in 2..head_dim={self.head_dim}"
+            )
         if self.ops_impl not in _OPS_IMPLS:
             raise ConfigError(f"ops_impl={self.ops_impl!r} must be one of {_OPS_IMPLS}")
         if not isinstance(self.family, str) or not self.family:

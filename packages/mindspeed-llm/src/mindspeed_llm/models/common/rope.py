@@ -59,8 +59,16 @@ def _yarn(dim: int, base: float, scaling: dict) -> Tensor:
 
 
 def inv_frequencies(config: TransformerConfig) -> Tensor:
-    """fp32 (head_dim // 2,) inverse frequencies after scaling."""
-    dim, base, scaling = config.head_dim, config.rope_theta, config.rope_scaling
+    """fp32 (head_dim // 2,) inverse frequencies after scaling; with a partial
+    `rotary_dim`, those of a rotary_dim-wide RoPE followed by zeros (pairs left as they are)."""
+    full = config.head_dim
+    if config.rotary_dim is not None and config.rotary_dim < full:
+        partial = _scaled_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling)
+        return torch.cat([partial, partial.new_zeros((full - config.rotary_dim) // 2)])
+    return _scaled_inv_freq(full, config.rope_theta, config.rope_scaling)
+
+
+def _scaled_inv_freq(dim: int, base: float, scaling: dict | None) -> Tensor:
     if scaling is None:
         return _default_inv_freq(dim, base)
     if scaling["type"] == "linear":
