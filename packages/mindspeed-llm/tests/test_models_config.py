@@ -171,7 +171,7 @@ def test_registry():
         "qwen3",
         "qwen3_moe",
     ]
-    with pytest.raises(ConfigError, match="unknown model family 'gpt'; known: gemma2, gemma3, llama"):
+    with pytest.raises(ConfigError, match="unknown model family 'gpt'; known: gemma2, gemma3, glm4, llama"):
         get_model_spec("gpt")
     spec = get_model_spec("llama")
     with pytest.raises(ValueError, match="already registered"):
