@@ -185,3 +185,47 @@ def test_embedded_demo_reaches_the_accuracy_goal(tmp_path, monkeypatch):
     assert summary["reward_accuracy_before"] == 0.0  # the policy is the reference: every reward 0
     assert summary["reward_accuracy_after"] > 0.9
     assert summary["policy_preference_after"] >= summary["policy_preference_before"] - 0.02
+
+
+def _losses(folder, data, run_dir, *extra):
+    dpo(load_config(DPOConfig, None, run_args(folder, data, run_dir, "--train.steps=3", "--train.micro_batch=4",
+                                              "--train.global_batch=4", *extra)))  # fmt: skip
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def test_lora_reference_is_the_base_with_adapters_off(tmp_path, monkeypatch):
+    """LoRA-DPO's default reference is the policy with its adapters bypassed (no second model
+    is built), and scores as a frozen copy of the base does: after the adapters have moved,
+    three steps give the losses and rewards of `ref: model` (1e-6)."""
+    import mindspeed_align.dpo as dpo_module
+
+    folder, data = make_inputs(tmp_path)
+    lora = ("--lora.rank=4", "--lora.alpha=8", "--optim.lr=1e-2")
+    copy = _losses(folder, data, tmp_path / "copy", *lora, "--dpo.ref=model")
+    built = []
+    monkeypatch.setattr(dpo_module, "build_reference", lambda *a, **k: built.append(1))
+    off = _losses(folder, data, tmp_path / "off", *lora)
+    assert built == []  # no frozen copy
+    assert abs(off[-1]["rewards/margins"]) > 1e-3  # the adapters moved the policy away
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "grad_norm"):
+        torch.testing.assert_close([m[key] for m in off], [m[key] for m in copy], rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_precomputed_reference_equals_the_model_and_is_reused(tmp_path, monkeypatch):
+    import mindspeed_align.reference as reference
+
+    folder, data = make_inputs(tmp_path)
+    cache = f"--data.cache_dir={tmp_path / 'cache'}"
+    model = _losses(folder, data, tmp_path / "model", cache)
+    first = _losses(folder, data, tmp_path / "pre", cache, "--dpo.ref=precompute")
+    files = list((tmp_path / "cache").glob("ref-*.pt"))
+    assert len(files) == 1 and not list((tmp_path / "cache").glob(".ref-*"))  # no temporary left
+    for key in ("loss", "rewards/chosen", "rewards/margins", "logps/rejected", "grad_norm"):
+        torch.testing.assert_close([m[key] for m in first], [m[key] for m in model], rtol=1e-6, atol=1e-6, msg=key)
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("the cached reference log-probs were computed again")
+
+    monkeypatch.setattr(reference, "_compute", no_forward)
+    again = _losses(folder, data, tmp_path / "again", cache, "--dpo.ref=precompute")
+    assert [m["loss"] for m in again] == [m["loss"] for m in first]

@@ -22,6 +22,7 @@ import torch
 from mindspeed_align.dpo_config import DPOConfig, DPOSection
 from mindspeed_align.logps import SLOT_KEY, sequence_logps
 from mindspeed_align.losses import dpo_loss, orpo_loss, simpo_loss
+from mindspeed_align.reference import REF_KEY
 from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import current_distributed, destroy_distributed, init_distributed
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
@@ -54,7 +55,9 @@ class PreferenceObjective(Objective):
 
     def targets(self, batch):
         targets = {"labels": batch["labels"], SLOT_KEY: batch[SLOT_KEY]}
-        if self.reference is not None:
+        if REF_KEY in batch:  # dpo.ref: precompute
+            targets["ref_logps"] = batch[REF_KEY]
+        elif self.reference is not None:
             with torch.no_grad():
                 logits = self.reference(batch["input_ids"], position_ids=batch["position_ids"],
                                         cu_seqlens=batch["cu_seqlens"])  # fmt: skip
@@ -103,6 +106,8 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
     import torch.distributed as dist
 
     from mindspeed_align.pairs import PairData
+    from mindspeed_llm.peft import lora_trainer_options
+    from mindspeed_llm.sft import chain_hooks
     from mindspeed_llm.train.trainer import Trainer
 
     demo = not cfg.data.paths
@@ -116,15 +121,13 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
 
             start = warm_start(cfg, info)
         objective = PreferenceObjective(cfg.dpo)
+        lora = lora_trainer_options(cfg.lora, precision=cfg.train.precision, device_type=info.device.type)
         trainer = Trainer(cfg, info, data=PairData, objective=objective, before_tp=before_tp,
-                          after_tp=after_tp, command="dpo")  # fmt: skip
-        if cfg.dpo.uses_reference:
-            reference = build_reference(trainer, cfg, after_tp)
-            objective.reference, objective.reference_ctx = reference.model, reference.loss
+                          after_tp=chain_hooks(after_tp, lora.pop("after_tp", None)), command="dpo", **lora)  # fmt: skip
         if start is not None:
-            trainer.model.load_state_dict(start)
-            if objective.reference is not None:
-                objective.reference.load_state_dict(start)
+            _load_start(trainer.model, start, lora=bool(lora))
+        if cfg.dpo.uses_reference:
+            _attach_reference(objective, trainer, cfg, after_tp, start, lora=bool(lora))
         before = _demo_accuracy(trainer, objective, cfg) if demo else None
         summary = trainer.run()
         if before is not None:
@@ -139,6 +142,32 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
     finally:
         if owns_group:
             destroy_distributed()
+
+
+def _load_start(model, start: dict, *, lora: bool) -> None:
+    """The demo's warm start into the policy; under LoRA only its adapters are not in it."""
+    missing, unexpected = model.load_state_dict(start, strict=not lora)
+    if lora and (unexpected or any("lora_" not in name for name in missing)):
+        raise RuntimeError(f"warm start does not fit the LoRA model: {missing[:3]} {unexpected[:3]}")
+
+
+def _attach_reference(objective, trainer, cfg, after_tp, start, *, lora: bool) -> None:
+    """The reference of `cfg.dpo.ref` (see `DPOSection.ref`) on `objective`."""
+    from mindspeed_align.reference import AdaptersOff, precompute_reference
+    from mindspeed_llm.demo import cache_root
+
+    if lora and cfg.dpo.ref in ("auto", "precompute"):
+        objective.reference, objective.reference_ctx = AdaptersOff(trainer.model), trainer.parts.model.loss
+    else:
+        reference = build_reference(trainer, cfg, after_tp)
+        if start is not None:
+            reference.model.load_state_dict(start)
+        objective.reference, objective.reference_ctx = reference.model, reference.loss
+    if cfg.dpo.ref == "precompute":
+        precompute_reference(trainer.data, objective.reference, objective.reference_ctx, device=trainer.device,
+                             micro_pairs=cfg.train.micro_batch,
+                             cache_dir=cfg.data.cache_dir or cache_root() / "dpo")  # fmt: skip
+        objective.reference = None  # the pairs carry their log-probs; the copy can go
 
 
 def _demo_accuracy(trainer, objective, cfg) -> dict[str, float] | None:

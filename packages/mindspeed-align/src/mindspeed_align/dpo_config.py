@@ -34,9 +34,12 @@ class DPOSection:
     term)."""
     label_smoothing: float = 0.0
     """ε: the assumed fraction of flipped labels (sigmoid: cDPO; robust; simpo)."""
-    ref: Literal["auto", "model", "none"] = "auto"
-    """The reference: a frozen copy of the starting model under the run's layout (`model`), none
-    (`none`, only for simpo and orpo), or `auto`: model for DPO losses, none for simpo/orpo."""
+    ref: Literal["auto", "model", "precompute", "none"] = "auto"
+    """The reference: a frozen copy of the starting model under the run's layout (`model`);
+    `precompute`: that copy scores every pair once before step 1 (cached in the data cache
+    folder, keyed by the pairs and its weights) and is then dropped; none (`none`, only for
+    simpo and orpo); or `auto`: none for simpo/orpo, else with LoRA the base itself (the
+    policy with its adapters bypassed: no second copy), else `model`."""
     pref_ftx: float = 0.0
     """Weight of the NLL of the chosen reply (per-token mean, per pair) added to each pair's loss
     (MindSpeed-LLM's name; ORPO always adds it with weight 1 + pref_ftx)."""
@@ -56,7 +59,9 @@ class DPOSection:
 
     @property
     def uses_reference(self) -> bool:
-        return self.ref == "model" or (self.ref == "auto" and self.loss not in REFERENCE_FREE)
+        return self.ref in ("model", "precompute") or (
+            self.ref == "auto" and self.loss not in REFERENCE_FREE
+        )
 
 
 def _dpo_train() -> TrainSection:

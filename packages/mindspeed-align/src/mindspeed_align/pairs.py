@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mindspeed_align.logps import Pair, pack_pairs
+from mindspeed_align.reference import REF_KEY, ref_logps_of
 from mindspeed_core.errors import DataError
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 from mindspeed_llm.data.sft import SFTStats, encode_sample
@@ -91,4 +92,8 @@ class PairData(SFTData):
         return list(pairs)
 
     def _collate(self, groups: list[list[Pair]]) -> list[Batch]:
-        return [pack_pairs(g, self.seq_len, self.pad_id) for g in groups]
+        batches = [pack_pairs(g, self.seq_len, self.pad_id) for g in groups]
+        refs = ref_logps_of(groups)  # `dpo.ref: precompute`: the pairs carry them
+        for batch, ref in zip(batches, refs or (), strict=False):
+            batch[REF_KEY] = ref
+        return batches

@@ -47,7 +47,7 @@ def sft(
     try:
         lora = lora_trainer_options(cfg.lora, precision=cfg.train.precision,
                                     device_type=info.device.type)  # fmt: skip
-        after_tp = _chain(after_tp, lora.pop("after_tp", None))
+        after_tp = chain_hooks(after_tp, lora.pop("after_tp", None))
         trainer = Trainer(cfg, info, data=SFTData, objective=NextToken(cfg.train.loss_normalization),
                           before_tp=before_tp, after_tp=after_tp, command="sft", **lora)  # fmt: skip
         before = _demo_accuracy(trainer) if demo else None
@@ -67,7 +67,7 @@ def sft(
             destroy_distributed()
 
 
-def _chain(first: ModelHook | None, second: ModelHook | None) -> ModelHook | None:
+def chain_hooks(first: ModelHook | None, second: ModelHook | None) -> ModelHook | None:
     """One hook running `first` then `second` (the caller's, then LoRA's)."""
     if first is None or second is None:
         return first or second

@@ -19,6 +19,7 @@ A Kaiming-uniform, B 0.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ __all__ = [
     "HF_NAMES",
     "LoRAConfig",
     "adapted_modules",
+    "adapters_disabled",
     "apply_lora",
     "lora_trainer_options",
     "lora_transform",
@@ -177,7 +179,10 @@ def _placements(weight: DTensor):
 
 
 def _add_lora(linear: nn.Linear, args, output):
-    """Forward hook: output + scaling * B(A(dropout(x))), in the base output's layout."""
+    """Forward hook: output + scaling * B(A(dropout(x))), in the base output's layout;
+    the base output alone inside `adapters_disabled`."""
+    if getattr(linear, "lora_disabled", False):
+        return output
     x = linear.lora_dropout(args[0])
     h = F.linear(x, linear.lora_A.weight)
     if isinstance(h, DTensor) and any(p.is_partial() for p in h.placements):
@@ -201,6 +206,20 @@ def _like(delta: DTensor, output):
     if local.shape != output.shape:
         raise RuntimeError(f"LoRA output {tuple(local.shape)} does not fit {tuple(output.shape)}")
     return local
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, every adapter of `model` is bypassed: the base model's outputs (a LoRA run's
+    reference, with no second copy of the weights)."""
+    linears = [linear for _, linear in adapted_modules(model)]
+    for linear in linears:
+        linear.lora_disabled = True
+    try:
+        yield
+    finally:
+        for linear in linears:
+            linear.lora_disabled = False
 
 
 def adapted_modules(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:

@@ -1,0 +1,151 @@
+"""Where a preference run's reference log-probs come from, besides a frozen copy of the model.
+
+- `AdaptersOff(policy)`: a LoRA run's reference is its own base: the policy module called with
+  every adapter bypassed (`mindspeed_llm.peft.adapters_disabled`), so no second copy of the
+  weights exists.
+- `precompute_reference(data, reference, ctx, ...)`: `dpo.ref: precompute`: one pass of the
+  reference over every training (and validation) pair before step 1; each pair then carries its
+  two log-probs (`RefPair.ref`), the data source puts them in the batch as `ref_logps`, and the
+  reference model can be dropped. The values are cached as `ref-<key>.pt` in the data cache
+  folder, keyed by a hash of the encoded pairs and the reference's weights, written atomically
+  by rank 0 and read back by a resumed run (or any run with the same data and reference).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mindspeed_align.logps import SLOT_KEY, Pair, pack_pairs, sequence_logps
+from mindspeed_core.parallel import dtensor
+from mindspeed_llm.peft import adapters_disabled
+
+__all__ = ["REF_KEY", "AdaptersOff", "RefPair", "precompute_reference"]
+
+logger = logging.getLogger("mindspeed.dpo")
+
+REF_KEY = "ref_logps"
+"""The batch key of precomputed reference log-probs: (2 x pairs,), chosen then rejected."""
+
+
+class AdaptersOff(nn.Module):
+    """The base model under a LoRA policy: `policy` called with its adapters bypassed."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, *args, **kwargs):
+        with torch.no_grad(), adapters_disabled(self.policy):
+            return self.policy(*args, **kwargs)
+
+
+class RefPair(tuple):
+    """A pair (chosen, rejected) that carries its reference log-probs in `.ref`."""
+
+    def __new__(cls, pair: Pair, ref: tuple[float, float]):
+        obj = super().__new__(cls, pair)
+        obj.ref = ref
+        return obj
+
+
+def precompute_reference(data, reference: nn.Module, ctx, *, device, micro_pairs: int,
+                         cache_dir: Path) -> Path:  # fmt: skip
+    """Give every training and validation pair of `data` (a `PairData`) its reference
+    log-probs, computed by `reference` or read from the cache; returns the cache file.
+
+    Every rank runs the same forwards (tensor-parallel ranks must, the others simply do).
+    """
+    pairs = list(data.train) + list(data.valid)
+    path = cache_dir / f"ref-{_key(pairs, reference)}.pt"
+    values = _read(path, 2 * len(pairs))
+    if not _everywhere(values is not None, device):  # every rank runs the forwards, or none
+        values = None
+    if values is None:
+        values = _compute(pairs, reference, ctx, device, micro_pairs, data.seq_len, data.pad_id)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            _write(path, values)
+        logger.info("reference log-probs of %d pairs computed and cached in %s", len(pairs), path)
+    else:
+        logger.info("reference log-probs of %d pairs read from %s", len(pairs), path)
+    out = [
+        RefPair(p, (float(values[2 * i]), float(values[2 * i + 1]))) for i, p in enumerate(pairs)
+    ]
+    data.train, data.valid = out[: len(data.train)], out[len(data.train) :]
+    data.rows = data._rows(data.train)
+    return path
+
+
+def ref_logps_of(groups: Sequence[Sequence[RefPair]]) -> list[torch.Tensor] | None:
+    """Each group's (2 x pairs,) reference log-probs in `pack_pairs`' slot order, or None
+    when the pairs carry none."""
+    if not groups or not all(isinstance(p, RefPair) for g in groups for p in g):
+        return None
+    return [torch.tensor([v for p in g for v in p.ref], dtype=torch.float32) for g in groups]
+
+
+def _everywhere(flag: bool, device) -> bool:
+    """Whether `flag` holds on every rank."""
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+@torch.no_grad()
+def _compute(pairs, reference, ctx, device, micro_pairs, seq_len, pad_id) -> torch.Tensor:
+    out = []
+    was_training = reference.training
+    reference.eval()
+    try:
+        for start in range(0, len(pairs), micro_pairs):
+            chunk = pairs[start : start + micro_pairs]
+            batch = {k: v.to(device) for k, v in pack_pairs(chunk, seq_len, pad_id).items()}
+            logits = reference(batch["input_ids"], position_ids=batch["position_ids"],
+                               cu_seqlens=batch["cu_seqlens"])  # fmt: skip
+            logps, _ = sequence_logps(logits, batch["labels"], batch[SLOT_KEY], 2 * len(chunk), ctx)
+            out.append(logps.float().cpu())
+    finally:
+        reference.train(was_training)
+    return torch.cat(out)
+
+
+def _key(pairs: Sequence[Pair], reference: nn.Module) -> str:
+    """sha256 of the encoded pairs (ids and labels) and of the reference's weights."""
+    h = hashlib.sha256()
+    for pair in pairs:
+        for ids, labels in pair:
+            h.update(ids.tobytes())
+            h.update(labels.tobytes())
+    for name, tensor in sorted(reference.state_dict().items()):
+        h.update(name.encode())
+        h.update(
+            dtensor.full(tensor).detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        )
+    return h.hexdigest()[:24]
+
+
+def _read(path: Path, expected: int) -> torch.Tensor | None:
+    if not path.is_file():
+        return None
+    values = torch.load(path, weights_only=True)
+    if not isinstance(values, torch.Tensor) or values.shape != (expected,):
+        logger.warning("%s does not hold %d log-probs; computing them again", path, expected)
+        return None
+    return values
+
+
+def _write(path: Path, values: torch.Tensor) -> None:
+    """Atomically: a temporary file in the same folder, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    torch.save(values, tmp)
+    os.replace(tmp, path)
