@@ -157,6 +157,29 @@ def test_dp_shard_equals_one_process(tmp_path):
         torch.testing.assert_close([m[key] for m in dp], [m[key] for m in one], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_a_prompt_tokenised_differently_before_the_replies_is_refused(tmp_path, capsys, monkeypatch):
+    """Segments are tokenised apart, so only a template that renders the prompt by the reply
+    can do this; such a template is simulated here (one more prompt token before a long reply)."""
+    import numpy as np
+
+    import mindspeed_align.pairs as pairs
+
+    real = pairs.encode_sample
+
+    def reply_dependent(template, tokenizer, messages):
+        ids, labels = real(template, tokenizer, messages)
+        if len(messages[-1]["content"]) > 12:  # "the answer is 0" of line 1, not "maybe 0 or 1"
+            ids, labels = np.concatenate([[5], ids]), np.concatenate([[-100], labels])
+        return ids, labels
+
+    monkeypatch.setattr(pairs, "encode_sample", reply_dependent)
+    folder, data = make_inputs(tmp_path, n=2)
+    assert guarded(main, run_args(folder, data, tmp_path / "run")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"pairs.jsonl:1: the prompt's tokens differ before the chosen and the rejected", err), err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     folder, data = make_inputs(tmp_path, n=2)
     same = tmp_path / "same.jsonl"
@@ -229,3 +252,21 @@ def test_precomputed_reference_equals_the_model_and_is_reused(tmp_path, monkeypa
     monkeypatch.setattr(reference, "_compute", no_forward)
     again = _losses(folder, data, tmp_path / "again", cache, "--dpo.ref=precompute")
     assert [m["loss"] for m in again] == [m["loss"] for m in first]
+
+
+def _tp2(folder, data, root):
+    plain = _losses(folder, data, root / "tp", "--parallel.tp=2")
+    lora = _losses(folder, data, root / "tp_lora", "--parallel.tp=2", "--lora.rank=4", "--optim.lr=1e-2")
+    return plain, lora
+
+
+@pytest.mark.distributed
+def test_tp2_equals_one_process_with_and_without_lora(tmp_path):
+    folder, data = make_inputs(tmp_path)
+    one = _losses(folder, data, tmp_path / "one")
+    one_lora = _losses(folder, data, tmp_path / "one_lora", "--lora.rank=4", "--optim.lr=1e-2")
+    tp, tp_lora = run_distributed(_tp2, 2, folder, data, tmp_path, timeout=600)[0]
+    for got, want in ((tp, one), (tp_lora, one_lora)):
+        for key in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "grad_norm"):
+            torch.testing.assert_close([m[key] for m in got], [m[key] for m in want], rtol=1e-4, atol=1e-6, msg=key)
+    assert abs(one_lora[-1]["rewards/margins"]) > 1e-3

@@ -19,7 +19,13 @@ import sys
 
 import torch
 
-from mindspeed_align.dpo_config import DPOConfig, DPOSection
+from mindspeed_align.dpo_config import (
+    REFERENCE_FREE,
+    DPOConfig,
+    DPOSection,
+    ORPOConfig,
+    SimPOConfig,
+)
 from mindspeed_align.logps import SLOT_KEY, sequence_logps
 from mindspeed_align.losses import dpo_loss, orpo_loss, simpo_loss
 from mindspeed_align.reference import REF_KEY
@@ -27,7 +33,7 @@ from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import current_distributed, destroy_distributed, init_distributed
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
 
-__all__ = ["PreferenceObjective", "build_reference", "command", "dpo"]
+__all__ = ["PreferenceObjective", "build_reference", "command", "dpo", "orpo_command", "simpo_command"]
 
 logger = logging.getLogger("mindspeed.dpo")
 
@@ -121,9 +127,10 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
 
             start = warm_start(cfg, info)
         objective = PreferenceObjective(cfg.dpo)
+        name = cfg.dpo.loss if cfg.dpo.loss in REFERENCE_FREE else "dpo"
         lora = lora_trainer_options(cfg.lora, precision=cfg.train.precision, device_type=info.device.type)
         trainer = Trainer(cfg, info, data=PairData, objective=objective, before_tp=before_tp,
-                          after_tp=chain_hooks(after_tp, lora.pop("after_tp", None)), command="dpo", **lora)  # fmt: skip
+                          after_tp=chain_hooks(after_tp, lora.pop("after_tp", None)), command=name, **lora)  # fmt: skip
         if start is not None:
             _load_start(trainer.model, start, lora=bool(lora))
         if cfg.dpo.uses_reference:
@@ -134,9 +141,10 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
             after = _demo_accuracy(trainer, objective, cfg)
             summary.update({f"{k}_before": v for k, v in before.items()})
             summary.update({f"{k}_after": v for k, v in after.items()})
-            logger.info("held-out implicit-reward accuracy: %.2f before, %.2f after DPO "
-                        "(the policy prefers the right answer: %.2f before, %.2f after)",
-                        before["reward_accuracy"], after["reward_accuracy"],
+            logger.info("held-out implicit-reward accuracy: %.2f before, %.2f after %s; mean reward "
+                        "margin %.3f before, %.3f after (the policy prefers the right answer: %.2f "
+                        "before, %.2f after)", before["reward_accuracy"], after["reward_accuracy"], name.upper(),
+                        before["reward_margin"], after["reward_margin"],
                         before["policy_preference"], after["policy_preference"])  # fmt: skip
         return summary
     finally:
@@ -178,8 +186,8 @@ def _demo_accuracy(trainer, objective, cfg) -> dict[str, float] | None:
     from mindspeed_align.logps import pack_pairs
     from mindspeed_align.pairs import encode_pair
 
-    if trainer.dims.world_size > 1 or objective.reference is None:
-        return None
+    if trainer.dims.world_size > 1 or (objective.reference is None and objective.section.uses_reference):
+        return None  # several processes, or a precomputed reference (gone by now)
     data = trainer.data
     lines = ensure_dpo_demo().heldout.read_text().splitlines()
     pairs = [encode_pair(data.template, data.tokenizer, json.loads(line), f"heldout:{i}") for i, line in enumerate(lines)]
@@ -200,6 +208,20 @@ command = config_command(
     demo="SFT then DPO of a debug Llama on the embedded counting task (CPU, a few minutes).",
 )
 main = command.run
+simpo_command = config_command(
+    "simpo",
+    SimPOConfig,
+    dpo,
+    help="SimPO: reference-free preference optimisation (`mindspeed dpo` with dpo.loss=simpo)",
+    demo="SFT then SimPO of a debug Llama on the embedded counting task (CPU, a few minutes).",
+)
+orpo_command = config_command(
+    "orpo",
+    ORPOConfig,
+    dpo,
+    help="ORPO: odds-ratio preference optimisation (`mindspeed dpo` with dpo.loss=orpo)",
+    demo="SFT then ORPO of a debug Llama on the embedded counting task (CPU, a few minutes).",
+)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from mindspeed_core.optim import OptimConfig
 from mindspeed_llm.train.config import LoggingSection, TrainSection
 from mindspeed_llm.train.sft_config import SFTConfig
 
-__all__ = ["DPOConfig", "DPOSection", "REFERENCE_FREE"]
+__all__ = ["DPOConfig", "DPOSection", "ORPOConfig", "REFERENCE_FREE", "SimPOConfig"]
 
 REFERENCE_FREE = ("simpo", "orpo")
 """Losses that read no reference model."""
@@ -81,3 +81,23 @@ class DPOConfig(SFTConfig):
         if self.parallel.cp > 1 or self.parallel.pp > 1:
             raise ConfigError(f"dpo: parallel.cp={self.parallel.cp}, parallel.pp={self.parallel.pp}: "
                               "context and pipeline parallel are not supported yet (tp and dp are)")  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class SimPOConfig(DPOConfig):
+    """`mindspeed simpo`: DPO's sections with SimPO's defaults (β 2.0, γ 1.0: the SimPO
+    paper's Llama/Mistral-base range, γ/β = 0.5), no reference model."""
+
+    logging: LoggingSection = field(default_factory=lambda: LoggingSection(run_dir=Path("runs/simpo")))
+    dpo: DPOSection = field(default_factory=lambda: DPOSection(loss="simpo", beta=2.0, simpo_gamma=1.0))
+    """The method (`dpo.loss` simpo; the section keeps its `mindspeed dpo` name)."""
+
+
+@dataclass(kw_only=True)
+class ORPOConfig(DPOConfig):
+    """`mindspeed orpo`: DPO's sections with ORPO's defaults (λ = dpo.beta 0.1, TRL's), no
+    reference model; the chosen reply's NLL is always part of the loss."""
+
+    logging: LoggingSection = field(default_factory=lambda: LoggingSection(run_dir=Path("runs/orpo")))
+    dpo: DPOSection = field(default_factory=lambda: DPOSection(loss="orpo", beta=0.1))
+    """The method (`dpo.loss` orpo; the section keeps its `mindspeed dpo` name)."""

@@ -58,8 +58,14 @@ def ensure_dpo_demo(root: Path | None = None) -> DPODemo:
         rng = random.Random(3)
         seen = {json.loads(line)["instruction"] for line in sft.train.read_text().splitlines()}
         train = [_pair(r, rng) for r in demo_task(NUM_TRAIN, seed=11)]
-        heldout = [_pair(r, rng) for r in demo_task(8 * NUM_HELDOUT, seed=12) if r["instruction"] not in seen]
-        heldout = [p for p in heldout if p["prompt"] not in {t["prompt"] for t in train}][:NUM_HELDOUT]
+        heldout = [
+            _pair(r, rng)
+            for r in demo_task(8 * NUM_HELDOUT, seed=12)
+            if r["instruction"] not in seen
+        ]
+        heldout = [p for p in heldout if p["prompt"] not in {t["prompt"] for t in train}][
+            :NUM_HELDOUT
+        ]
         for name, rows in (("train.jsonl", train), ("heldout.jsonl", heldout)):
             (staging / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         shutil.rmtree(folder, ignore_errors=True)
@@ -91,7 +97,11 @@ def warm_start(cfg, info) -> dict[str, torch.Tensor]:
     from mindspeed_llm.train.trainer import Trainer
 
     sft_cfg = SFTConfig(model=cfg.model, parallel=cfg.parallel)
-    sft_cfg.train.steps, sft_cfg.train.seed, sft_cfg.train.eval_interval = SFT_STEPS, cfg.train.seed, 0
+    sft_cfg.train.steps, sft_cfg.train.seed, sft_cfg.train.eval_interval = (
+        SFT_STEPS,
+        cfg.train.seed,
+        0,
+    )
     sft_cfg.logging.run_dir = Path(cfg.logging.run_dir) / "sft"
     sft_cfg.logging.progress = cfg.logging.progress
     trainer = Trainer(sft_cfg, info, data=SFTData, objective=NextToken(), command="sft")
@@ -102,18 +112,29 @@ def warm_start(cfg, info) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def reward_accuracy(policy, reference, loss_ctx, batches, beta: float) -> dict[str, float]:
     """Over packed pair batches: the implicit-reward accuracy (chosen's β·log-ratio above the
-    rejected's) and the policy's own preference (logπ(chosen) > logπ(rejected))."""
+    rejected's; with no reference, as SimPO and ORPO score: the per-token mean log-prob), the
+    mean margin of those rewards, and the policy's own preference (logπ(chosen) > logπ(rejected))."""
     from mindspeed_align.logps import SLOT_KEY, sequence_logps
 
     right_reward = right_logp = total = 0
+    margin = 0.0
     for batch in batches:
         num_slots = int(batch[SLOT_KEY].max()) + 1
         logps = []
-        for model in (policy, reference):
-            logits = model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"])
-            logps.append(sequence_logps(logits, batch["labels"], batch[SLOT_KEY], num_slots, loss_ctx)[0])
-        ratio = beta * (logps[0] - logps[1])
+        for model in (policy, reference) if reference is not None else (policy,):
+            logits = model(
+                batch["input_ids"],
+                position_ids=batch["position_ids"],
+                cu_seqlens=batch["cu_seqlens"],
+            )
+            logps.append(
+                sequence_logps(logits, batch["labels"], batch[SLOT_KEY], num_slots, loss_ctx)
+            )
+        (policy_logps, counts), ref = logps[0], logps[1:]
+        ratio = beta * (policy_logps - ref[0][0]) if ref else policy_logps / counts.clamp(min=1)
         right_reward += int((ratio[0::2] > ratio[1::2]).sum())
-        right_logp += int((logps[0][0::2] > logps[0][1::2]).sum())
+        margin += float((ratio[0::2] - ratio[1::2]).sum())
+        right_logp += int((policy_logps[0::2] > policy_logps[1::2]).sum())
         total += num_slots // 2
-    return {"reward_accuracy": right_reward / total, "policy_preference": right_logp / total}
+    return {"reward_accuracy": right_reward / total, "reward_margin": margin / total,
+            "policy_preference": right_logp / total}  # fmt: skip
