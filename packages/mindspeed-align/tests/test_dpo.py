@@ -270,3 +270,20 @@ def test_tp2_equals_one_process_with_and_without_lora(tmp_path):
         for key in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "grad_norm"):
             torch.testing.assert_close([m[key] for m in got], [m[key] for m in want], rtol=1e-4, atol=1e-6, msg=key)
     assert abs(one_lora[-1]["rewards/margins"]) > 1e-3
+
+
+def _pp2(folder, data, root, cache):
+    return _losses(folder, data, root / "pp", "--parallel.pp=2", "--train.micro_batch=2", cache)
+
+
+@pytest.mark.distributed
+def test_pp2_equals_one_process(tmp_path):
+    """Under pipeline parallel the reference log-probs are precomputed by the whole starting
+    model; each micro-batch is `train.micro_batch` rows, pairs numbered across the step."""
+    folder, data = make_inputs(tmp_path)
+    cache = f"--data.cache_dir={tmp_path / 'cache'}"
+    one = _losses(folder, data, tmp_path / "one", "--train.micro_batch=2")
+    pp = run_distributed(_pp2, 2, folder, data, tmp_path, cache, timeout=600)[0]
+    assert abs(one[-1]["rewards/margins"]) > 1e-3
+    for key in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "grad_norm"):
+        torch.testing.assert_close([m[key] for m in pp], [m[key] for m in one], rtol=1e-4, atol=1e-6, msg=key)

@@ -26,7 +26,7 @@ from mindspeed_align.dpo_config import (
     ORPOConfig,
     SimPOConfig,
 )
-from mindspeed_align.logps import SLOT_KEY, sequence_logps
+from mindspeed_align.logps import SLOT_KEY, count_pairs, renumber_slots, sequence_logps
 from mindspeed_align.losses import dpo_loss, orpo_loss, simpo_loss
 from mindspeed_align.reference import REF_KEY
 from mindspeed_core.cli import config_command, debug_enabled, guarded
@@ -57,18 +57,21 @@ class PreferenceObjective(Objective):
         self.section, self.reference, self.reference_ctx = section, reference, reference_ctx
 
     def num_units(self, batch):
-        return (batch[SLOT_KEY].max() + 1) // 2
+        return count_pairs(batch[SLOT_KEY])
 
     def targets(self, batch):
-        targets = {"labels": batch["labels"], SLOT_KEY: batch[SLOT_KEY]}
-        if REF_KEY in batch:  # dpo.ref: precompute
-            targets["ref_logps"] = batch[REF_KEY]
+        slots = renumber_slots(batch[SLOT_KEY])
+        targets = {"labels": batch["labels"], SLOT_KEY: slots}
+        num_slots = int(slots.max()) + 1
+        if REF_KEY in batch:  # dpo.ref: precompute: each sequence's value on its first token
+            keep = slots >= 0
+            ref = torch.zeros(num_slots, dtype=torch.float32, device=slots.device)
+            targets["ref_logps"] = ref.index_add(0, slots[keep], batch[REF_KEY][keep].float())
         elif self.reference is not None:
             with torch.no_grad():
                 logits = self.reference(batch["input_ids"], position_ids=batch["position_ids"],
                                         cu_seqlens=batch["cu_seqlens"])  # fmt: skip
-                num_slots = int(batch[SLOT_KEY].max()) + 1
-                targets["ref_logps"] = sequence_logps(logits, batch["labels"], batch[SLOT_KEY], num_slots,
+                targets["ref_logps"] = sequence_logps(logits, batch["labels"], slots, num_slots,
                                                       self.reference_ctx)[0]  # fmt: skip
         elif self.section.uses_reference:
             raise RuntimeError("PreferenceObjective: set .reference before the first step")
@@ -164,18 +167,40 @@ def _attach_reference(objective, trainer, cfg, after_tp, start, *, lora: bool) -
     from mindspeed_align.reference import AdaptersOff, precompute_reference
     from mindspeed_llm.demo import cache_root
 
-    if lora and cfg.dpo.ref in ("auto", "precompute"):
+    if trainer.dims.pp > 1:  # the reference scores every pair once, whole, on every rank
+        objective.reference, objective.reference_ctx = _whole_reference(trainer, cfg, start)
+    elif lora and cfg.dpo.ref in ("auto", "precompute"):
         objective.reference, objective.reference_ctx = AdaptersOff(trainer.model), trainer.parts.model.loss
     else:
         reference = build_reference(trainer, cfg, after_tp)
         if start is not None:
             reference.model.load_state_dict(start)
         objective.reference, objective.reference_ctx = reference.model, reference.loss
-    if cfg.dpo.ref == "precompute":
+    if cfg.dpo.ref == "precompute" or trainer.dims.pp > 1:
         precompute_reference(trainer.data, objective.reference, objective.reference_ctx, device=trainer.device,
                              micro_pairs=cfg.train.micro_batch,
                              cache_dir=cfg.data.cache_dir or cache_root() / "dpo")  # fmt: skip
         objective.reference = None  # the pairs carry their log-probs; the copy can go
+
+
+def _whole_reference(trainer, cfg, start):
+    """The starting model whole and unsplit in this process (pipeline parallel runs precompute
+    the reference log-probs with it; a pipeline stage cannot score a pair alone), drawn with
+    the run's seed as `build_model` draws it, then the Hugging Face or demo weights."""
+    from mindspeed_core.training import set_seed
+    from mindspeed_llm.models import get_model_spec
+    from mindspeed_llm.models.hf_io import load_hf_weights
+    from mindspeed_llm.train.objectives import LossContext
+
+    config = trainer.model_cfg
+    set_seed(cfg.train.seed, trainer.dims, vary_along=())
+    with torch.device(trainer.device):
+        model = get_model_spec(config.family).build(config)
+    if cfg.model.hf_path is not None:
+        load_hf_weights(model, cfg.model.hf_path, config)
+    if start is not None:
+        model.load_state_dict(start)
+    return model.requires_grad_(False).eval(), LossContext(ops_impl=config.ops_impl)
 
 
 def _demo_accuracy(trainer, objective, cfg) -> dict[str, float] | None:

@@ -78,9 +78,14 @@ class DPOConfig(SFTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.parallel.cp > 1 or self.parallel.pp > 1:
-            raise ConfigError(f"dpo: parallel.cp={self.parallel.cp}, parallel.pp={self.parallel.pp}: "
-                              "context and pipeline parallel are not supported yet (tp and dp are)")  # fmt: skip
+        if self.parallel.cp > 1:
+            raise ConfigError(f"dpo: parallel.cp={self.parallel.cp}: context parallel is not supported "
+                              "yet (tp, pp and dp are)")  # fmt: skip
+        if self.parallel.pp > 1 and self.dpo.ref == "model":
+            raise ConfigError(f"dpo.ref=model with parallel.pp={self.parallel.pp}: under pipeline parallel "
+                              "the reference is precomputed (dpo.ref: precompute or auto)")  # fmt: skip
+        if self.parallel.pp > 1 and self.lora.enabled:
+            raise ConfigError(f"dpo: lora with parallel.pp={self.parallel.pp} is not supported yet")
 
 
 @dataclass(kw_only=True)

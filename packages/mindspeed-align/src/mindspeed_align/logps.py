@@ -24,12 +24,13 @@ Pair = tuple[Sample, Sample]
 SLOT_KEY = "pair_slot"
 """The batch key of the per-token slot (see the module docstring)."""
 
-__all__ = ["SLOT_KEY", "Pair", "pack_pairs", "sequence_logps"]
+__all__ = ["SLOT_KEY", "Pair", "count_pairs", "pack_pairs", "renumber_slots", "sequence_logps"]
 
 
-def pack_pairs(pairs: Sequence[Pair], seq_len: int, pad_id: int) -> Batch:
+def pack_pairs(pairs: Sequence[Pair], seq_len: int, pad_id: int, rows: int | None = None) -> Batch:
     """Pairs -> one batch of rows `seq_len` wide, both sequences of a pair in the same row
-    (rows filled best fit decreasing), with the per-token `pair_slot` key.
+    (rows filled best fit decreasing), with the per-token `pair_slot` key; `rows`: exactly
+    that many rows, padded with empty ones (pipeline parallel needs one shape every step).
 
     Raises:
         ValueError: a pair is longer than `seq_len` (the data source drops or cuts those).
@@ -38,10 +39,14 @@ def pack_pairs(pairs: Sequence[Pair], seq_len: int, pad_id: int) -> Batch:
     too_long = [i for i, n in enumerate(lengths) if n > seq_len]
     if too_long:
         raise ValueError(f"pairs {too_long} hold more than seq_len={seq_len} tokens")
-    rows = pack_rows(lengths, seq_len)
-    batch = collate_rows([[s for i in row for s in pairs[i]] for row in rows], seq_len, pad_id)
+    packed = pack_rows(lengths, seq_len)
+    if rows is not None:
+        if len(packed) > rows:
+            raise ValueError(f"{len(pairs)} pairs need {len(packed)} rows, more than {rows}")
+        packed += [[] for _ in range(rows - len(packed))]
+    batch = collate_rows([[s for i in row for s in pairs[i]] for row in packed], seq_len, pad_id)
     slots = torch.full_like(batch["input_ids"], -1)
-    for r, row in enumerate(rows):
+    for r, row in enumerate(packed):
         start = 0
         for i in row:
             for side, (ids, _) in enumerate(pairs[i]):
@@ -49,6 +54,23 @@ def pack_pairs(pairs: Sequence[Pair], seq_len: int, pad_id: int) -> Batch:
                 start += len(ids)
     batch[SLOT_KEY] = slots
     return batch
+
+
+def renumber_slots(slots: Tensor) -> Tensor:
+    """Slots 0, 1, ... again, in order, for a batch whose pairs are numbered from elsewhere
+    (under pipeline parallel a step's micro-batches carry step-wide pair numbers and the
+    schedule re-splits their rows); the side (slot % 2) is kept, padding stays -1. The
+    identity on a micro-batch numbered from 0."""
+    keep = slots >= 0
+    _, pair = torch.unique(slots[keep] // 2, return_inverse=True)
+    out = torch.full_like(slots, -1)
+    out[keep] = 2 * pair + slots[keep] % 2
+    return out
+
+
+def count_pairs(slots: Tensor) -> int:
+    """The pairs a batch holds (its distinct slot // 2)."""
+    return int(torch.unique(slots[slots >= 0] // 2).numel())
 
 
 def sequence_logps(

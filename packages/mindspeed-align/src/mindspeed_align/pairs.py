@@ -15,9 +15,10 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from mindspeed_align.logps import Pair, pack_pairs
-from mindspeed_align.reference import REF_KEY, ref_logps_of
+from mindspeed_align.logps import SLOT_KEY, Pair, pack_pairs
+from mindspeed_align.reference import put_ref_logps
 from mindspeed_core.errors import DataError
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 from mindspeed_llm.data.sft import SFTStats, encode_sample
@@ -91,9 +92,21 @@ class PairData(SFTData):
     def _rows(self, pairs: list[Pair]) -> list[Pair]:
         return list(pairs)
 
+    def build(self, dims, accum: int) -> None:
+        super().build(dims, accum)
+        self.pipelined = dims.pp > 1
+
     def _collate(self, groups: list[list[Pair]]) -> list[Batch]:
-        batches = [pack_pairs(g, self.seq_len, self.pad_id) for g in groups]
-        refs = ref_logps_of(groups)  # `dpo.ref: precompute`: the pairs carry them
-        for batch, ref in zip(batches, refs or (), strict=False):
-            batch[REF_KEY] = ref
+        """Pipeline parallel: every micro-batch exactly `train.micro_batch` rows (one shape
+        for the schedule) and pairs numbered across the step (the schedule re-splits rows;
+        `renumber_slots` numbers each piece from 0 again)."""
+        rows = self.cfg.train.micro_batch if getattr(self, "pipelined", False) else None
+        batches, first = [], 0
+        for group in groups:
+            batch = pack_pairs(group, self.seq_len, self.pad_id, rows=rows)
+            if rows is not None:
+                batch[SLOT_KEY] = torch.where(batch[SLOT_KEY] >= 0, batch[SLOT_KEY] + 2 * first, -1)
+                first += len(group)
+            put_ref_logps(batch, group)  # `dpo.ref: precompute`: the pairs carry them
+            batches.append(batch)
         return batches

@@ -27,7 +27,7 @@ from mindspeed_align.logps import SLOT_KEY, Pair, pack_pairs, sequence_logps
 from mindspeed_core.parallel import dtensor
 from mindspeed_llm.peft import adapters_disabled
 
-__all__ = ["REF_KEY", "AdaptersOff", "RefPair", "precompute_reference"]
+__all__ = ["REF_KEY", "AdaptersOff", "RefPair", "precompute_reference", "put_ref_logps"]
 
 logger = logging.getLogger("mindspeed.dpo")
 
@@ -83,12 +83,21 @@ def precompute_reference(data, reference: nn.Module, ctx, *, device, micro_pairs
     return path
 
 
-def ref_logps_of(groups: Sequence[Sequence[RefPair]]) -> list[torch.Tensor] | None:
-    """Each group's (2 x pairs,) reference log-probs in `pack_pairs`' slot order, or None
-    when the pairs carry none."""
-    if not groups or not all(isinstance(p, RefPair) for g in groups for p in g):
-        return None
-    return [torch.tensor([v for p in g for v in p.ref], dtype=torch.float32) for g in groups]
+def put_ref_logps(batch: dict, group: Sequence[RefPair]) -> None:
+    """`batch[REF_KEY]`: per token, each sequence's reference log-prob on its first token
+    (0 elsewhere), so it follows its tokens wherever the rows go; nothing when the pairs
+    carry no log-probs."""
+    if not group or not all(isinstance(p, RefPair) for p in group):
+        return
+    slots = batch[SLOT_KEY]
+    values = torch.tensor([v for p in group for v in p.ref], dtype=torch.float32)
+    flat, out = slots.flatten(), torch.zeros(slots.numel(), dtype=torch.float32)
+    local = flat - int(flat[flat >= 0].min()) if (flat >= 0).any() else flat
+    first = torch.ones_like(flat, dtype=torch.bool)
+    first[1:] = flat[1:] != flat[:-1]
+    where = first & (flat >= 0)
+    out[where] = values[local[where]]
+    batch[REF_KEY] = out.view_as(slots)
 
 
 def _everywhere(flag: bool, device) -> bool:
