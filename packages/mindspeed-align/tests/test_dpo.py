@@ -272,8 +272,8 @@ def test_tp2_equals_one_process_with_and_without_lora(tmp_path):
     assert abs(one_lora[-1]["rewards/margins"]) > 1e-3
 
 
-def _pp2(folder, data, root, cache):
-    return _losses(folder, data, root / "pp", "--parallel.pp=2", "--train.micro_batch=2", cache)
+def _pp2(folder, data, root, cache, *extra):
+    return _losses(folder, data, root / "pp", "--parallel.pp=2", "--train.micro_batch=2", cache, *extra)
 
 
 @pytest.mark.distributed
@@ -287,3 +287,42 @@ def test_pp2_equals_one_process(tmp_path):
     assert abs(one[-1]["rewards/margins"]) > 1e-3
     for key in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "grad_norm"):
         torch.testing.assert_close([m[key] for m in pp], [m[key] for m in one], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def _cp2(folder, data, root, cache, *extra):
+    return _losses(folder, data, root / "cp", "--parallel.cp=2", cache, *extra)
+
+
+@pytest.mark.distributed
+def test_cp2_equals_one_process(tmp_path):
+    """Each context-parallel rank sums its share of every sequence's log-probs; the loss adds
+    the shares over the cp ranks (the reference is precomputed, whole)."""
+    folder, data = make_inputs(tmp_path)
+    cache = f"--data.cache_dir={tmp_path / 'cache'}"
+    one = _losses(folder, data, tmp_path / "one")
+    cp = run_distributed(_cp2, 2, folder, data, tmp_path, cache, timeout=600)[0]
+    for key in ("loss", "rewards/chosen", "rewards/margins", "logps/chosen", "grad_norm"):
+        torch.testing.assert_close([m[key] for m in cp], [m[key] for m in one], rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_lora_dpo_under_dp_shard_pp_and_cp_equals_one_process(tmp_path):
+    folder, data = make_inputs(tmp_path, n=12)
+    cache, lora = f"--data.cache_dir={tmp_path / 'cache'}", ("--lora.rank=4", "--optim.lr=1e-2")
+    one = _losses(folder, data, tmp_path / "one", "--train.micro_batch=2", *lora)
+    runs = {
+        "dp_shard": run_distributed(_dp_shard_lora, 2, folder, data, tmp_path, lora, timeout=600)[0],
+        "pp": run_distributed(_pp2, 2, folder, data, tmp_path, cache, *lora, timeout=600)[0],
+        "cp": run_distributed(_cp2, 2, folder, data, tmp_path, cache, "--train.micro_batch=2", *lora,
+                              timeout=600)[0],
+    }  # fmt: skip
+    assert abs(one[-1]["rewards/margins"]) > 1e-3
+    for name, got in runs.items():
+        for key in ("loss", "rewards/margins", "logps/chosen", "grad_norm"):
+            torch.testing.assert_close([m[key] for m in got], [m[key] for m in one], rtol=1e-4, atol=1e-6,
+                                       msg=f"{name} {key}")  # fmt: skip
+
+
+def _dp_shard_lora(folder, data, root, lora):
+    return _losses(folder, data, root / "dp_lora", "--parallel.dp_shard=2", "--train.micro_batch=2", *lora)

@@ -55,14 +55,22 @@ class PreferenceObjective(Objective):
 
     def __init__(self, section: DPOSection, reference=None, reference_ctx: LossContext | None = None):
         self.section, self.reference, self.reference_ctx = section, reference, reference_ctx
+        self.cp_group, self.cp_size = None, 1
+
+    def use_context_parallel(self, dims) -> None:
+        """Under context parallel each rank sums its tokens' log-probs; the loss adds them up
+        over the cp ranks (differentiably) and each rank reports 1/cp of the whole."""
+        if dims.cp > 1:
+            self.cp_group, self.cp_size = dims.mesh("cp").get_group(), dims.cp
 
     def num_units(self, batch):
         return count_pairs(batch[SLOT_KEY])
 
     def targets(self, batch):
         slots = renumber_slots(batch[SLOT_KEY])
-        targets = {"labels": batch["labels"], SLOT_KEY: slots}
         num_slots = int(slots.max()) + 1
+        # num_slots whole: a context-parallel rank may hold none of a short sequence's tokens
+        targets = {"labels": batch["labels"], SLOT_KEY: slots, "num_slots": torch.tensor(num_slots)}
         if REF_KEY in batch:  # dpo.ref: precompute: each sequence's value on its first token
             keep = slots >= 0
             ref = torch.zeros(num_slots, dtype=torch.float32, device=slots.device)
@@ -78,8 +86,10 @@ class PreferenceObjective(Objective):
         return targets
 
     def loss(self, outputs, targets, ctx: LossContext) -> LossOutput:
-        num_slots = int(targets[SLOT_KEY].max()) + 1
+        num_slots = int(targets["num_slots"])
         logps, counts = sequence_logps(outputs, targets["labels"], targets[SLOT_KEY], num_slots, ctx)
+        if self.cp_group is not None:  # each cp rank holds a share of every sequence's tokens
+            logps, counts = _sum_over(self.cp_group, logps, counts)
         chosen, rejected = logps[0::2], logps[1::2]
         chosen_len, rejected_len = counts[0::2].clamp(min=1), counts[1::2].clamp(min=1)
         out = self._method(chosen, rejected, chosen_len, rejected_len, targets.get("ref_logps"))
@@ -87,7 +97,9 @@ class PreferenceObjective(Objective):
         losses = out.losses - nll_weight * chosen / chosen_len
         margins = out.chosen_rewards - out.rejected_rewards
         values = (out.chosen_rewards, out.rejected_rewards, margins, (margins > 0).float(), chosen, rejected)
-        return LossOutput(losses.sum(), {k: v.detach().sum() for k, v in zip(METRICS, values, strict=True)})
+        share = 1.0 / self.cp_size  # every cp rank has the whole loss; the step sums over them
+        return LossOutput(losses.sum() * share,
+                          {k: v.detach().sum() * share for k, v in zip(METRICS, values, strict=True)})  # fmt: skip
 
     def _method(self, chosen, rejected, chosen_len, rejected_len, ref):
         s = self.section
@@ -99,6 +111,17 @@ class PreferenceObjective(Objective):
         return dpo_loss(chosen, rejected, ref[0::2], ref[1::2], beta=s.beta, loss=s.loss,
                         label_smoothing=s.label_smoothing, chosen_lengths=chosen_len,
                         rejected_lengths=rejected_len)  # fmt: skip
+
+
+def _sum_over(group, logps, counts):
+    """Per-slot sums over the ranks of `group`: log-probs with their gradient (each rank's
+    share gets the whole sum's), counts without."""
+    import torch.distributed as dist
+    from torch.distributed.nn.functional import all_reduce
+
+    counts = counts.clone()
+    dist.all_reduce(counts, group=group)
+    return all_reduce(logps, group=group), counts
 
 
 def build_reference(trainer, cfg, after_tp=None):
@@ -134,6 +157,7 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
         lora = lora_trainer_options(cfg.lora, precision=cfg.train.precision, device_type=info.device.type)
         trainer = Trainer(cfg, info, data=PairData, objective=objective, before_tp=before_tp,
                           after_tp=chain_hooks(after_tp, lora.pop("after_tp", None)), command=name, **lora)  # fmt: skip
+        objective.use_context_parallel(trainer.dims)
         if start is not None:
             _load_start(trainer.model, start, lora=bool(lora))
         if cfg.dpo.uses_reference:
@@ -167,7 +191,7 @@ def _attach_reference(objective, trainer, cfg, after_tp, start, *, lora: bool) -
     from mindspeed_align.reference import AdaptersOff, precompute_reference
     from mindspeed_llm.demo import cache_root
 
-    if trainer.dims.pp > 1:  # the reference scores every pair once, whole, on every rank
+    if trainer.dims.pp > 1 or trainer.dims.cp > 1:  # scores every pair once, whole, everywhere
         objective.reference, objective.reference_ctx = _whole_reference(trainer, cfg, start)
     elif lora and cfg.dpo.ref in ("auto", "precompute"):
         objective.reference, objective.reference_ctx = AdaptersOff(trainer.model), trainer.parts.model.loss
@@ -176,7 +200,7 @@ def _attach_reference(objective, trainer, cfg, after_tp, start, *, lora: bool) -
         if start is not None:
             reference.model.load_state_dict(start)
         objective.reference, objective.reference_ctx = reference.model, reference.loss
-    if cfg.dpo.ref == "precompute" or trainer.dims.pp > 1:
+    if cfg.dpo.ref == "precompute" or trainer.dims.pp > 1 or trainer.dims.cp > 1:
         precompute_reference(trainer.data, objective.reference, objective.reference_ctx, device=trainer.device,
                              micro_pairs=cfg.train.micro_batch,
                              cache_dir=cfg.data.cache_dir or cache_root() / "dpo")  # fmt: skip

@@ -78,15 +78,10 @@ class DPOConfig(SFTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.parallel.cp > 1:
-            raise ConfigError(f"dpo: parallel.cp={self.parallel.cp}: context parallel is not supported "
-                              "yet (tp, pp and dp are)")  # fmt: skip
-        if self.parallel.pp > 1 and self.dpo.ref == "model":
-            raise ConfigError(f"dpo.ref=model with parallel.pp={self.parallel.pp}: under pipeline parallel "
-                              "the reference is precomputed (dpo.ref: precompute or auto)")  # fmt: skip
-        if self.parallel.pp > 1 and self.lora.enabled:
-            raise ConfigError(f"dpo: lora with parallel.pp={self.parallel.pp} is not supported yet")
-
+        split = [f"parallel.{d}={getattr(self.parallel, d)}" for d in ("pp", "cp") if getattr(self.parallel, d) > 1]
+        if split and self.dpo.ref == "model":
+            raise ConfigError(f"dpo.ref=model with {' and '.join(split)}: there the reference log-probs are "
+                              "precomputed (dpo.ref: precompute or auto)")  # fmt: skip
 
 @dataclass(kw_only=True)
 class SimPOConfig(DPOConfig):
