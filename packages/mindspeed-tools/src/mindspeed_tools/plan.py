@@ -174,7 +174,8 @@ def calibrate(config, job: Job, name: str, world: int = 2) -> Calibration:
         cal.fit_compute([(shape, lay, cal_job, t) for lay, t in zip(single, steps, strict=True)], calib)
         return calib
     cal.fit_collectives(run_distributed(_collective_times, world, timeout=600)[0], world, calib)
-    calib.ranks_share_cores = world >= (os.cpu_count() or 1)
+    # one intra-op thread per rank: ranks share cores only when there are more ranks than cores
+    calib.ranks_share_cores = world > (os.cpu_count() or 1)
     steps = _slowest(run_distributed(_step_times, world, small, single, cal_job, True, timeout=1800))
     cal.fit_compute([(shape, lay, cal_job, t) for lay, t in zip(single, steps, strict=True)], calib)
     cal_job = dataclasses.replace(cal_job, global_batch=4 * world)

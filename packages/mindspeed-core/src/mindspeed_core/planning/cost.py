@@ -47,9 +47,10 @@ class Calibration:
     overlap: float = 0.0
     """Fraction of FSDP/ring traffic hidden behind compute (0..1)."""
     ranks_share_cores: bool = False
-    """Calibrated on a CPU with no more cores than ranks: the ranks share the cores, so a
-    step takes the ranks' average work (a pipeline rank idle in a bubble or lighter than
-    the busiest lends its core to the others), not the busiest rank's plus the bubble."""
+    """Calibrated on a CPU with fewer cores than ranks (one thread each): the ranks share the
+    cores, so a step takes the ranks' average work (a pipeline rank idle in a bubble or
+    lighter than the busiest lends its core to the others), not the busiest rank's plus the
+    bubble. With a core per rank an idle rank's core idles with it: the bubble counts."""
     host_bandwidth: float = 2e10
     """Bytes per second between device and pinned host memory (offload; not calibrated)."""
     host_adam_s: float = 2e-9
