@@ -77,6 +77,7 @@ FAMILY_CASES = {
         "Glm4Config",
         {"head_dim": 32, "partial_rotary_factor": 0.25, "pad_token_id": 0, "eos_token_id": 2},
     ),
+    "internlm3": ("InternLM3Config", {"head_dim": 16, "rope_theta": 5e7}),
 }
 """Families whose Hugging Face names are not the dense adapter's (tested in
 test_models_families.py)."""

@@ -152,6 +152,20 @@ def test_glm4_reads_v4_and_v5_spellings_and_its_partial_rotary_counts():
         TransformerConfig(**{**config.__dict__, "rotary_dim": 7})
 
 
+def test_internlm3_reads_its_remote_code_bias_spelling():
+    """The published config.json spells the biases qkv_bias / bias (transformers maps them to
+    attention_bias / mlp_bias); false is read, true refused; dynamic RoPE scaling refused."""
+    v5 = make_hf("internlm3").config.to_dict()
+    config = TransformerConfig.from_hf({**v5, "qkv_bias": False, "bias": False})
+    assert config.family == "internlm3" and not config.qkv_bias and config.rope_theta == 5e7
+    for key in ("qkv_bias", "bias"):
+        with pytest.raises(ConfigError, match=f"{key}=true"):
+            TransformerConfig.from_hf({**v5, key: True})
+    with pytest.raises(ConfigError, match="'dynamic' is not supported"):
+        TransformerConfig.from_hf({**v5, "rope_parameters": None, "rope_theta": 5e7,
+                                   "rope_scaling": {"rope_type": "dynamic", "factor": 6.0}})  # fmt: skip
+
+
 TP_CASES = {  # name: (family, config changes, parallelize options)
     "gemma2_tp2_sp_loss_parallel": (
         "gemma2",

@@ -90,7 +90,8 @@ def _same_config(a: Path, b: Path):
         ("phi3", "40KB"),  # fused qkv_proj / gate_up_proj, split and fused again
         ("gemma2", None),  # post norms, tied, soft caps, alternating windows
         ("gemma3", None),  # a second RoPE for the windowed blocks
-        ("glm4", "40KB"),  # renamed norms, fused gate_up, q/k rows permuted for partial RoPE
+        ("glm4", "40KB"),
+        ("internlm3", None),  # Llama's tensors under its own model type  # renamed norms, fused gate_up, q/k rows permuted for partial RoPE
     ],
 )
 def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):

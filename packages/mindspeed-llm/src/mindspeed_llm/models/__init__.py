@@ -14,6 +14,7 @@ from mindspeed_llm.models import (
     gemma2,
     gemma3,
     glm4,
+    internlm3,
     llama,
     mistral,
     mixtral,
@@ -34,7 +35,7 @@ from mindspeed_llm.models.registry import (
     unregister_model,
 )
 
-for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, phi3, gemma2, gemma3, glm4):
+for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, phi3, gemma2, gemma3, glm4, internlm3):
     register_model(_family.SPEC)
 
 __all__ = [
