@@ -1,6 +1,6 @@
 """Our training step against Hugging Face transformers' LlamaForCausalLM, same config and data.
 
-    python benchmarks/train_throughput.py [--dtypes fp32,bf16] [--steps 3] [--device cpu]
+    python benchmarks/train_throughput.py [--dtypes fp32,bf16] [--steps 3] [--device cpu] [--compile]
 
 Both sides build the same Llama (headline: vocab 32000, hidden 512, intermediate 1376,
 4 layers, 8 heads, 4 kv heads, seq 512, micro-batch 4), train it with AdamW on the same
@@ -9,6 +9,8 @@ what `mindspeed pretrain` runs in one process: mindspeed_llm's Transformer on
 mindspeed_ops, the chunked cross entropy, core's AdamW container. Theirs is the
 documented way to train transformers: `model(input_ids, labels=...)`, `loss.backward()`,
 `torch.optim.AdamW`. bf16 means fp32 master weights with `torch.autocast` on both sides.
+`--compile`: our blocks compiled as `train.compile: true` compiles them (`apply_compile`); the
+compilation happens in the warm-up step, which is not timed.
 
 Each side runs in its own subprocess so its peak memory can be read cleanly: peak
 resident memory (CPU) or peak allocated memory (accelerator) minus what the process
@@ -55,13 +57,16 @@ def _peak_mb(device) -> float:
     return torch.get_device_module(device.type).max_memory_allocated(device) / 2**20
 
 
-def _ours(device, dtype):
+def _ours(device, dtype, compile=False):
     import mindspeed_ops
     from mindspeed_core.optim import build_optimizers
+    from mindspeed_core.parallel import apply_compile
     from mindspeed_llm.models import build_model_config, get_model_spec
 
     config = build_model_config("llama", hf_config=HEADLINE)
     model = get_model_spec("llama").build(config).to(device)
+    if compile:
+        apply_compile(model)
     optimizer = build_optimizers(model, lr=1e-4, weight_decay=0.1)
 
     def step(tokens, labels):
@@ -76,7 +81,7 @@ def _ours(device, dtype):
     return model, step
 
 
-def _theirs(device, dtype):
+def _theirs(device, dtype, compile=False):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -113,7 +118,7 @@ def torch_autocast(device, dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def run_side(side: str, dtype_name: str, steps: int, device_name: str) -> dict:
+def run_side(side: str, dtype_name: str, steps: int, device_name: str, compile: bool = False) -> dict:
     import torch
 
     from mindspeed_core import device as dev
@@ -124,7 +129,7 @@ def run_side(side: str, dtype_name: str, steps: int, device_name: str) -> dict:
     torch.manual_seed(0)
     data = torch.randint(0, HEADLINE["vocab_size"], (steps + 1, MICRO_BATCH, SEQ + 1))
     baseline = _rss_mb() if device.type == "cpu" else 0.0
-    model, step = (_ours if side == "ours" else _theirs)(device, dtype)
+    model, step = (_ours if side == "ours" else _theirs)(device, dtype, compile)
     n = dense_params(model)
     flops = flops_per_token(n, HEADLINE["num_hidden_layers"], HEADLINE["hidden_size"], SEQ)
     losses, times = [], []
@@ -160,18 +165,20 @@ def main() -> None:
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compile", action="store_true", help="compile our blocks")
     parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
-        print(json.dumps(run_side(args.side, args.dtype, args.steps, args.device)))
+        print(json.dumps(run_side(args.side, args.dtype, args.steps, args.device, args.compile)))
         return
     for dtype in args.dtypes.split(","):
         result = {"bench": "train_step", "config": "llama 4x512, vocab 32000, seq 512, mb 4"}
-        result.update(dtype=dtype, device=args.device)
+        result.update(dtype=dtype, device=args.device, compile=args.compile)
         for side in ("ours", "transformers"):
             cmd = [sys.executable, __file__, "--side", side, "--dtype", dtype]
             cmd += ["--steps", str(args.steps), "--device", args.device]
+            cmd += ["--compile"] if args.compile and side == "ours" else []
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             result[side] = json.loads(out.strip().splitlines()[-1])
         ours, theirs = result["ours"], result["transformers"]
