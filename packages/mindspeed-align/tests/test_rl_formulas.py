@@ -224,3 +224,15 @@ def test_trainer_advantages_per_token():
     want = reinforce_pp(token_rewards, mask)
     assert [x for a in rpp for x in a] == pytest.approx(want[mask > 0].tolist(), abs=1e-5)
     assert _flat_groups([1.0, 1.0, 0.0, 1.0], [0, 0, 1, 1]) == [True, False]
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    """verl's overlong_buffer: expected = max_len - buffer, reward += min(-(len - expected) /
+    buffer * factor, 0): nothing up to expected, then linear to -factor at max_len."""
+    from mindspeed_align.rl.advantages import overlong_penalty
+    from mindspeed_align.rl.config import GRPOSection
+    from mindspeed_core.errors import ConfigError
+
+    assert overlong_penalty([1, 4, 5, 6, 8], max_len=8, buffer=4, factor=0.5) == [0.0, 0.0, -0.125, -0.25, -0.5]
+    with pytest.raises(ConfigError, match="grpo.overlong_buffer=4 must be in"):
+        GRPOSection(max_new_tokens=4, overlong_buffer=4)

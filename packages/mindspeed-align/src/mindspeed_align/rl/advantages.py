@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "overlong_penalty",
     "dr_grpo",
     "gae",
     "group_normalized",
@@ -121,3 +122,11 @@ def gae(
         last = last_new * mask[:, t] + (1 - mask[:, t]) * last
         advantages[:, t] = last
     return masked_whiten(advantages, mask) * mask, advantages + values
+
+
+def overlong_penalty(lengths: list[int], max_len: int, buffer: int, factor: float = 1.0) -> list[float]:
+    """DAPO's soft overlong punishment (verl's `overlong_buffer`): a response longer than
+    max_len - buffer loses (length - (max_len - buffer)) / buffer x factor, growing linearly
+    to `factor` at max_len; shorter ones lose nothing. Added to the outcome reward."""
+    expected = max_len - buffer
+    return [min(-(n - expected) / buffer * factor, 0.0) for n in lengths]

@@ -63,6 +63,11 @@ class GRPOSection:
     """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal (they carry no gradient)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: responses longer than max_new_tokens - overlong_buffer
+    lose up to `overlong_penalty` of reward, linearly to the limit (0: off)."""
+    overlong_penalty: float = 1.0
+    """The most a response at max_new_tokens loses (verl's penalty_factor)."""
     rewards: list[str] = field(default_factory=lambda: ["final_number"])
     """Reward functions, "module:function" (bare names: mindspeed_align.rl.rewards)."""
     reward_weights: list[float] = field(default_factory=list)
@@ -96,6 +101,9 @@ class GRPOSection:
             raise ConfigError(f"grpo.max_new_tokens={self.max_new_tokens} must be positive")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ConfigError(f"grpo.clip_low={self.clip_low} / clip_high={self.clip_high}")
+        if not 0 <= self.overlong_buffer < self.max_new_tokens:
+            raise ConfigError(f"grpo.overlong_buffer={self.overlong_buffer} must be in "
+                              f"[0, grpo.max_new_tokens={self.max_new_tokens})")  # fmt: skip
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"grpo.dual_clip={self.dual_clip} must be > 1")
 

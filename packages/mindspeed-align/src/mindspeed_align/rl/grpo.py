@@ -81,6 +81,11 @@ class GRPOStep(TrainStep):
         batch = self.rollout.generate([r["prompt_ids"] for r in records], self.sampling, seed=seed)
         rewards, reward_metrics = self._rewards(records, batch)
         lengths = [len(r) for r in batch.response_ids]
+        if self.grpo.overlong_buffer:
+            penalty = adv_fns.overlong_penalty(lengths, self.grpo.max_new_tokens, self.grpo.overlong_buffer,
+                                       self.grpo.overlong_penalty)  # fmt: skip
+            rewards = [r + p for r, p in zip(rewards, penalty, strict=True)]
+            reward_metrics["reward/overlong"] = sum(penalty) / len(penalty)
         advantages = compute_advantages(self.grpo.advantage, rewards, batch.group, lengths,
                                         eps=self.grpo.std_eps)  # fmt: skip
         flat = _flat_groups(rewards, batch.group)
