@@ -374,6 +374,7 @@ def test_pairwise_outputs(hf_folder, tmp_path):
             "system": "Be brief.",
         },
         {"prompt": "no rejected", "chosen": "x"},  # bad
+        {"prompt": "same?", "chosen": "same", "rejected": "same"},  # bad: nothing to prefer
         {
             "conversations": [{"from": "human", "value": "gamma?"}],
             "chosen": {"from": "gpt", "value": "delta"},
@@ -391,7 +392,7 @@ def test_pairwise_outputs(hf_folder, tmp_path):
         "--output-prefix",
         tmp_path / "o" / "dpo",
     )
-    assert (summary.documents, summary.skipped) == (3, 1)
+    assert (summary.documents, summary.skipped) == (3, 2)
     keys = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
     assert files_under(tmp_path / "o") == sorted(
         f"dpo_packed_{k}_document.{s}" for k in keys for s in ("bin", "idx")

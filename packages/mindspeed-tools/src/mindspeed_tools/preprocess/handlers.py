@@ -31,6 +31,7 @@ from typing import Any
 
 from mindspeed_core.errors import DataError
 from mindspeed_llm.chat_template import ChatTemplate, TemplateDefect, encode_chat
+from mindspeed_llm.data.collate import IGNORE_INDEX
 from mindspeed_llm.data.sft_records import (
     DEFAULT_MAP_KEYS,
     RecordError,
@@ -176,9 +177,19 @@ class Handler:
             raise RecordError(str(err)) from None
 
     def _pairwise(self, record: Mapping) -> dict[str, list[int]]:
+        """Both sides of a pair; refused: the same reply twice, or a prompt whose tokens
+        differ before the two replies (the trainers score the replies after one prompt)."""
         out = {}
         chosen, rejected = pairwise_messages(record, self.map_keys)
+        if chosen[-1]["content"] == rejected[-1]["content"]:
+            raise RecordError("chosen and rejected are the same reply; a pair must differ")
+        prompts = []
         for side, messages in (("chosen", chosen), ("rejected", rejected)):
             ids, labels = self._encode(messages)
             out[f"{side}_input_ids"], out[f"{side}_labels"] = ids, labels
+            first = next((i for i, t in enumerate(labels) if t != IGNORE_INDEX), len(labels))
+            prompts.append(list(ids[:first]))
+        if prompts[0] != prompts[1]:
+            raise RecordError("the prompt's tokens differ before the chosen and the rejected reply "
+                              "(the chat template or tokenizer merges prompt and reply)")  # fmt: skip
         return out
