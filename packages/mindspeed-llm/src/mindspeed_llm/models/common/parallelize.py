@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -154,7 +155,9 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
     if sequence_parallel and config.post_norms:  # Gemma 2's output norms see sequence shards
         plan.update({f"layers.*.{n}": SequenceParallel(use_local_output=True) for n in _POST_NORMS})
     head = getattr(model, "output", None)
-    if head is not None and getattr(head, "out_features", config.vocab_size) != config.vocab_size:
+    _pad_vocab(model, tp_mesh.size())
+    config = model.config
+    if head is not None and getattr(head, "out_features", config.num_rows) != config.num_rows:
         if loss_parallel:
             raise ParallelError("loss_parallel needs the vocabulary head; this model's was swapped")
         # A small head (a value head) is not worth sharding: gather its input, keep it whole.
@@ -163,8 +166,56 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
             input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
         )
     apply_tp(model, tp_mesh, _owned_entries(plan, model))
+    _tie_after_tp(model)
     if config.qk_norm:
         _replicate_qk_norms(model, tp_mesh)
+
+
+def _vocab_matrices(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, "weight") of the embedding and of a vocabulary-sized output this model
+    (or pipeline stage) holds."""
+    rows = model.config.num_rows
+    found = []
+    for name in ("tok_embeddings", "output"):
+        module = getattr(model, name, None)
+        if module is not None and module.weight.shape[0] == rows:
+            found.append((module, "weight"))
+    return found
+
+
+@torch.no_grad()
+def _pad_vocab(model: nn.Module, tp: int) -> None:
+    """Append zero rows to the embedding and the output projection up to
+    `config.padded_vocab(tp)` (Megatron's padding) and record it in `model.config`; tied
+    matrices stay one parameter. The model's forward hides the padding again."""
+    config = model.config
+    rows = config.padded_vocab(tp)
+    matrices = _vocab_matrices(model)
+    if rows <= config.num_rows or not matrices:
+        return
+    padded: dict[int, nn.Parameter] = {}
+    for module, name in matrices:
+        weight = getattr(module, name)
+        if id(weight) not in padded:
+            extra = weight.new_zeros((rows - weight.shape[0], *weight.shape[1:]))
+            new = nn.Parameter(torch.cat([weight, extra]), requires_grad=weight.requires_grad)
+            padded[id(weight)] = new
+        setattr(module, name, padded[id(weight)])
+        if isinstance(module, nn.Embedding):
+            module.num_embeddings = rows
+        else:
+            module.out_features = rows
+    model.config = replace(config, padded_vocab_size=rows)
+
+
+def _tie_after_tp(model: nn.Module) -> None:
+    """Tied embeddings: tensor parallel shards the embedding and the output projection
+    alike (vocab rows, Shard(0)) but as two parameters; make them one again."""
+    tok, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    if not model.config.tie_word_embeddings or tok is None or head is None:
+        return
+    if head.weight is not tok.weight and head.weight.shape == tok.weight.shape:
+        head.weight = tok.weight
 
 
 def pipeline_decoder(
