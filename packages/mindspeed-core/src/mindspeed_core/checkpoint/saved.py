@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
