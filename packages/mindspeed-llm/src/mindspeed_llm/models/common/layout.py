@@ -141,11 +141,6 @@ def _check_pipeline(model_cfg, p: ParallelConfig, recompute: bool, name):
             if value != default:
                 raise LayoutError(f"{name(field)}={value} needs {name('pp')} > 1")
         return None
-    if model_cfg.tie_word_embeddings:
-        raise LayoutError(
-            f"{name('pp')}={p.pp}: pipeline parallel with tie_word_embeddings=true is not "
-            "supported: the embedding and the output projection would sit on different stages"
-        )
     try:
         return check_pipeline(
             num_layers=model_cfg.num_layers,

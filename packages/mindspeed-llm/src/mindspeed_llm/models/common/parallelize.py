@@ -25,6 +25,7 @@ from mindspeed_core.memory import offload_activations
 from mindspeed_core.parallel import (
     ParallelDims,
     PipelineParts,
+    TiedGrads,
     apply_ac,
     apply_compile,
     apply_cp,
@@ -33,6 +34,7 @@ from mindspeed_core.parallel import (
     apply_expert_fsdp,
     apply_fsdp,
     apply_tp,
+    pipeline_ends_group,
     split_pipeline,
 )
 from mindspeed_llm.models.common.layout import check_layout, layout_of
@@ -264,10 +266,23 @@ def pipeline_decoder(
         stages_per_rank=stages_per_rank,
         schedule=schedule,
         layers_per_stage=layers_per_stage,
+        tied=model.config.tie_word_embeddings,
     )
     for part in parts.model_parts:
         parallelize_decoder(part, dims, after_tp=after_tp, **options)
     return parts
+
+
+def tied_embedding_grads(parts: Sequence[nn.Module], dims: ParallelDims) -> TiedGrads | None:
+    """Under pp > 1 with tied embeddings: the gradient sum of the first stage's embedding
+    and the last stage's output projection (`mindspeed_core.parallel.TiedGrads`), for the
+    trainer to call after backward; None otherwise. Collective: every rank calls it."""
+    if dims.pp == 1 or not parts or not parts[0].config.tie_word_embeddings:
+        return None
+    group = pipeline_ends_group(dims)
+    first = next((p.tok_embeddings.weight for p in parts if p.tok_embeddings is not None), None)
+    last = next((p.output.weight for p in parts if p.output is not None), None)
+    return TiedGrads(first, last, group)
 
 
 def _owned_entries(plan: dict, model: nn.Module) -> dict:
