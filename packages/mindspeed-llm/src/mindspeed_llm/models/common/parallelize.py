@@ -157,7 +157,7 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
     if sequence_parallel and config.post_norms:  # Gemma 2's output norms see sequence shards
         plan.update({f"layers.*.{n}": SequenceParallel(use_local_output=True) for n in _POST_NORMS})
     head = getattr(model, "output", None)
-    _pad_vocab(model, tp_mesh.size())
+    pad_vocabulary(model, tp_mesh.size())
     config = model.config
     if head is not None and getattr(head, "out_features", config.num_rows) != config.num_rows:
         if loss_parallel:
@@ -168,7 +168,7 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
             input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
         )
     apply_tp(model, tp_mesh, _owned_entries(plan, model))
-    _tie_after_tp(model)
+    tie_embeddings(model)
     if config.qk_norm:
         _replicate_qk_norms(model, tp_mesh)
 
@@ -186,7 +186,7 @@ def _vocab_matrices(model: nn.Module) -> list[tuple[nn.Module, str]]:
 
 
 @torch.no_grad()
-def _pad_vocab(model: nn.Module, tp: int) -> None:
+def pad_vocabulary(model: nn.Module, tp: int) -> None:
     """Append zero rows to the embedding and the output projection up to
     `config.padded_vocab(tp)` (Megatron's padding) and record it in `model.config`; tied
     matrices stay one parameter. The model's forward hides the padding again."""
@@ -210,7 +210,7 @@ def _pad_vocab(model: nn.Module, tp: int) -> None:
     model.config = replace(config, padded_vocab_size=rows)
 
 
-def _tie_after_tp(model: nn.Module) -> None:
+def tie_embeddings(model: nn.Module) -> None:
     """Tied embeddings: tensor parallel shards the embedding and the output projection
     alike (vocab rows, Shard(0)) but as two parameters; make them one again."""
     tok, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
