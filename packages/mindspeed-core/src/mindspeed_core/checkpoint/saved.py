@@ -40,12 +40,19 @@ class SavedParam:
     """Its name there (another parameter's name for a copy of that one)."""
     rows: int | None = None
     """Leading rows saved (the rest is padding, zero on load); None: all."""
+    optimizer_only: bool = False
+    """Rename only in the optimizer's state (a copy the model state names as itself,
+    e.g. the last stage's output projection of tied embeddings)."""
 
 
-def saved_params(module: nn.Module) -> dict[str, SavedParam]:
-    """What `module.saved_params()` declares (empty when it has no such method)."""
+def saved_params(module: nn.Module, *, optimizer: bool = False) -> dict[str, SavedParam]:
+    """What `module.saved_params()` declares for the model's state, or with `optimizer`
+    for the optimizer's (empty when it has no such method)."""
     method = getattr(module, "saved_params", None)
-    return dict(method()) if callable(method) else {}
+    params = dict(method()) if callable(method) else {}
+    if optimizer:
+        return params
+    return {n: p for n, p in params.items() if not p.optimizer_only}
 
 
 def strip_rows(tensor: Tensor, rows: int | None) -> Tensor:

@@ -145,14 +145,15 @@ class OptimizersContainer(Stateful):
         merged: dict[str, Any] = {}
         for model, opt in zip(self.model_parts, self.optimizers, strict=True):
             state = get_optimizer_state_dict(model, opt, options=options)
-            merged.update(saved_state(state, saved_params(model), optimizer_key))
+            merged.update(saved_state(state, saved_params(model, optimizer=True), optimizer_key))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         for model, opt in zip(self.model_parts, self.optimizers, strict=True):
             like = dict(model.named_parameters())  # the names the flattened state uses
-            own = restored_state(state_dict, saved_params(model), like, optimizer_key)
+            params = saved_params(model, optimizer=True)
+            own = restored_state(state_dict, params, like, optimizer_key)
             set_optimizer_state_dict(model, opt, own, options=options)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mindspeed_core.parallel.dims import ParallelDims
 from mindspeed_core.parallel.dtensor import local
@@ -44,6 +45,9 @@ class TiedGrads:
         for p in copies:
             if p.grad is None:  # a rank must join the sum even without a gradient
                 p.grad = torch.zeros_like(p)
+            elif isinstance(p, DTensor) and p.grad.placements != p.placements:
+                # an embedding's gradient may come out replicated: shard it as the weight
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         grads = [local(p.grad) for p in copies]
         if len(grads) == 2:  # both ends on this rank (V-shaped schedules)
             grads[0].add_(grads[1])

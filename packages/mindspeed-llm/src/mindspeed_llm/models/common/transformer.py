@@ -248,17 +248,23 @@ class Transformer(nn.Module):
         return mask_vocab_padding(logits, vocab)
 
     def saved_params(self) -> dict[str, SavedParam]:
-        """Checkpoints hold vocab_size rows of a padded embedding and output projection
-        (`mindspeed_core.checkpoint.saved`), so they load under any tensor parallel."""
-        vocab = self.config.vocab_size
-        if self.config.num_rows == vocab:
-            return {}
+        """How checkpoints hold the vocabulary matrices (`mindspeed_core.checkpoint.saved`):
+        vocab_size rows of a padded embedding and output projection, so they load under
+        any tensor parallel; and the optimizer state of a tied output projection that a
+        pipeline stage holds as its own copy under the embedding's name (one process's)."""
+        config, out = self.config, {}
+        rows = config.vocab_size if config.num_rows > config.vocab_size else None
         heads = (("tok_embeddings", self.tok_embeddings), ("output", self.output))
-        return {
-            f"{name}.weight": SavedParam(f"{name}.weight", vocab)
-            for name, module in heads
-            if module is not None and module.weight.shape[0] == self.config.num_rows
-        }
+        for name, module in heads:
+            if module is None or module.weight.shape[0] != config.num_rows:
+                continue
+            own = f"{name}.weight"
+            copy = name == "output" and config.tie_word_embeddings and self.tok_embeddings is None
+            if copy:
+                out[own] = SavedParam("tok_embeddings.weight", rows, optimizer_only=True)
+            elif rows:
+                out[own] = SavedParam(own, rows)
+        return out
 
 
 def mask_vocab_padding(logits: DTensor, vocab: int) -> DTensor:
