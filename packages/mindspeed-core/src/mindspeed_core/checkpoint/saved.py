@@ -1,12 +1,13 @@
 """Parameters that checkpoints hold differently from the model: padding rows left out,
-copies of one weight saved once.
+a copy of one weight saved under that weight's name.
 
 A model may hold a parameter with padding rows (a vocabulary padded so that tensor
 parallel divides it, Megatron's `--make-vocab-size-divisible-by`) or hold one weight
 twice (tied embeddings under pipeline parallel: the first and the last stage each keep
-a copy). Its checkpoints show neither: they keep the real rows under one name, so a
-checkpoint does not depend on the layout it was saved from. A model says so with a
-method::
+a copy). Its checkpoints show neither: they keep the real rows, and the optimizer state
+of the copy under the weight's own name (`optimizer_only`: the model state names both,
+as one process's tied model does), so a checkpoint does not depend on the layout it was
+saved from. A model says so with a method::
 
     def saved_params(self) -> dict[str, SavedParam]:   # parameter name -> how it is saved
 
