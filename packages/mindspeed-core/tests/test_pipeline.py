@@ -140,6 +140,11 @@ def test_tied_parts_on_different_stages_are_refused():
     model.output.weight = model.tok_embeddings.weight
     with pytest.raises(ParallelError, match="tied embeddings"):
         split_model(model, [0], [2, 2])
+    # tied=True: the first and the last stage each get their own, equal copy
+    first, last = split_model(model, [0, 1], [2, 2], tied=True)
+    assert first.output is None and last.tok_embeddings is None
+    assert last.output.weight is not model.tok_embeddings.weight
+    assert torch.equal(last.output.weight, first.tok_embeddings.weight)
 
 
 def _clip_over_stages():

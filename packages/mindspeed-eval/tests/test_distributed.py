@@ -59,3 +59,19 @@ def test_tp2_dp2_equals_one_process(tmp_path):
     assert [r["lm"][:2] for r in ranks] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert [r["lm"][2] for r in ranks] == [[0, 1], [0, 1], None, None]
     assert all(r["lm"][3] == [0, 1] for r in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_tied_odd_vocabulary_under_tp2_equals_one_process(tmp_path):
+    """vocab 777 (padded to 1024 rows under tp=2, never scored or generated) and tied
+    embeddings: the log-likelihoods, greedy text and answers of one process."""
+    folder = tmp_path / "model"
+    model_dir = str(helpers.make_model_dir(folder, vocab_size=777, tie_word_embeddings=True))
+    data = str(helpers.write_mmlu(tmp_path / "mmlu", num_test=3, num_dev=1))
+    single = _score(model_dir, 1, data)
+    for rank in run_distributed(_score, 2, model_dir, 2, data, timeout=600):
+        for (a, greedy_a), (b, greedy_b) in zip(rank["lls"], single["lls"], strict=True):
+            assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+        assert rank["text"] == single["text"]
+        assert rank["answers"] == single["answers"]

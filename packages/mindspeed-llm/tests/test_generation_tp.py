@@ -63,3 +63,34 @@ def test_tp2_generation_matches_one_process_and_transformers():
                 assert got["no_cache"][row] == expected, case
     ours = hf_models.ours_from(hf_models.make_hf("llama"))
     assert ranks[0]["llama"]["seeded"] == _sampled(ours)["seeded"]
+
+
+ODD = {"vocab_size": 777, "tie_word_embeddings": True}
+
+
+def _odd_tp_rank():
+    model = hf_models.ours_from(hf_models.make_hf("llama", **ODD))
+    get_model_spec("llama").parallelize(model, ParallelDims(tp=2).build())
+    assert model.tok_embeddings.weight.shape[0] == 1024  # padded, 777 real rows
+    return {"greedy": _greedy(model), **_sampled(model)}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_tied_odd_vocabulary_generates_under_tp2_as_transformers():
+    """vocab 777 padded to 1024 rows under tp=2: greedy equals transformers, sampling
+    equals one process, and no padding id is ever drawn."""
+    ranks = run_distributed(_odd_tp_rank, 2, timeout=300)
+    assert ranks[0] == ranks[1]
+    hf = hf_models.make_hf("llama", **ODD)
+    for row, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt])
+        expected = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+            min_new_tokens=NEW, eos_token_id=None, pad_token_id=0,
+        )[0, len(prompt) :].tolist()  # fmt: skip
+        assert ranks[0]["greedy"][row] == expected
+    one = _sampled(hf_models.ours_from(hf))
+    assert ranks[0]["seeded"] == one["seeded"]
+    drawn = [t for rows in (ranks[0]["seeded"], ranks[0]["unseeded"]) for r in rows for t in r]
+    assert max(drawn) < 777

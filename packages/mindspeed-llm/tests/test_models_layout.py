@@ -17,9 +17,15 @@ def _llama(**changes):
 @pytest.mark.parametrize(
     ("flag", "spelled"), [("parallel.{}", "parallel.tp=2"), ("--{}", "--tp=2"), ("{}", "tp=2")]
 )
-def test_tied_embeddings_with_tp_are_refused_in_every_spelling(flag, spelled):
-    with pytest.raises(LayoutError, match=f"^{spelled}: tensor parallel with tie_word_embeddings"):
-        check_layout(_llama(tie_word_embeddings=True), ParallelConfig(tp=2), flag=flag)
+def test_any_vocabulary_and_tied_embeddings_pass_tp_but_the_heads_must_divide(flag, spelled):
+    odd = _llama(vocab_size=777, tie_word_embeddings=True)
+    assert check_layout(odd, ParallelConfig(tp=2), flag=flag) is None  # padded, not refused
+    assert (odd.padded_vocab(1), odd.padded_vocab(2), odd.padded_vocab(4)) == (777, 1024, 1024)
+    assert _llama(vocab_size=777, vocab_divisible_by=1).padded_vocab(2) == 778
+    with pytest.raises(LayoutError, match=f"^{spelled} does not divide num_kv_heads=1"):
+        check_layout(_llama(num_kv_heads=1), ParallelConfig(tp=2), flag=flag)
+    with pytest.raises(ConfigError, match="vocab_divisible_by=0 must be a positive integer"):
+        _llama(vocab_divisible_by=0)
     assert not dist.is_initialized()
 
 

@@ -159,9 +159,6 @@ def test_unsupported_layouts_are_refused():
     model = spec.build(build_model_config("llama", flavor="debug"))
     with pytest.raises(ParallelError, match="need tp > 1"):
         spec.parallelize(model, ParallelDims(world_size=1), sequence_parallel=True)
-    tied = spec.build(build_model_config("llama", flavor="debug", tie_word_embeddings=True))
-    with pytest.raises(ParallelError, match="tie_word_embeddings"):
-        spec.parallelize(tied, ParallelDims(tp=2, world_size=2))
 
 
 def test_the_tp_plan_needs_tp_to_divide_the_heads():

@@ -138,16 +138,18 @@ def _tensor_parallel(model: nn.Module, config: TransformerConfig, tp: int) -> No
 
     from mindspeed_core import device as dev
     from mindspeed_core.parallel import apply_tp
+    from mindspeed_llm.models.common.parallelize import pad_vocabulary, tie_embeddings
     from mindspeed_llm.models.common.tp_plan import llama_tp_plan
 
-    if config.num_experts or config.tie_word_embeddings:
+    if config.num_experts:
         raise ParallelError(
-            "tp > 1 evaluation supports dense models with untied embeddings; use tp=1 and "
-            "data parallel for this model"
+            "tp > 1 evaluation supports dense models; use tp=1 and data parallel for this model"
         )
     world = dist.get_world_size()
     mesh = init_device_mesh(
         dev.detect_device_type(None), (world // tp, tp), mesh_dim_names=("dp", "tp")
     )
     plan = llama_tp_plan(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, tp=tp)
+    pad_vocabulary(model, tp)  # any vocabulary: padded rows, whose logits are cut off
     apply_tp(model, mesh["tp"], plan)
+    tie_embeddings(model)

@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from mindspeed_core.checkpoint.saved import param_like, restored_state, saved_params, saved_state
+
 
 class ModelState(Stateful):
     """The state of one model or of the pipeline stages a rank holds.
@@ -30,6 +32,8 @@ class ModelState(Stateful):
     With `trainable_only` it leaves out the frozen parameters (a frozen base under adapters,
     which the run rebuilds from its source; buffers stay) and loads non-strictly;
     `frozen_only` is the other half (the base alone, e.g. from a converted checkpoint).
+    A part that declares `saved_params()` is saved as it declares (padding rows left out;
+    see `mindspeed_core.checkpoint.saved`).
     """
 
     def __init__(
@@ -48,7 +52,8 @@ class ModelState(Stateful):
         merged: dict[str, Any] = {}
         options = StateDictOptions(ignore_frozen_params=self.trainable_only)
         for part in self.model_parts:
-            merged.update(get_model_state_dict(part, options=options))
+            state = get_model_state_dict(part, options=options)
+            merged.update(saved_state(state, saved_params(part)))
         if self.frozen_only:  # everything but what the trainable-only state holds
             trainable = ModelState(self.model_parts, trainable_only=True).state_dict()
             merged = {k: v for k, v in merged.items() if k not in trainable}
@@ -59,7 +64,8 @@ class ModelState(Stateful):
         partial = self.trainable_only or self.frozen_only
         options = StateDictOptions(strict=len(self.model_parts) == 1 and not partial)
         for part in self.model_parts:
-            set_model_state_dict(part, state_dict, options=options)
+            own = restored_state(state_dict, saved_params(part), param_like(part))
+            set_model_state_dict(part, own, options=options)
 
 
 class RNGState(Stateful):

@@ -4,14 +4,15 @@ The norm of a sharded gradient is computed on each shard and reduced over the
 shard's mesh (DTensor does that in `full_tensor()`); gradients that live on
 different meshes (dense and expert weights, say) are reduced group by group and
 combined; with pipeline parallel each rank holds only its stages' gradients, so
-the per-stage norms are combined over the pipeline mesh last.
+the per-stage norms are combined over the pipeline mesh last. A weight held by two
+stages (tied embeddings) counts once: the other copy is passed as `exclude`.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -27,11 +28,14 @@ def total_grad_norm(
     *,
     pp_mesh: DeviceMesh | None = None,
     foreach: bool | None = None,
+    exclude: Collection[torch.Tensor] = (),
 ) -> torch.Tensor:
-    """The norm of all gradients of `parameters` over every rank that holds a piece."""
+    """The norm of all gradients of `parameters` over every rank that holds a piece,
+    those of `exclude` (copies of a weight another stage counts) left out."""
     groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    excluded = {id(p) for p in exclude}
     for p in parameters:
-        if p.grad is not None:
+        if p.grad is not None and id(p) not in excluded:
             key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             groups[key].append(p.grad)
     norms = []
@@ -64,13 +68,15 @@ def clip_grad_norm_(
     *,
     pp_mesh: DeviceMesh | None = None,
     foreach: bool | None = None,
+    exclude: Collection[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Scale gradients so their global norm is at most `max_norm`; return the norm before.
 
-    A `max_norm` of 0 or less only measures the norm.
+    A `max_norm` of 0 or less only measures the norm. `exclude`: parameters scaled but
+    left out of the norm (the last stage's copy of a tied embedding).
     """
     parameters = list(parameters)
-    norm = total_grad_norm(parameters, norm_type, pp_mesh=pp_mesh, foreach=foreach)
+    norm = total_grad_norm(parameters, norm_type, pp_mesh=pp_mesh, foreach=foreach, exclude=exclude)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         # Scale each rank's own shard: the same as scaling the whole gradient.

@@ -23,6 +23,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from mindspeed_core import device as dev
+from mindspeed_core.checkpoint.saved import (
+    optimizer_key,
+    restored_state,
+    saved_params,
+    saved_state,
+)
 from mindspeed_core.errors import ConfigError
 
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")
@@ -138,13 +144,17 @@ class OptimizersContainer(Stateful):
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         merged: dict[str, Any] = {}
         for model, opt in zip(self.model_parts, self.optimizers, strict=True):
-            merged.update(get_optimizer_state_dict(model, opt, options=options))
+            state = get_optimizer_state_dict(model, opt, options=options)
+            merged.update(saved_state(state, saved_params(model, optimizer=True), optimizer_key))
         return merged
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         for model, opt in zip(self.model_parts, self.optimizers, strict=True):
-            set_optimizer_state_dict(model, opt, state_dict, options=options)
+            like = dict(model.named_parameters())  # the names the flattened state uses
+            params = saved_params(model, optimizer=True)
+            own = restored_state(state_dict, params, like, optimizer_key)
+            set_optimizer_state_dict(model, opt, own, options=options)
 
 
 def build_optimizers(model_parts: nn.Module | Sequence[nn.Module], **kwargs) -> OptimizersContainer:

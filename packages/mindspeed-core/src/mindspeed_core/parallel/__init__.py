@@ -31,6 +31,7 @@ from mindspeed_core.parallel.expert_parallel import (
     apply_ep,
     apply_expert_fsdp,
 )
+from mindspeed_core.parallel.grad_sync import TiedGrads, pipeline_ends_group
 from mindspeed_core.parallel.pipeline import (
     SCHEDULES,
     PipelineParts,
@@ -54,6 +55,8 @@ __all__ = [
     "PipelineParts",
     "SCHEDULES",
     "TPPlan",
+    "TiedGrads",
+    "pipeline_ends_group",
     "apply_ac",
     "apply_compile",
     "apply_cp",

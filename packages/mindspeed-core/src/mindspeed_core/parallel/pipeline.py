@@ -197,6 +197,7 @@ def split_pipeline(
     layer_prefix: str = "layers",
     first: Sequence[str] = ("tok_embeddings",),
     last: Sequence[str] = ("norm", "output"),
+    tied: bool = False,
 ) -> PipelineParts:
     """This rank's stages of `model`, each a copy holding only what the stage owns.
 
@@ -211,10 +212,13 @@ def split_pipeline(
         stages_per_rank: virtual stages per rank (2 for ZBVZeroBubble / DualPipeV).
         schedule: the schedule that will run the stages (decides loop or V order).
         layers_per_stage: layers of each of the ``pp * stages_per_rank`` stages.
+        tied: parts of `first` and `last` may share parameters (tied embeddings): the
+            first and the last stage each get a copy; keep them equal by summing their
+            gradients (`mindspeed_core.parallel.TiedGrads`).
 
     Raises:
-        ParallelError: see `check_pipeline`; or a parameter shared between parts that
-            end up on different stages (tied embeddings).
+        ParallelError: see `check_pipeline`; or, without `tied`, a parameter shared
+            between parts that end up on different stages.
     """
     layers = getattr(model, layer_prefix, None)
     if not isinstance(layers, nn.ModuleDict):
@@ -228,7 +232,9 @@ def split_pipeline(
         layers_per_stage=layers_per_stage,
     )
     ids = stage_ids_this_rank(pp_mesh.get_local_rank(), pp, stages_per_rank, schedule)
-    parts = split_model(model, ids, counts, layer_prefix=layer_prefix, first=first, last=last)
+    parts = split_model(
+        model, ids, counts, layer_prefix=layer_prefix, first=first, last=last, tied=tied
+    )
     device = torch.device(device)
     stages = [
         PipelineStage(part, i, len(counts), device, group=pp_mesh.get_group())
@@ -245,15 +251,18 @@ def split_model(
     layer_prefix: str = "layers",
     first: Sequence[str] = ("tok_embeddings",),
     last: Sequence[str] = ("norm", "output"),
+    tied: bool = False,
 ) -> list[nn.Module]:
     """The modules of stages `stage_ids` when stage i holds `layer_counts[i]` layers.
 
     No process group needed: `split_pipeline` is this plus torch's `PipelineStage`s.
 
     Raises:
-        ParallelError: a parameter shared between parts on different stages.
+        ParallelError: without `tied`, a parameter shared between parts on different
+            stages.
     """
-    _check_no_shared_params(model, first, last)
+    if not tied:
+        _check_no_shared_params(model, first, last)
     names = list(getattr(model, layer_prefix).keys())
     assert sum(layer_counts) == len(names), (layer_counts, len(names))
     bounds = [sum(layer_counts[:i]) for i in range(len(layer_counts) + 1)]
@@ -302,7 +311,8 @@ def _check_no_shared_params(model: nn.Module, first: Sequence[str], last: Sequen
         if module is not None and any(id(p) in firsts for p in module.parameters()):
             raise ParallelError(
                 f"{name} shares weights with {', '.join(first)} (tied embeddings), but they "
-                "belong to different pipeline stages; untie them or use pp=1"
+                "belong to different pipeline stages; pass tied=True and sum their "
+                "gradients (TiedGrads), untie them, or use pp=1"
             )
 
 

@@ -270,6 +270,8 @@ def _persistent(shape, layout, job, s: _Sizes, blocks, first, last) -> _Rank:
     head_elems = (embedding if first else 0) + (s.head_params - embedding if last else 0)
     if shape.tie_word_embeddings and layout.pp == 1:
         head_elems = s.head_params
+    elif shape.tie_word_embeddings and last:  # the last stage's own copy of the tied table
+        head_elems += embedding
     elems = blocks * s.layer_params + head_elems
     params = _FP32 * ceil_div(elems, fsdp)
     optimizer, host = 2 * params, 0

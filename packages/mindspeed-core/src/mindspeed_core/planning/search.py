@@ -36,7 +36,7 @@ def _model_axes(shape: ModelShape, job: Job, devices: int, per_node: int):
             continue
         if shape.num_experts and (tp > 1 or pp > 1 or cp > 1):
             continue  # what the trainer supports for MoE today
-        if pp > shape.num_layers or (pp > 1 and (shape.tie_word_embeddings or cp > 1)):
+        if pp > shape.num_layers or (pp > 1 and cp > 1):
             continue
         if job.seq_len % (2 * cp):
             continue

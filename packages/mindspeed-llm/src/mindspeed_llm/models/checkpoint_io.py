@@ -190,5 +190,8 @@ def load_model_weights(model: nn.Module | list[nn.Module], step_dir: Path) -> No
 
 
 def config_fields(config: TransformerConfig) -> dict[str, Any]:
-    """Our config as JSON-ready fields (for the manifest)."""
-    return dataclasses.asdict(config)
+    """Our config as JSON-ready fields (for the manifest); a padded vocabulary is left
+    out: checkpoints hold vocab_size rows whatever the layout padded."""
+    fields = dataclasses.asdict(config)
+    fields.pop("padded_vocab_size", None)
+    return fields

@@ -52,7 +52,16 @@ class TransformerConfig:
     "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe" or one registered
     by the user."""
     vocab_size: int
-    """Rows of the embedding and of the output projection."""
+    """Tokens of the vocabulary: rows of the embedding and of the output projection,
+    unless tensor parallel pads them (`padded_vocab_size`)."""
+    vocab_divisible_by: int = 128
+    """Under tensor parallel tp > 1, the embedding and output are padded to a multiple of
+    vocab_divisible_by x tp rows (Megatron's `--make-vocab-size-divisible-by`); the padding
+    rows are never predicted (their logits are cut off, or -inf when vocab-sharded) and
+    never saved. Not a Hugging Face field."""
+    padded_vocab_size: int | None = None
+    """Rows the embedding and output projection hold when more than vocab_size: set by
+    `parallelize_decoder` on the model it pads (`padded_vocab`), never by hand."""
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
@@ -148,6 +157,14 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
             _check_positive_int(name, getattr(self, name))
+        _check_positive_int("vocab_divisible_by", self.vocab_divisible_by)
+        if self.padded_vocab_size is not None and (
+            not isinstance(self.padded_vocab_size, int) or self.padded_vocab_size < self.vocab_size
+        ):
+            raise ConfigError(
+                f"padded_vocab_size={self.padded_vocab_size!r} must be an integer >= "
+                f"vocab_size={self.vocab_size}"
+            )
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         _check_positive_int("num_kv_heads", self.num_kv_heads)
@@ -232,6 +249,19 @@ class TransformerConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a number >= 0")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(f"capacity_factor={self.capacity_factor!r} must be > 0 or None")
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the embedding and output projection: the padded vocabulary size."""
+        return self.padded_vocab_size or self.vocab_size
+
+    def padded_vocab(self, tp: int) -> int:
+        """The rows tensor parallel `tp` pads the vocabulary to (Megatron's rule: the next
+        multiple of vocab_divisible_by x tp; vocab_size itself for tp=1)."""
+        if tp == 1:
+            return self.vocab_size
+        multiple = self.vocab_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block `layer_id` has routed experts (Qwen-MoE's sparse step rules)."""

@@ -65,10 +65,11 @@ class BuiltModel:
 
 def model_config(model: ModelSection) -> TransformerConfig:
     """The model to build: from model.hf_path's config.json, model.hf_config, or a flavor."""
+    own = {"ops_impl": model.ops_impl, "vocab_divisible_by": model.vocab_divisible_by}
     if model.hf_path is not None:
-        return read_hf_config(model.hf_path, ops_impl=model.ops_impl)
+        return read_hf_config(model.hf_path, **own)
     flavor = None if model.hf_config is not None else model.flavor
-    return build_model_config(model.family, flavor, model.hf_config, ops_impl=model.ops_impl)
+    return build_model_config(model.family, flavor, model.hf_config, **own)
 
 
 def build_model(

@@ -43,6 +43,10 @@ class ModelSection:
     the tokenizer when data.tokenizer is unset (the embedded demo corpus keeps its own)."""
     ops_impl: str = "auto"
     """Fused-op backend: auto, reference, cpu, cuda or npu."""
+    vocab_divisible_by: int = 128
+    """Under parallel.tp > 1 the embedding and output are padded to a multiple of
+    vocab_divisible_by x tp rows (Megatron's --make-vocab-size-divisible-by); the padding
+    is never predicted and never saved."""
 
 
 @dataclass(kw_only=True)

@@ -29,6 +29,7 @@ from mindspeed_core.parallel import ParallelDims, build_pipeline_schedule, loss_
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import Batch, concat_batches, shard_context_parallel, split_batch
 from mindspeed_llm.models.common.moe import moe_aux_loss
+from mindspeed_llm.models.common.parallelize import tied_embedding_grads
 from mindspeed_llm.train.build import TrainParts
 from mindspeed_llm.train.objectives import LossOutput, Objective
 
@@ -93,6 +94,8 @@ class TrainStep:
                 scale_grads=False,  # the loss is already normalised over the whole step
             )
         self._pp: dict = {}
+        # tied embeddings under pp: the first and last stage's copies sum their gradients
+        self._tied = tied_embedding_grads(self.model.parts, dims)
 
     @property
     def state(self) -> TrainState:
@@ -243,7 +246,12 @@ class TrainStep:
                 parts.optimizer.zero_grad()
                 parts.scheduler.step()
                 return float("nan")
-        grad_norm = clip_grad_norm_(params, self.clip_grad, pp_mesh=self.dims.mesh("pp"))
+        if self._tied is not None:
+            self._tied()
+        exclude = self._tied.exclude if self._tied is not None else ()
+        grad_norm = clip_grad_norm_(
+            params, self.clip_grad, pp_mesh=self.dims.mesh("pp"), exclude=exclude
+        )
         parts.optimizer.step()
         parts.scheduler.step()
         return float(grad_norm)

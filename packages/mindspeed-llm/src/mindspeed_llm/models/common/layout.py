@@ -96,7 +96,7 @@ def _check_tensor_parallel(model_cfg: TransformerConfig, tp: int, name) -> None:
         bool(model_cfg.num_experts) and model_cfg.is_moe_layer(i)
         for i in range(model_cfg.num_layers)
     ]
-    fields = ["num_heads", "num_kv_heads", "vocab_size"]
+    fields = ["num_heads", "num_kv_heads"]  # the vocabulary is padded (vocab_divisible_by)
     fields += ["intermediate_size"] if not all(moe) else []  # some dense feed-forward
     fields += ["moe_intermediate_size"] if any(moe) else []
     for field in fields:
@@ -104,10 +104,6 @@ def _check_tensor_parallel(model_cfg: TransformerConfig, tp: int, name) -> None:
             raise LayoutError(
                 f"{name('tp')}={tp} does not divide {field}={getattr(model_cfg, field)} of this model"
             )
-    if model_cfg.tie_word_embeddings:
-        raise LayoutError(
-            f"{name('tp')}={tp}: tensor parallel with tie_word_embeddings=true is not supported yet"
-        )
 
 
 def _check_context_parallel(model_cfg, p: ParallelConfig, seq_len: int | None, name) -> None:
@@ -145,11 +141,6 @@ def _check_pipeline(model_cfg, p: ParallelConfig, recompute: bool, name):
             if value != default:
                 raise LayoutError(f"{name(field)}={value} needs {name('pp')} > 1")
         return None
-    if model_cfg.tie_word_embeddings:
-        raise LayoutError(
-            f"{name('pp')}={p.pp}: pipeline parallel with tie_word_embeddings=true is not "
-            "supported: the embedding and the output projection would sit on different stages"
-        )
     try:
         return check_pipeline(
             num_layers=model_cfg.num_layers,

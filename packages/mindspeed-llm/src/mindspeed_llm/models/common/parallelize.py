@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from mindspeed_core.memory import offload_activations
 from mindspeed_core.parallel import (
     ParallelDims,
     PipelineParts,
+    TiedGrads,
     apply_ac,
     apply_compile,
     apply_cp,
@@ -32,6 +34,7 @@ from mindspeed_core.parallel import (
     apply_expert_fsdp,
     apply_fsdp,
     apply_tp,
+    pipeline_ends_group,
     split_pipeline,
 )
 from mindspeed_llm.models.common.layout import check_layout, layout_of
@@ -154,7 +157,9 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
     if sequence_parallel and config.post_norms:  # Gemma 2's output norms see sequence shards
         plan.update({f"layers.*.{n}": SequenceParallel(use_local_output=True) for n in _POST_NORMS})
     head = getattr(model, "output", None)
-    if head is not None and getattr(head, "out_features", config.vocab_size) != config.vocab_size:
+    pad_vocabulary(model, tp_mesh.size())
+    config = model.config
+    if head is not None and getattr(head, "out_features", config.num_rows) != config.num_rows:
         if loss_parallel:
             raise ParallelError("loss_parallel needs the vocabulary head; this model's was swapped")
         # A small head (a value head) is not worth sharding: gather its input, keep it whole.
@@ -163,8 +168,56 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
             input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
         )
     apply_tp(model, tp_mesh, _owned_entries(plan, model))
+    tie_embeddings(model)
     if config.qk_norm:
         _replicate_qk_norms(model, tp_mesh)
+
+
+def _vocab_matrices(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, "weight") of the embedding and of a vocabulary-sized output this model
+    (or pipeline stage) holds."""
+    rows = model.config.num_rows
+    found = []
+    for name in ("tok_embeddings", "output"):
+        module = getattr(model, name, None)
+        if module is not None and module.weight.shape[0] == rows:
+            found.append((module, "weight"))
+    return found
+
+
+@torch.no_grad()
+def pad_vocabulary(model: nn.Module, tp: int) -> None:
+    """Append zero rows to the embedding and the output projection up to
+    `config.padded_vocab(tp)` (Megatron's padding) and record it in `model.config`; tied
+    matrices stay one parameter. The model's forward hides the padding again."""
+    config = model.config
+    rows = config.padded_vocab(tp)
+    matrices = _vocab_matrices(model)
+    if rows <= config.num_rows or not matrices:
+        return
+    padded: dict[int, nn.Parameter] = {}
+    for module, name in matrices:
+        weight = getattr(module, name)
+        if id(weight) not in padded:
+            extra = weight.new_zeros((rows - weight.shape[0], *weight.shape[1:]))
+            new = nn.Parameter(torch.cat([weight, extra]), requires_grad=weight.requires_grad)
+            padded[id(weight)] = new
+        setattr(module, name, padded[id(weight)])
+        if isinstance(module, nn.Embedding):
+            module.num_embeddings = rows
+        else:
+            module.out_features = rows
+    model.config = replace(config, padded_vocab_size=rows)
+
+
+def tie_embeddings(model: nn.Module) -> None:
+    """Tied embeddings: tensor parallel shards the embedding and the output projection
+    alike (vocab rows, Shard(0)) but as two parameters; make them one again."""
+    tok, head = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    if not model.config.tie_word_embeddings or tok is None or head is None:
+        return
+    if head.weight is not tok.weight and head.weight.shape == tok.weight.shape:
+        head.weight = tok.weight
 
 
 def pipeline_decoder(
@@ -213,10 +266,23 @@ def pipeline_decoder(
         stages_per_rank=stages_per_rank,
         schedule=schedule,
         layers_per_stage=layers_per_stage,
+        tied=model.config.tie_word_embeddings,
     )
     for part in parts.model_parts:
         parallelize_decoder(part, dims, after_tp=after_tp, **options)
     return parts
+
+
+def tied_embedding_grads(parts: Sequence[nn.Module], dims: ParallelDims) -> TiedGrads | None:
+    """Under pp > 1 with tied embeddings: the gradient sum of the first stage's embedding
+    and the last stage's output projection (`mindspeed_core.parallel.TiedGrads`), for the
+    trainer to call after backward; None otherwise. Collective: every rank calls it."""
+    if dims.pp == 1 or not parts or not parts[0].config.tie_word_embeddings:
+        return None
+    group = pipeline_ends_group(dims)
+    first = next((p.tok_embeddings.weight for p in parts if p.tok_embeddings is not None), None)
+    last = next((p.output.weight for p in parts if p.output is not None), None)
+    return TiedGrads(first, last, group)
 
 
 def _owned_entries(plan: dict, model: nn.Module) -> dict:

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
+from mindspeed_core.checkpoint.saved import SavedParam
 from mindspeed_llm.models.common.attention import Attention, RopeTables
 from mindspeed_llm.models.common.feed_forward import FeedForward
 from mindspeed_llm.models.common.moe import MoE
@@ -114,10 +116,10 @@ class Transformer(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tok_embeddings = nn.Embedding(config.num_rows, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): Block(i, config) for i in range(config.num_layers)})
         self.norm = _norm(config)
-        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.output = nn.Linear(config.hidden_size, config.num_rows, bias=False)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(config)
@@ -232,4 +234,51 @@ class Transformer(nn.Module):
         projection, then `final_logit_softcapping` if set."""
         logits = self.output(h)
         cap = self.config.final_logit_softcapping
-        return logits if cap is None else cap * torch.tanh(logits / cap)
+        logits = logits if cap is None else cap * torch.tanh(logits / cap)
+        return self._without_padding(logits)
+
+    def _without_padding(self, logits: Tensor) -> Tensor:
+        """A padded vocabulary's logits (`config.padded_vocab_size`) cut off, or masked
+        where they stay sharded over the vocabulary (loss parallel)."""
+        vocab, rows = self.config.vocab_size, self.config.num_rows
+        if rows == vocab or logits.shape[-1] != rows:
+            return logits  # nothing padded, or a head that is not the vocabulary's
+        if not isinstance(logits, DTensor):
+            return logits[..., :vocab]
+        return mask_vocab_padding(logits, vocab)
+
+    def saved_params(self) -> dict[str, SavedParam]:
+        """How checkpoints hold the vocabulary matrices (`mindspeed_core.checkpoint.saved`):
+        vocab_size rows of a padded embedding and output projection, so they load under
+        any tensor parallel; and the optimizer state of a tied output projection that a
+        pipeline stage holds as its own copy under the embedding's name (one process's)."""
+        config, out = self.config, {}
+        rows = config.vocab_size if config.num_rows > config.vocab_size else None
+        heads = (("tok_embeddings", self.tok_embeddings), ("output", self.output))
+        for name, module in heads:
+            if module is None or module.weight.shape[0] != config.num_rows:
+                continue
+            own = f"{name}.weight"
+            copy = name == "output" and config.tie_word_embeddings and self.tok_embeddings is None
+            if copy:
+                out[own] = SavedParam("tok_embeddings.weight", rows, optimizer_only=True)
+            elif rows:
+                out[own] = SavedParam(own, rows)
+        return out
+
+
+def mask_vocab_padding(logits: DTensor, vocab: int) -> DTensor:
+    """Logits sharded evenly over the vocabulary (Shard(-1) on a 1-D mesh) with the
+    columns from `vocab` on set to the dtype's lowest value: a softmax gives them exactly
+    0 (no gradient, never sampled), and unlike -inf an entropy (p * log p) stays finite."""
+    local = logits.to_local()
+    width = local.shape[-1]
+    start = logits.device_mesh.get_local_rank() * width
+    if start + width <= vocab:
+        return logits
+    columns = torch.arange(start, start + width, device=local.device)
+    local = local.masked_fill(columns >= vocab, torch.finfo(local.dtype).min)
+    return DTensor.from_local(
+        local, logits.device_mesh, logits.placements, run_check=False,
+        shape=logits.shape, stride=logits.stride(),
+    )  # fmt: skip
