@@ -22,13 +22,11 @@ import argparse
 import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from sft_throughput import WORDS, _peak_mb, _rss_mb, make_inputs
+from sft_throughput import WORDS, _peak_mb, _rss_mb, make_inputs, run_sides
 
 
 def make_pairs(root: Path, num_pairs: int) -> Path:
@@ -123,15 +121,7 @@ def main() -> None:
         root = Path(tmp)
         make_inputs(root, 1)
         make_pairs(root, args.pairs)
-        results = {}
-        for side in ("ours", "theirs"):
-            cmd = [sys.executable, __file__, "--side", side, "--root", str(root), f"--seq={args.seq}",
-                   f"--batch={args.batch}", f"--threads={args.threads}"]  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            if done.returncode:
-                sys.exit(f"{side} failed:\n{done.stderr[-3000:]}")
-            results[side] = json.loads(done.stdout.strip().splitlines()[-1])
+        results = run_sides(__file__, root, args.threads, [f"--seq={args.seq}", f"--batch={args.batch}"])
     ours, theirs = results["ours"], results["theirs"]
     print(json.dumps({
         "benchmark": "dpo_throughput", "dtype": "fp32", "seq": args.seq, "batch_pairs": args.batch,

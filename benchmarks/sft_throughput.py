@@ -166,6 +166,20 @@ def _theirs(folder: Path, data: Path, args) -> dict:
             "last_loss": round(out.training_loss, 4)}  # fmt: skip
 
 
+def run_sides(script: str, root: Path, threads: int, args: list[str]) -> dict:
+    """Run `script --side ours` and `--side theirs` each in its own process (clean peak
+    memory) with `threads` threads; their last JSON lines, by side."""
+    results = {}
+    for side in ("ours", "theirs"):
+        cmd = [sys.executable, script, "--side", side, "--root", str(root), f"--threads={threads}", *args]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        if done.returncode:
+            sys.exit(f"{side} failed:\n{done.stderr[-3000:]}")
+        results[side] = json.loads(done.stdout.strip().splitlines()[-1])
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=256)
@@ -186,16 +200,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_inputs(root, args.samples)
-        results = {}
-        for side in ("ours", "theirs"):
-            cmd = [sys.executable, __file__, "--side", side, "--root", str(root),
-                   f"--seq={args.seq}", f"--batch={args.batch}", f"--threads={args.threads}",
-                   f"--lora={args.lora}"]  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-            if done.returncode:
-                sys.exit(f"{side} failed:\n{done.stderr[-3000:]}")
-            results[side] = json.loads(done.stdout.strip().splitlines()[-1])
+        results = run_sides(__file__, root, args.threads, [f"--seq={args.seq}", f"--batch={args.batch}",
+                                                           f"--lora={args.lora}"])  # fmt: skip
     ours, theirs = results["ours"], results["theirs"]
     print(json.dumps({
         "benchmark": "sft_throughput", "mode": f"lora r={args.lora}" if args.lora else "full", "dtype": "fp32", "seq": args.seq,
