@@ -5,7 +5,7 @@
   weights exists.
 - `precompute_reference(data, reference, ctx, ...)`: `dpo.ref: precompute`: one pass of the
   reference over every training (and validation) pair before step 1; each pair then carries its
-  two log-probs (`RefPair.ref`), the data source puts them in the batch as `ref_logps`, and the
+  two log-probs (`RefPair.ref`), the data source puts them in the batch per token (`REF_KEY`), and the
   reference model can be dropped. The values are cached as `ref-<key>.pt` in the data cache
   folder, keyed by a hash of the encoded pairs and the reference's weights, written atomically
   by rank 0 and read back by a resumed run (or any run with the same data and reference).
@@ -32,7 +32,9 @@ __all__ = ["REF_KEY", "AdaptersOff", "RefPair", "precompute_reference", "put_ref
 logger = logging.getLogger("mindspeed.dpo")
 
 REF_KEY = "ref_logps"
-"""The batch key of precomputed reference log-probs: (2 x pairs,), chosen then rejected."""
+"""The batch key of precomputed reference log-probs, per token: each sequence's value on its
+first token, 0 elsewhere (`put_ref_logps`), so it follows its tokens through pipeline re-splits
+and context-parallel sharding."""
 
 
 class AdaptersOff(nn.Module):
