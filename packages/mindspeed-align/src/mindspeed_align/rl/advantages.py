@@ -105,12 +105,14 @@ def reinforce_pp(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> 
 
 
 def gae(
-    token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0
-) -> tuple[Tensor, Tensor]:
+    token_rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """GAE (Schulman et al. 2016), verl's `compute_gae_advantage_return`:
     delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}
     (V and A after a response's last token are 0), returns = A + V, then A whitened over
-    the response tokens. Returns (advantages, 0 outside the mask; returns)."""
+    the response tokens (whiten=False: not; the caller whitens over a larger batch).
+    Returns (advantages, 0 outside the mask; returns)."""
     mask = mask.to(values.dtype)
     next_value = torch.zeros_like(values[:, 0])
     last = torch.zeros_like(values[:, 0])
@@ -121,7 +123,8 @@ def gae(
         next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
         last = last_new * mask[:, t] + (1 - mask[:, t]) * last
         advantages[:, t] = last
-    return masked_whiten(advantages, mask) * mask, advantages + values
+    returns = advantages + values
+    return (masked_whiten(advantages, mask) if whiten else advantages) * mask, returns
 
 
 def overlong_penalty(lengths: list[int], max_len: int, buffer: int, factor: float = 1.0) -> list[float]:

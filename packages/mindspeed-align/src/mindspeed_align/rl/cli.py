@@ -1,10 +1,11 @@
-"""`mindspeed grpo`: GRPO with rule rewards (no arguments: the embedded demo).
+"""`mindspeed grpo` and `mindspeed ppo`: online RL with rule rewards (no arguments: the
+embedded demo).
 
 The demo pretrains the debug Llama briefly on the pretrain demo's stories (so it knows
-the format "... 3 plus 2 is 5", not yet the sums), then GRPO rewards the right sum after
-"x plus y is" and prints the greedy reward on held-out prompts before and after.
-Several processes: `torchrun --standalone --nproc-per-node 2 -m mindspeed_align.rl.cli
---parallel.dp_shard 2`.
+the format "... 3 plus 2 is 5", not yet the sums), then GRPO (or PPO with a critic)
+rewards the right sum after "x plus y is" and prints the greedy reward on held-out prompts
+before and after. Several processes: `torchrun --standalone --nproc-per-node 2 -m
+mindspeed_align.rl.cli [ppo] --parallel.dp_shard 2`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from mindspeed_align.rl.config import GRPOConfig
+from mindspeed_align.rl.config import GRPOConfig, PPOConfig, RLConfig
 from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import (
     current_distributed,
@@ -24,11 +25,11 @@ from mindspeed_core.errors import ConfigError
 
 logger = logging.getLogger("mindspeed.grpo")
 
-__all__ = ["command", "grpo", "main"]
+__all__ = ["command", "grpo", "main", "ppo", "ppo_command", "ppo_main"]
 
 
 def _is_demo(cfg: GRPOConfig) -> bool:
-    return cfg.data.prompts is None and cfg.grpo.init_from is None and cfg.model.hf_path is None
+    return cfg.data.prompts is None and cfg.rl.init_from is None and cfg.model.hf_path is None
 
 
 def _warmup(cfg: GRPOConfig) -> Path | None:
@@ -38,15 +39,15 @@ def _warmup(cfg: GRPOConfig) -> Path | None:
     from mindspeed_llm.train.config import LoggingSection, PretrainConfig, TrainSection
 
     run_dir = cfg.logging.run_dir.with_name(cfg.logging.run_dir.name + "-warmup")
-    if cfg.grpo.warmup_steps == 0:
+    if cfg.rl.warmup_steps == 0:
         return None
     from mindspeed_core.optim import OptimConfig
 
     pre = PretrainConfig(
         model=cfg.model,
-        optim=OptimConfig(warmup_steps=min(20, cfg.grpo.warmup_steps)),
+        optim=OptimConfig(warmup_steps=min(20, cfg.rl.warmup_steps)),
         parallel=cfg.parallel,
-        train=TrainSection(steps=cfg.grpo.warmup_steps, device=cfg.train.device,
+        train=TrainSection(steps=cfg.rl.warmup_steps, device=cfg.train.device,
                            eval_interval=0, seed=cfg.train.seed),
         logging=LoggingSection(run_dir=run_dir, log_interval=20, tensorboard=False,
                                progress=cfg.logging.progress),
@@ -82,17 +83,31 @@ def _task(cfg: GRPOConfig, init_from: Path | None):
         from mindspeed_llm.demo import ensure_demo_data
 
         if cfg.data.prompts is not None:
-            raise ConfigError("data.tokenizer is needed with data.prompts (or grpo.init_from)")
+            raise ConfigError(
+                f"data.tokenizer is needed with data.prompts (or {cfg.rl.section}.init_from)"
+            )
         path = ensure_demo_data().tokenizer
     return load_tokenizer(path), records, held_out
 
 
 def grpo(cfg: GRPOConfig) -> dict[str, float]:
     """Run GRPO in this process (one rank of a torchrun job, or alone)."""
+    from mindspeed_align.rl.grpo import attach
+
+    return _run(cfg, attach, "grpo")
+
+
+def ppo(cfg: PPOConfig) -> dict[str, float]:
+    """Run PPO (with a critic) in this process (one rank of a torchrun job, or alone)."""
+    from mindspeed_align.rl.ppo import attach_ppo
+
+    return _run(cfg, attach_ppo, "ppo")
+
+
+def _run(cfg: RLConfig, attach, command: str) -> dict[str, float]:
     import torch.distributed as dist
 
     from mindspeed_align.rl.data import PromptSource
-    from mindspeed_align.rl.grpo import attach
     from mindspeed_align.rl.objective import GRPOObjective
     from mindspeed_align.rl.rewards import Rewards
     from mindspeed_llm.train.trainer import Trainer
@@ -102,9 +117,9 @@ def grpo(cfg: GRPOConfig) -> dict[str, float]:
     info = init_distributed(device_type=device) if owns_group else current_distributed(device)
     rewards = None
     try:
-        init_from = _warmup(cfg) if _is_demo(cfg) else cfg.grpo.init_from
+        init_from = _warmup(cfg) if _is_demo(cfg) else cfg.rl.init_from
         tokenizer, records, held_out = _task(cfg, init_from)
-        g = cfg.grpo
+        g = cfg.rl
         rewards = Rewards(g.rewards, g.reward_weights, workers=g.reward_workers,
                           timeout_s=g.reward_timeout_s)  # fmt: skip
 
@@ -113,7 +128,7 @@ def grpo(cfg: GRPOConfig) -> dict[str, float]:
                                 prompts_per_step=cfg.train.global_batch // g.n, seed=cfg.train.seed,
                                 source=str(cfg.data.prompts or "the demo prompts"))  # fmt: skip
 
-        trainer = Trainer(cfg, info, data=data, objective=GRPOObjective(), command="grpo")
+        trainer = Trainer(cfg, info, data=data, objective=GRPOObjective(), command=command)
         step = attach(trainer, cfg, tokenizer, rewards, init_from)
         before = _evaluate(step, held_out, tokenizer, rewards, cfg)
         summary = trainer.run()
@@ -137,7 +152,7 @@ def _evaluate(step, held_out, tokenizer, rewards, cfg: GRPOConfig) -> tuple[floa
     """(greedy, sampled) mean reward of the current policy on the held-out prompts."""
     from mindspeed_align.rl.grpo import evaluate_reward
 
-    g = cfg.grpo
+    g = cfg.rl
     step.rollout.sync_weights()
     greedy = evaluate_reward(step.rollout, held_out, tokenizer, rewards, g.max_new_tokens)
     sampled = evaluate_reward(step.rollout, held_out, tokenizer, rewards, g.max_new_tokens,
@@ -154,7 +169,19 @@ command = config_command(
 )
 main = command.run
 
+ppo_command = config_command(
+    "ppo",
+    PPOConfig,
+    ppo,
+    help="PPO with a critic and rule rewards (no arguments: the embedded demo)",
+    demo="PPO (GAE with a critic) on the demo's arithmetic (CPU, a few minutes).",
+)
+ppo_main = ppo_command.run
+
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    sys.exit(guarded(main, [a for a in args if a != "--debug"], debug=debug_enabled(args)))
+    run = main
+    if args[:1] == ["ppo"]:
+        run, args = ppo_main, args[1:]
+    sys.exit(guarded(run, [a for a in args if a != "--debug"], debug=debug_enabled(args)))

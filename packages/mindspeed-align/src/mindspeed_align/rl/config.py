@@ -1,6 +1,7 @@
-"""`mindspeed grpo`'s configuration: pretraining's shared sections plus `data` (prompts)
-and `grpo`. Defaults are the embedded demo (the debug Llama on the arithmetic of the
-pretrain demo's stories, CPU, a few minutes)."""
+"""`mindspeed grpo`'s and `mindspeed ppo`'s configurations: pretraining's shared sections plus
+`data` (prompts) and the algorithm's section (`grpo`; `ppo` and `critic`). Defaults are the
+embedded demos (the debug Llama on the arithmetic of the pretrain demo's stories, CPU, a few
+minutes)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from mindspeed_core.parallel import ParallelConfig
 from mindspeed_core.profiling import ProfileConfig
 from mindspeed_llm.train.config import LoggingSection, ModelSection, TrainSection
 
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
+ADVANTAGES = (*GROUP_ADVANTAGES, "reinforce_pp", "gae")
 
 
 @dataclass(kw_only=True)
@@ -45,9 +47,10 @@ class GRPOSection:
     """Sampling temperature; the loss's log-probs are of softmax(logits / temperature)."""
     max_new_tokens: int = 4
     """New tokens per sample at most."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """grpo: (r - mean) / (std + eps) per group; dr_grpo: r - mean; rloo: r - mean of
-    the others; reinforce_pp: r whitened over the batch's tokens."""
+    the others; reinforce_pp: r whitened over the batch's tokens; gae: GAE with a critic
+    (`mindspeed ppo` only)."""
     std_eps: float = 1e-6
     """eps of grpo's std (verl 1e-6, TRL 1e-4)."""
     clip_low: float = 0.2
@@ -84,28 +87,36 @@ class GRPOSection:
     """Demo only (no data.prompts, no init_from, no model.hf_path): pretraining steps on
     the demo corpus first, so the model speaks the task's format."""
 
+    section = "grpo"
+    """The section's name in configs and messages (a class attribute, not a field)."""
+
     def __post_init__(self):
-        if self.n < 2:
-            raise ConfigError(
-                f"grpo.n={self.n}: group advantages need at least 2 samples per prompt"
-            )
+        name = self.section
         if self.advantage not in ADVANTAGES:
-            raise ConfigError(f"grpo.advantage={self.advantage!r} is not one of {ADVANTAGES}")
+            raise ConfigError(f"{name}.advantage={self.advantage!r} is not one of {ADVANTAGES}")
+        if self.advantage == "gae" and name == "grpo":
+            raise ConfigError("grpo.advantage='gae' needs a critic: use `mindspeed ppo`")
+        if self.n < 2 and self.advantage in GROUP_ADVANTAGES:
+            raise ConfigError(f"{name}.n={self.n}: group advantages "
+                              f"({name}.advantage={self.advantage}) need at least 2 samples "
+                              "per prompt")  # fmt: skip
+        if self.n < 1:
+            raise ConfigError(f"{name}.n={self.n} must be positive")
         if self.loss_agg not in AGGREGATIONS:
-            raise ConfigError(f"grpo.loss_agg={self.loss_agg!r} is not one of {AGGREGATIONS}")
+            raise ConfigError(f"{name}.loss_agg={self.loss_agg!r} is not one of {AGGREGATIONS}")
         if self.kl_estimator not in KL_ESTIMATORS:
-            raise ConfigError(f"grpo.kl_estimator={self.kl_estimator!r} is not one of k1/k2/k3")
+            raise ConfigError(f"{name}.kl_estimator={self.kl_estimator!r} is not one of k1/k2/k3")
         if not self.temperature > 0:
-            raise ConfigError(f"grpo.temperature={self.temperature} must be > 0")
+            raise ConfigError(f"{name}.temperature={self.temperature} must be > 0")
         if self.max_new_tokens < 1:
-            raise ConfigError(f"grpo.max_new_tokens={self.max_new_tokens} must be positive")
+            raise ConfigError(f"{name}.max_new_tokens={self.max_new_tokens} must be positive")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ConfigError(f"grpo.clip_low={self.clip_low} / clip_high={self.clip_high}")
+            raise ConfigError(f"{name}.clip_low={self.clip_low} / clip_high={self.clip_high}")
         if not 0 <= self.overlong_buffer < self.max_new_tokens:
-            raise ConfigError(f"grpo.overlong_buffer={self.overlong_buffer} must be in "
-                              f"[0, grpo.max_new_tokens={self.max_new_tokens})")  # fmt: skip
+            raise ConfigError(f"{name}.overlong_buffer={self.overlong_buffer} must be in "
+                              f"[0, {name}.max_new_tokens={self.max_new_tokens})")  # fmt: skip
         if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ConfigError(f"grpo.dual_clip={self.dual_clip} must be > 1")
+            raise ConfigError(f"{name}.dual_clip={self.dual_clip} must be > 1")
 
 
 @dataclass(kw_only=True)
@@ -140,36 +151,119 @@ class GRPOOptimSection(OptimConfig):
 
 
 @dataclass(kw_only=True)
-class GRPOConfig:
+class PPOSection(GRPOSection):
+    """GRPOSection's rollout, reward and policy-loss fields with PPO's defaults, plus GAE's."""
+
+    section = "ppo"
+
+    n: int = 4
+    """Samples per prompt (1 is classic PPO; more share a prompt's prefill)."""
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "gae"
+    """gae: GAE over the critic's values (the other estimators ignore the critic's values
+    but still train it)."""
+    gamma: float = 1.0
+    """GAE's discount per token (verl and TRL: 1.0)."""
+    lam: float = 0.95
+    """GAE's lambda (TRL: 0.95; verl: 1.0)."""
+    kl_coef: float = 0.05
+    """KL penalty against the starting model (0: no reference is built)."""
+    kl_in_reward: bool = True
+    """Subtract kl_coef x KL per token from the reward (TRL's PPO and verl's
+    `use_kl_in_reward`); false: add it to the policy loss, as GRPO does."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """k1 = logp - ref_logp per token in the reward (TRL's PPO)."""
+    whiten_advantages: bool = True
+    """GAE advantages whitened over every response token of the step (all ranks)."""
+    warmup_steps: int = 150
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            raise ConfigError(f"ppo.gamma={self.gamma} and ppo.lam={self.lam} must be in [0, 1]")
+
+
+@dataclass(kw_only=True)
+class CriticSection(GRPOOptimSection):
+    """The critic (value model): the policy's decoder with a one-output head, its own AdamW."""
+
+    lr: float = 1e-3
+    value_clip: float = 0.2
+    """Clip of the new values around the rollout's: 0.5 x max((V - R)^2, (clip(V, V_old -
+    c, V_old + c) - R)^2) per response token (TRL's cliprange_value 0.2; verl 0.5)."""
+    init_from: Path | None = None
+    """Start from these weights, value head included (an `mindspeed rm` run's checkpoints or
+    a converted critic); None: the policy's starting weights with a new value head."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.value_clip > 0:
+            raise ConfigError(f"critic.value_clip={self.value_clip} must be > 0")
+
+
+@dataclass(kw_only=True)
+class PPOLoggingSection(LoggingSection):
+    run_dir: Path = Path("runs/ppo")
+    """Where config.yaml, metrics.jsonl, tb/, checkpoints/ and loss_curve.png go."""
+    log_interval: int = 5
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """The sections every online-RL command shares; `rl` is the algorithm's own section."""
+
     model: ModelSection = field(default_factory=ModelSection)
     data: PromptDataSection = field(default_factory=PromptDataSection)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: GRPOOptimSection = field(default_factory=GRPOOptimSection)
     train: GRPOTrainSection = field(default_factory=GRPOTrainSection)
-    """train.global_batch and micro_batch count samples (prompts x grpo.n)."""
+    """train.global_batch and micro_batch count samples (prompts x n)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: GRPOLoggingSection = field(default_factory=GRPOLoggingSection)
+    logging: LoggingSection = field(default_factory=GRPOLoggingSection)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
-    grpo: GRPOSection = field(default_factory=GRPOSection)
+
+    @property
+    def rl(self) -> GRPOSection:
+        raise NotImplementedError
 
     def __post_init__(self):
+        rl, name = self.rl, self.rl.section
         if self.parallel.pp > 1 or self.parallel.cp > 1:
             raise ConfigError(
                 f"parallel.pp={self.parallel.pp}, parallel.cp={self.parallel.cp}: "
-                "mindspeed grpo rolls out whole sequences on whole models; use tp and dp"
+                f"mindspeed {name} rolls out whole sequences on whole models; use tp and dp"
             )
         samples = self.train.global_batch
-        if samples % self.grpo.n:
+        if samples % rl.n:
             raise ConfigError(
                 f"train.global_batch={samples} samples is not a whole number of groups of "
-                f"grpo.n={self.grpo.n}"
+                f"{name}.n={rl.n}"
             )
-        if self.grpo.max_new_tokens >= self.data.seq_len:
+        if rl.max_new_tokens >= self.data.seq_len:
             raise ConfigError(
-                f"grpo.max_new_tokens={self.grpo.max_new_tokens} leaves no room for a prompt "
+                f"{name}.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt "
                 f"in data.seq_len={self.data.seq_len}"
             )
         if self.optim.warmup_steps > self.train.steps:
             raise ConfigError(
                 f"optim.warmup_steps={self.optim.warmup_steps} exceeds train.steps={self.train.steps}"
             )
+
+
+@dataclass(kw_only=True)
+class GRPOConfig(RLConfig):
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+
+    @property
+    def rl(self) -> GRPOSection:
+        return self.grpo
+
+
+@dataclass(kw_only=True)
+class PPOConfig(RLConfig):
+    logging: LoggingSection = field(default_factory=PPOLoggingSection)
+    ppo: PPOSection = field(default_factory=PPOSection)
+    critic: CriticSection = field(default_factory=CriticSection)
+
+    @property
+    def rl(self) -> PPOSection:
+        return self.ppo

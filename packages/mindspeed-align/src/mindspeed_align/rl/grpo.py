@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mindspeed_align.rl import advantages as adv_fns
-from mindspeed_align.rl.config import GRPOConfig
+from mindspeed_align.rl.config import GROUP_ADVANTAGES, GRPOConfig
 from mindspeed_align.rl.objective import GRPOObjective, pack_samples, recompute_logps
 from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
@@ -67,43 +67,55 @@ class GRPOStep(TrainStep):
     def __init__(self, parts, objective, dims, *, cfg: GRPOConfig, tokenizer, rewards: Rewards,
                  reference=None, accum: int = 1, **kwargs):  # fmt: skip
         super().__init__(parts, objective, dims, **kwargs)
-        self.cfg, self.grpo, self.tokenizer, self.rewards = cfg, cfg.grpo, tokenizer, rewards
+        self.cfg, self.rl, self.tokenizer, self.rewards = cfg, cfg.rl, tokenizer, rewards
         self.reference, self.accum = reference, accum
         self.rollout = LocalRollout(parts.model)
         stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
-        self.sampling = SamplingConfig(n=cfg.grpo.n, max_new_tokens=cfg.grpo.max_new_tokens,
-                                       temperature=cfg.grpo.temperature, stop_token_ids=stops)  # fmt: skip
+        self.sampling = SamplingConfig(n=cfg.rl.n, max_new_tokens=cfg.rl.max_new_tokens,
+                                       temperature=cfg.rl.temperature, stop_token_ids=stops)  # fmt: skip
         self.pad_multiple = 8 * dims.tp
 
     def __call__(self, records: list[dict[str, Any]]) -> StepResult:
+        rollout = self._sample(records)
+        batch, rewards, lengths = rollout.batch, rollout.rewards, rollout.lengths
+        advantages = compute_advantages(self.rl.advantage, rewards, batch.group, lengths,
+                                        eps=self.rl.std_eps)  # fmt: skip
+        keep = list(range(len(rewards)))
+        if self.rl.dynamic_sampling and not all(rollout.flat):
+            keep = [i for i in keep if not rollout.flat[batch.group[i]]]
+        micro, mismatch = self._micro_batches(batch, {"advantages": advantages}, keep)
+        result = super().__call__(micro)
+        result.metrics.update(self._rollout_metrics(rollout, len(keep), mismatch))
+        return result
+
+    def _sample(self, records: list[dict[str, Any]]) -> _Rollout:
+        """Sync, sample this rank's completions, score them (with the overlong penalty)."""
         sync_s = self.rollout.sync_weights()
         seed = sampling_seed(self.cfg.train.seed, self.state.step, self.dims.rank("dp"))
         batch = self.rollout.generate([r["prompt_ids"] for r in records], self.sampling, seed=seed)
         rewards, reward_metrics = self._rewards(records, batch)
         lengths = [len(r) for r in batch.response_ids]
-        if self.grpo.overlong_buffer:
-            penalty = adv_fns.overlong_penalty(lengths, self.grpo.max_new_tokens, self.grpo.overlong_buffer,
-                                       self.grpo.overlong_penalty)  # fmt: skip
+        if self.rl.overlong_buffer:
+            penalty = adv_fns.overlong_penalty(lengths, self.rl.max_new_tokens, self.rl.overlong_buffer,
+                                       self.rl.overlong_penalty)  # fmt: skip
             rewards = [r + p for r, p in zip(rewards, penalty, strict=True)]
             reward_metrics["reward/overlong"] = sum(penalty) / len(penalty)
-        advantages = compute_advantages(self.grpo.advantage, rewards, batch.group, lengths,
-                                        eps=self.grpo.std_eps)  # fmt: skip
         flat = _flat_groups(rewards, batch.group)
-        keep = list(range(len(rewards)))
-        if self.grpo.dynamic_sampling and not all(flat):
-            keep = [i for i in keep if not flat[batch.group[i]]]
-        micro, mismatch = self._micro_batches(batch, advantages, keep)
-        result = super().__call__(micro)
+        return _Rollout(batch, rewards, reward_metrics, lengths, flat, sync_s)
+
+    def _rollout_metrics(self, rollout: _Rollout, kept: int, mismatch) -> dict[str, float]:
+        """The rollout's statistics over every data-parallel rank."""
+        rewards, lengths, batch = rollout.rewards, rollout.lengths, rollout.batch
+        reward_metrics = dict(rollout.reward_metrics)
         stats = _Stats(self.dims)
         stats.add_sums(
             reward=sum(rewards), reward_sq=sum(x * x for x in rewards), samples=len(rewards),
-            zero_var=sum(flat), groups=len(flat), kept=len(keep), length=sum(lengths),
+            zero_var=sum(rollout.flat), groups=len(rollout.flat), kept=kept, length=sum(lengths),
             stopped=sum(batch.stopped), diff_sum=mismatch[0], diff_count=mismatch[1],
             rollout_s=batch.seconds, failures=reward_metrics.pop("reward/failures"),
         )  # fmt: skip
-        stats.add_max(diff_max=mismatch[2], sync_s=sync_s)
-        result.metrics.update(stats.metrics(reward_metrics))
-        return result
+        stats.add_max(diff_max=mismatch[2], sync_s=rollout.sync_s)
+        return stats.metrics(reward_metrics, warn_flat=self.rl.advantage in GROUP_ADVANTAGES)
 
     def _rewards(self, records, batch: RolloutBatch):
         stops = set(self.sampling.stop_token_ids)
@@ -115,24 +127,25 @@ class GRPOStep(TrainStep):
         columns = {k: [records[g].get(k) for g in batch.group] for k in names}
         return self.rewards(prompts, texts, columns)
 
-    def _micro_batches(self, batch: RolloutBatch, advantages, keep: list[int]):
+    def _micro_batches(self, batch: RolloutBatch, per_token: dict[str, list], keep: list[int]):
         """`accum` packed micro-batches (always that many: FSDP's collectives pair up
-        across ranks), with old and reference log-probs; the sampler/trainer mismatch
-        (sum, count, max of |old - sampler| over the response tokens)."""
+        across ranks) of the samples `keep`, with `per_token` values (one list per sample,
+        a value per response token), old and reference log-probs; the sampler/trainer
+        mismatch (sum, count, max of |old - sampler| over the response tokens)."""
         size = math.ceil(len(keep) / self.accum)
         out, diff_sum, count, diff_max = [], 0.0, 0, 0.0
         for k in range(self.accum):
             rows = keep[k * size : (k + 1) * size]
             b = pack_samples(
                 [batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows],
-                {}, {"advantages": [advantages[i] for i in rows],
+                {}, {**{k: [v[i] for i in rows] for k, v in per_token.items()},
                      "sampler_logps": [batch.sampler_logprobs[i] for i in rows]},
-                agg=self.grpo.loss_agg, max_new_tokens=self.grpo.max_new_tokens,
+                agg=self.rl.loss_agg, max_new_tokens=self.rl.max_new_tokens,
                 pad_multiple=self.pad_multiple,
             )  # fmt: skip
-            b["old_logps"] = recompute_logps(self.parts.model, b, self.grpo.temperature)
+            b["old_logps"] = recompute_logps(self.parts.model, b, self.rl.temperature)
             if self.reference is not None:
-                b["ref_logps"] = recompute_logps(self.reference, b, self.grpo.temperature)
+                b["ref_logps"] = recompute_logps(self.reference, b, self.rl.temperature)
             supervised = b["labels"] != -100
             diff = (b["old_logps"] - b.pop("sampler_logps"))[supervised].abs()
             if diff.numel():
@@ -140,6 +153,20 @@ class GRPOStep(TrainStep):
                 diff_max = max(diff_max, diff.max().item())
             out.append(b)
         return out, (diff_sum, count, diff_max)
+
+
+@dataclass
+class _Rollout:
+    """One step's samples and what was measured of them."""
+
+    batch: RolloutBatch
+    rewards: list[float]
+    """Per sample, weighted sum of the reward functions (and the overlong penalty)."""
+    reward_metrics: dict[str, float]
+    lengths: list[int]
+    flat: list[bool]
+    """Per group: every reward equal."""
+    sync_s: float
 
 
 def _flat_groups(rewards: list[float], group: list[int]) -> list[bool]:
@@ -172,7 +199,7 @@ class _Stats:
             dist.all_reduce(tensor, op=op, group=group)
         return dict(zip(values, tensor.tolist(), strict=True))
 
-    def metrics(self, reward_means: dict[str, float]) -> dict[str, float]:
+    def metrics(self, reward_means: dict[str, float], *, warn_flat: bool = True) -> dict[str, float]:
         ranks = 1 if self.mesh is None else self.mesh.size()
         s = self._reduce({**self.sums, **reward_means}, dist.ReduceOp.SUM)
         m = self._reduce(self.maxes, dist.ReduceOp.MAX)
@@ -192,7 +219,7 @@ class _Stats:
             "rollout/tokens_per_s": s["length"] / max(s["rollout_s"] / ranks, 1e-9),
             "rollout/weight_sync_s": m["sync_s"],
         }
-        if s["zero_var"] == s["groups"]:
+        if warn_flat and s["zero_var"] == s["groups"]:
             logger.warning(
                 "every group's rewards are equal (%d groups): the policy gradient of this "
                 "step is 0 (GRPO's 'loss is 0' trap: rewards too easy, too hard or constant)",
@@ -224,24 +251,30 @@ def evaluate_reward(rollout: LocalRollout, records, tokenizer, rewards: Rewards,
     return sum(total) / len(total)
 
 
-def load_weights(built, path: Path) -> None:
-    """Replace a built model's weights (whole or sharded) with those at `path`."""
+def load_weights(built, path: Path, *, what: str = "grpo.init_from", head: bool = True) -> None:
+    """Replace a built model's weights (whole or sharded) with those at `path`; `head=False`
+    keeps the model's own output layer (a critic's value head on a language model's body)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     from mindspeed_llm.models.loading import load_model
 
     source, _ = load_model(path, device=built.device)
     full = source.state_dict()
+    if not head:
+        full.pop("output.weight", None)
     model = built.model
     try:
         if any(isinstance(p, DTensor) for p in model.parameters()):
-            set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+            options = StateDictOptions(full_state_dict=True, strict=head)
+            set_model_state_dict(model, full, options=options)
         else:
-            model.load_state_dict(full)
+            missing, unexpected = model.load_state_dict(full, strict=False)
+            if unexpected or (head and missing) or set(missing) - {"output.weight"}:
+                raise RuntimeError(f"missing {missing}, unexpected {unexpected}")
     except (RuntimeError, KeyError) as err:
         first = str(err).strip().splitlines()[0]
         raise ConfigError(
-            f"grpo.init_from={path}: its model does not fit the model section ({first})"
+            f"{what}={path}: its model does not fit the model section ({first})"
         ) from None
 
 
@@ -254,26 +287,27 @@ def build_reference(trainer: Trainer):
     )  # fmt: skip
 
 
-def attach(trainer: Trainer, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_from) -> GRPOStep:
-    """Puts GRPO into a built `Trainer`: weights, reference, and the step."""
+def attach(trainer: Trainer, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_from, *,
+           step_cls: type[GRPOStep] | None = None, **step_options) -> GRPOStep:  # fmt: skip
+    """Puts GRPO into a built `Trainer`: weights, reference, and the step (`step_cls`, with
+    `step_options`: PPO's step and its critic)."""
+    what = f"{cfg.rl.section}.init_from"
     if init_from is not None:
-        load_weights(trainer.parts.model, init_from)
+        load_weights(trainer.parts.model, init_from, what=what)
     reference = None
-    if cfg.grpo.kl_coef:
+    if cfg.rl.kl_coef:
         reference = build_reference(trainer)
         if init_from is not None:
-            load_weights(reference, init_from)
-    g = cfg.grpo
+            load_weights(reference, init_from, what=what)
+    g = cfg.rl
+    kl_in_loss = 0.0 if getattr(g, "kl_in_reward", False) else g.kl_coef
     objective = GRPOObjective(eps_low=g.clip_low, eps_high=g.clip_high, dual_clip=g.dual_clip,
-                              kl_coef=g.kl_coef, kl_estimator=g.kl_estimator,
+                              kl_coef=kl_in_loss, kl_estimator=g.kl_estimator,
                               temperature=g.temperature)  # fmt: skip
-    step = GRPOStep(trainer.parts, objective, trainer.dims, cfg=cfg, tokenizer=tokenizer,
-                    rewards=rewards, reference=reference, accum=trainer.accum,
-                    clip_grad=cfg.optim.clip_grad,
-                    max_nonfinite_steps=cfg.train.max_nonfinite_steps)  # fmt: skip
+    step = (step_cls or GRPOStep)(
+        trainer.parts, objective, trainer.dims, cfg=cfg, tokenizer=tokenizer, rewards=rewards,
+        reference=reference, accum=trainer.accum, clip_grad=cfg.optim.clip_grad,
+        max_nonfinite_steps=cfg.train.max_nonfinite_steps, **step_options,
+    )  # fmt: skip
     trainer.step = step
     return step
-
-
-def seconds_since(start: float) -> float:
-    return time.perf_counter() - start

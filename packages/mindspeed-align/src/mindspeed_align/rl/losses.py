@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["AGGREGATIONS", "KL_ESTIMATORS", "aggregate", "kl_estimate", "policy_loss",
-           "token_weights"]  # fmt: skip
+           "token_weights", "value_loss"]  # fmt: skip
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = (
@@ -87,6 +87,29 @@ def policy_loss(
         loss = torch.where(dual, bound, loss)
         was_clipped = torch.maximum(was_clipped, dual.float())
     return loss, was_clipped
+
+
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, *, clip: float | None = 0.2
+) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss per token (verl's `compute_value_loss`, TRL's PPO):
+
+        loss = 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)
+
+    Args:
+        values: the critic's new values V.
+        old_values: its values when the rollout was scored (detached).
+        returns: the targets R (GAE advantages + old values).
+        clip: c; None: 0.5 * (V - R)^2 alone.
+
+    Returns:
+        (loss per token, clipped per token as 0./1.: the clipped term was the larger).
+    """
+    unclipped = (values - returns).square()
+    if clip is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped)
+    clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns).square()
+    return 0.5 * torch.maximum(unclipped, clipped), (clipped > unclipped).float()
 
 
 def token_weights(mask: Tensor, agg: str, *, max_len: int | None = None) -> tuple[Tensor, Tensor]:

@@ -107,6 +107,15 @@ class Trainer:
             adapter_only=adapter_only,
         )
 
+    def add_states(self, states: dict[str, Any]) -> None:
+        """More `Stateful`s for the run's checkpoints (e.g. a PPO critic's model and
+        optimizer), saved and resumed with the others; call before `run`."""
+        clash = set(states) & set(self.states)
+        if clash:
+            raise ValueError(f"checkpoint states {sorted(clash)} exist already")
+        self.states.update(states)
+        self.checkpoints.states.update(states)
+
     def run(self) -> dict[str, float]:
         """Train to `train.steps`; returns the first and last logged loss."""
         loop = TrainLoop(
