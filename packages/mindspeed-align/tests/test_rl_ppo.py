@@ -22,7 +22,7 @@ from mindspeed_align.rl.ppo import ValueObjective, packed_gae, ppo_advantages, w
 from mindspeed_core.cli import guarded
 from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
-from mindspeed_core.testing import run_distributed
+from mindspeed_core.testing import import_sibling, run_distributed
 from mindspeed_core.training import read_metrics
 from mindspeed_llm.demo import ensure_demo_data
 from mindspeed_llm.models import build_model_config
@@ -206,6 +206,22 @@ def test_ppo_metrics_and_exact_resume(task):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
+def test_ppo_with_a_reward_model(task):
+    """`ppo.reward_model`: an exported classifier's score joins the rule reward in the run."""
+
+    rewards_tests = import_sibling(__file__, "test_rl_rewards")
+    folder, _, tokenizer = task
+    rm = rewards_tests._reward_model_folder(folder, tokenizer)
+    args = _args(task, "with_rm", f"--ppo.reward_model={rm}", "--ppo.reward_model_weight=0.5",
+                 "--train.steps=1")  # fmt: skip
+    assert guarded(ppo_main, args) == 0
+    (first,) = read_metrics(folder / "with_rm" / "metrics.jsonl")
+    assert first["reward/model"] != 0
+    assert first["reward/mean"] == pytest.approx(
+        first["reward/final_number"] + 0.5 * first["reward/model"], abs=1e-6
+    )
+
+
 def test_ppo_bad_inputs_are_one_line(task, capsys):
     folder = task[0]
     cases = {
@@ -213,6 +229,7 @@ def test_ppo_bad_inputs_are_one_line(task, capsys):
         "--critic.value_clip=0": "critic.value_clip=0",
         "--ppo.lam=1.5": "ppo.lam=1.5",
         "--ppo.n=3": "not a whole number of groups of ppo.n=3",
+        f"--ppo.reward_model={folder}": "ppo.reward_model: ",
     }
     for arg, expected in cases.items():
         assert guarded(ppo_main, [*_args(task, "bad"), arg]) == 2, arg

@@ -41,3 +41,64 @@ def test_raising_and_hanging_rewards_are_counted_and_the_run_goes_on(monkeypatch
         rewards.close()
     in_process = Rewards([f"{FIXTURES}:raises"], workers=0)
     assert in_process(["p"], ["boom"], {}) == ([0.0], {"reward/raises": 0.0, "reward/failures": 1})
+
+
+def _reward_model_folder(folder: Path, tokenizer: Path) -> Path:
+    """A random debug-Llama reward model exported as transformers' sequence classifier."""
+    import torch
+
+    from mindspeed_align.reward import add_score_head, export_classifier
+    from mindspeed_llm.models import build_model_config, get_model_spec
+
+    config = build_model_config("llama", flavor="debug", ops_impl="reference")
+    torch.manual_seed(0)
+    model = get_model_spec("llama").build(config)
+    add_score_head(model)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    return export_classifier(state, config, folder / "rm", pad_token_id=0, tokenizer=tokenizer)
+
+
+def test_a_reward_model_scores_as_transformers_and_joins_the_sum(tmp_path):
+    """`grpo.reward_model`: our packed scoring of prompt + completion equals transformers'
+    AutoModelForSequenceClassification on the same ids; its weighted score joins the rules'."""
+    import torch
+
+    from mindspeed_align.rl.reward_model import RewardModel
+    from mindspeed_llm.demo import ensure_demo_data
+    from mindspeed_llm.tokenizer import load_tokenizer
+
+    tokenizer_path = ensure_demo_data().tokenizer
+    folder = _reward_model_folder(tmp_path, tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
+    model = RewardModel(folder, tokenizer, row_tokens=24)  # several packed rows
+    prompts = ["alice had three red apples. 3 plus 2 is", "bob went to the park. 1 plus 1 is"] * 2
+    completions = [" 5.", " 2", " 7 and", " nothing"]
+    scores = model(prompts, completions)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        want = [hf(input_ids=torch.tensor([tokenizer.encode(p + c)])).logits[0, 0].item()
+                for p, c in zip(prompts, completions, strict=True)]  # fmt: skip
+    assert scores == pytest.approx(want, abs=1e-5)
+    assert len(set(round(s, 6) for s in scores)) == 4  # the scores tell the texts apart
+    rewards = Rewards(["final_number"], workers=0, model=model, model_weight=0.5)
+    total, metrics = rewards(prompts, completions, {"answer": [5, 2, 5, 2]})
+    assert total == pytest.approx([1 + 0.5 * scores[0], 1 + 0.5 * scores[1], 0.5 * scores[2],
+                                   0.5 * scores[3]])  # fmt: skip
+    assert metrics["reward/model"] == pytest.approx(sum(scores) / 4)
+
+
+def test_a_reward_model_folder_that_is_not_one_is_named(tmp_path):
+    import json
+
+    from mindspeed_align.rl.reward_model import RewardModel
+
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "lm" / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"ppo.reward_model: .*lm: not a Hugging Face "
+                                          r"\*ForSequenceClassification folder \(architectures: "
+                                          r"\['LlamaForCausalLM'\]\)"):  # fmt: skip
+        RewardModel(tmp_path / "lm", None, what="ppo.reward_model")
+    with pytest.raises(ConfigError, match="grpo.reward_model: no folder"):
+        RewardModel(tmp_path / "missing", None)

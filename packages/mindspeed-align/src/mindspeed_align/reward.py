@@ -33,6 +33,7 @@ __all__ = [
     "add_score_head",
     "export_classifier",
     "full_state_dict",
+    "load_classifier",
     "sequence_scores",
 ]
 
@@ -154,6 +155,44 @@ def export_classifier(state: dict[str, Tensor], config, out: Path, *, pad_token_
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def load_classifier(path: Path, device: torch.device | str = "cpu"):
+    """The model of a Hugging Face `*ForSequenceClassification` folder (what
+    `export_classifier` writes, e.g. `mindspeed rm --rm.export_hf`): our decoder with its
+    `score` head as `output`, frozen, in eval mode; (model, config, pad id).
+
+    Raises:
+        ConfigError: not such a folder (its architectures named), or its tensors do not fit.
+    """
+    from mindspeed_core.errors import ConfigError
+    from mindspeed_llm.models import get_model_spec
+    from mindspeed_llm.models.hf_io import iter_hf_tensors, read_hf_config
+
+    path = Path(path)
+    config_file = path / "config.json"
+    hf_config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    architectures = hf_config.get("architectures") or []
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ConfigError(f"{path}: not a Hugging Face *ForSequenceClassification folder "
+                          f"(architectures: {architectures or 'none'})")  # fmt: skip
+    config = read_hf_config(path)
+    tensors = dict(iter_hf_tensors(path))
+    head = tensors.pop("score.weight", None)
+    if head is None or head.shape[0] != 1:
+        raise ConfigError(f"{path}: a reward model needs a one-output score.weight")
+    names_cfg = dataclasses.replace(config, tie_word_embeddings=True)  # no lm_head to map
+    state = get_model_spec(config.family).hf_adapter.from_hf(tensors, names_cfg)
+    state["output.weight"] = head
+    with torch.device(device):
+        model = get_model_spec(config.family).build(config)
+        add_score_head(model)
+    try:
+        model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True)
+    except RuntimeError as err:
+        raise ConfigError(f"{path}: {str(err).strip().splitlines()[0]}") from None
+    pad_id = hf_config.get("pad_token_id")
+    return model.requires_grad_(False).eval(), config, 0 if pad_id is None else int(pad_id)
 
 
 def _copy_tokenizer(tokenizer: Path | None, dest: Path) -> None:

@@ -120,8 +120,15 @@ def _run(cfg: RLConfig, attach, command: str) -> dict[str, float]:
         init_from = _warmup(cfg) if _is_demo(cfg) else cfg.rl.init_from
         tokenizer, records, held_out = _task(cfg, init_from)
         g = cfg.rl
+        model = None
+        if g.reward_model is not None:
+            from mindspeed_align.rl.reward_model import RewardModel
+
+            model = RewardModel(g.reward_model, tokenizer, info.device,
+                                what=f"{g.section}.reward_model")
         rewards = Rewards(g.rewards, g.reward_weights, workers=g.reward_workers,
-                          timeout_s=g.reward_timeout_s)  # fmt: skip
+                          timeout_s=g.reward_timeout_s, model=model,
+                          model_weight=g.reward_model_weight)  # fmt: skip
 
         def data(cfg_, model_cfg):
             return PromptSource(records, tokenizer, max_prompt_len=cfg.data.seq_len - g.max_new_tokens,

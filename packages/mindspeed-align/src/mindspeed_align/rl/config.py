@@ -75,6 +75,11 @@ class GRPOSection:
     """Reward functions, "module:function" (bare names: mindspeed_align.rl.rewards)."""
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward (default 1.0 each)."""
+    reward_model: Path | None = None
+    """A reward model scoring prompt + completion beside the rule rewards: a Hugging Face
+    *ForSequenceClassification folder (`mindspeed rm --rm.export_hf`); None: rules only."""
+    reward_model_weight: float = 1.0
+    """Its weight in the sum of rewards."""
     reward_workers: int = 2
     """Worker processes for the rewards (0: in this process, no timeout)."""
     reward_timeout_s: float = 10.0

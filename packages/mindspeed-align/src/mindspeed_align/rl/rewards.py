@@ -96,12 +96,15 @@ class Rewards:
         weights: one per function (default 1.0 each).
         workers: worker processes (0: call in this process, no timeout).
         timeout_s: seconds a worker may take on one completion.
+        model: a `reward_model.RewardModel` scoring in this process (None: rules only).
+        model_weight: its weight in the sum.
     """
 
     def __init__(self, specs: Sequence[str], weights: Sequence[float] = (), *, workers: int = 2,
-                 timeout_s: float = 10.0):  # fmt: skip
-        if not specs:
-            raise ConfigError("grpo.rewards is empty: name at least one reward function")
+                 timeout_s: float = 10.0, model=None, model_weight: float = 1.0):  # fmt: skip
+        if not specs and model is None:
+            raise ConfigError("grpo.rewards is empty: name at least one reward function "
+                              "(or a grpo.reward_model)")  # fmt: skip
         if weights and len(weights) != len(specs):
             raise ConfigError(
                 f"grpo.reward_weights has {len(weights)} values for {len(specs)} rewards"
@@ -109,6 +112,7 @@ class Rewards:
         self.fns = {spec: load_reward(spec) for spec in specs}  # fail early, in this process
         self.specs, self.weights = list(specs), list(weights) or [1.0] * len(specs)
         self.workers, self.timeout_s = workers, timeout_s
+        self.model, self.model_weight = model, model_weight
         self._pool: ProcessPoolExecutor | None = None
 
     def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]):
@@ -120,6 +124,10 @@ class Rewards:
             total = [t + weight * s for t, s in zip(total, scores, strict=True)]
             metrics[f"reward/{spec.rpartition(':')[2]}"] = sum(scores) / max(len(scores), 1)
             metrics["reward/failures"] += failures
+        if self.model is not None:  # a `reward_model.RewardModel`, in this process
+            scores = self.model(prompts, completions)
+            total = [t + self.model_weight * s for t, s in zip(total, scores, strict=True)]
+            metrics["reward/model"] = sum(scores) / max(len(scores), 1)
         return total, metrics
 
     def _score(self, spec, prompts, completions, columns) -> tuple[list[float], int]:

@@ -4,7 +4,8 @@ log-probs, and the teacher-forced log-probs the loss uses.
 The rollout runs `TokenSteps` (KV cache, no gradients) on the policy module itself when
 its parameters are plain tensors (one process, or data parallel by replication), or on
 an inference copy whose weights are gathered from the FSDP/TP shards (`sync_weights`,
-timed). Every prompt is repeated `n` times in the batch; the sampling seed mixes the run's
+timed). Every prompt is prefilled once and its KV cache shared by its `n` sample rows
+(they draw what `n` repeated prompts would); the sampling seed mixes the run's
 seed, the step and the data-parallel rank, so dp ranks draw different samples and a rerun
 draws the same ones, while tensor-parallel peers (same prompts, same seed) agree.
 
@@ -77,6 +78,11 @@ class _LoggedSteps(TokenSteps):
         self.last_logps = torch.log_softmax(last.float() / self.temperature, dim=-1)
         return last
 
+    def _prefill(self) -> Tensor:  # one row per prompt, then each repeated for its n samples
+        logits = super()._prefill()
+        self.last_logps = self.last_logps.repeat_interleave(self.config.num_return_sequences, 0)
+        return logits
+
 
 class LocalRollout:
     """Colocated rollout on this rank.
@@ -114,7 +120,7 @@ class LocalRollout:
     def generate(
         self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *, seed: int
     ) -> RolloutBatch:
-        """`cfg.n` samples of every prompt."""
+        """`cfg.n` samples of every prompt (each prompt prefilled once, its KV cache shared)."""
         start = time.perf_counter()
         rows = [list(p) for p in prompts for _ in range(cfg.n)]
         gen = GenerationConfig(
@@ -124,8 +130,9 @@ class LocalRollout:
             top_p=1.0,
             stop_token_ids=cfg.stop_token_ids,
             seed=seed,
+            num_return_sequences=cfg.n,
         )
-        steps = _LoggedSteps(self.module, rows, gen, temperature=cfg.temperature)
+        steps = _LoggedSteps(self.module, prompts, gen, temperature=cfg.temperature)
         logprobs: list[list[float]] = [[] for _ in rows]
         with torch.no_grad():
             for new in steps:
