@@ -172,6 +172,31 @@ def test_stop_token_ends_a_row_and_stream_sees_every_token(pairs):
     assert out == [free[0], free[1][:1]]
 
 
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "no_cache"])
+def test_finished_rows_leave_the_batch(pairs, use_cache):
+    """Rows ended early (by the stream callback here) are dropped from the decode batch once a
+    quarter of it has finished; the other rows decode exactly what they decode alone."""
+    _, ours = pairs("llama")
+    prompts = _prompts([7, 4, 9, 3, 6, 5, 8, 2])
+    config = GenerationConfig(max_new_tokens=12, use_cache=use_cache)
+    alone = [generate(ours, [p], config)[0] for p in prompts]
+    stops, counts, sizes = {0: 2, 3: 2, 5: 4}, {}, []  # row -> new tokens after which it ends
+
+    def stream(row, token):
+        counts[row] = counts.get(row, 0) + 1
+        return counts[row] == stops.get(row)
+
+    hook = ours.register_forward_pre_hook(lambda module, args: sizes.append(args[0].shape[0]))
+    try:
+        out = generate(ours, prompts, config, stream=stream)
+    finally:
+        hook.remove()
+    for row, tokens in enumerate(out):
+        assert tokens == alone[row][: stops.get(row, 12)], row
+    if use_cache:  # prefill and first decode of 8 rows, then 6 (two ended), then 5
+        assert sizes == [8, 8, 6, 6] + [5] * 8, sizes
+
+
 def _pieces(*pieces):
     return lambda ids: "".join(pieces[i] for i in ids)
 

@@ -136,7 +136,8 @@ class LocalRollout:
         logprobs: list[list[float]] = [[] for _ in rows]
         with torch.no_grad():
             for new in steps:
-                picked = steps.last_logps[[r for r, _ in new], [t for _, t in new]].tolist()
+                position = {row: i for i, row in enumerate(steps.active)}  # rows of last_logps
+                picked = steps.last_logps[[position[r] for r, _ in new], [t for _, t in new]].tolist()
                 for (row, _), lp in zip(new, picked, strict=True):
                     logprobs[row].append(lp)
         stops = set(cfg.stop_token_ids)

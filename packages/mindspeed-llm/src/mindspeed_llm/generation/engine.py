@@ -62,7 +62,11 @@ def generate(
 
 class TokenSteps:
     """Generation as an iterator: each step yields `[(row, token), ...]` for the rows still
-    running; `finish(row)` between steps ends a row. `outputs` holds the new tokens."""
+    running; `finish(row)` between steps ends a row. `outputs` holds the new tokens.
+
+    Finished rows leave the batch (their KV cache rows dropped) once a quarter of the rows
+    still in it have finished, so a rollout whose samples end early stops paying for them;
+    `active` lists the rows of the batch the last logits were computed for."""
 
     def __init__(
         self, model: nn.Module, prompts: Sequence[Sequence[int]], config: GenerationConfig
@@ -88,6 +92,7 @@ class TokenSteps:
         self._cache: KVCache | None = None
         self._positions: Tensor | None = None
         self._started = False
+        self.active = list(range(len(self.prompts)))
 
     def finish(self, row: int) -> None:
         self.finished[row] = True
@@ -107,7 +112,7 @@ class TokenSteps:
         for step in range(self.max_new_tokens):
             tokens = next_tokens(logits, config, seen, generator)
             new = []
-            for row, token in enumerate(tokens.tolist()):
+            for row, token in zip(self.active, tokens.tolist(), strict=True):
                 if not self.finished[row]:
                     self.outputs[row].append(token)
                     new.append((row, token))
@@ -117,7 +122,21 @@ class TokenSteps:
                 return
             if seen is not None:
                 seen.scatter_(1, tokens[:, None], True)
+            tokens, seen = self._drop_finished(tokens, seen)
             logits = self._decode(tokens) if config.use_cache else self._recompute()
+
+    def _drop_finished(self, tokens: Tensor, seen: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Take finished rows out of the batch once a quarter of it has finished (each
+        drop copies the cache, so not at every single finish)."""
+        keep = [i for i, row in enumerate(self.active) if not self.finished[row]]
+        if len(self.active) - len(keep) < max(1, len(self.active) // 4):
+            return tokens, seen
+        index = torch.tensor(keep, device=self.device)
+        self.active = [self.active[i] for i in keep]
+        if self._cache is not None:
+            self._cache.keep_rows(index)
+            self._positions = self._positions.index_select(0, index)
+        return tokens.index_select(0, index), None if seen is None else seen.index_select(0, index)
 
     def _seen(self) -> Tensor:
         """(batch, vocab) bool: the tokens of each prompt."""
@@ -154,7 +173,7 @@ class TokenSteps:
 
     def _recompute(self) -> Tensor:
         """Next-token logits of every row from a full forward of its whole sequence."""
-        rows = [p + out for p, out in zip(self.prompts, self.outputs, strict=True)]
+        rows = [self.prompts[r] + self.outputs[r] for r in self.active]
         lengths = torch.tensor([len(r) for r in rows], device=self.device)
         ends = lengths.cumsum(0)
         cu_seqlens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)

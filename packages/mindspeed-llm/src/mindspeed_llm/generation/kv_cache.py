@@ -88,6 +88,15 @@ class KVCache:
         self.batch *= n
         self._mask_for = self._mask = None
 
+    def keep_rows(self, index: Tensor) -> None:
+        """Keep only the rows `index` (in that order): finished rows leave the batch."""
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask.index_select(0, index)
+        self.batch = int(index.numel())
+        self._mask_for = self._mask = None
+
     def layer(self, index: int) -> LayerCache:
         return self._layers[index]
 

@@ -1,0 +1,160 @@
+"""`mindspeed grpo` against TRL's GRPOTrainer: the same model, prompts, group size and lengths.
+
+    python benchmarks/grpo_throughput.py [--steps 8] [--prompts-per-step 4] [--n 8]
+                                         [--max-new-tokens 32] [--threads 2]
+
+Both sides train the randomly initialised Llama folder of `sft_throughput.py` (hidden 256,
+4 layers, fp32) with GRPO (group-normalised advantages, PPO clip 0.2, no KL so no reference
+model, one update per rollout, AdamW) on the same generated prompts (10-30 words each),
+`--n` samples per prompt of at most `--max-new-tokens` tokens at temperature 1, and the same
+reward function (`word_count_reward`, in-process on both sides). Ours is what `mindspeed grpo`
+runs in one process (`GRPOStep`: rollout on our KV-cache engine with one prefill per prompt,
+old log-probs recomputed, one packed training step); theirs is `trl.GRPOTrainer` with
+transformers' `generate` (no vLLM) on LlamaForCausalLM with SDPA attention.
+
+Each side runs in its own subprocess: samples/s is the completions of every step over the
+wall time of the steps (model loading left out on both sides). Prints one JSON line with
+both sides, their mean completion lengths and the ratio (ours / theirs). The goal (issue
+A2) is >= 1.5x TRL on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sft_throughput import WORDS, _peak_mb, _rss_mb, make_inputs, run_sides
+
+
+def word_count_reward(prompts, completions, **_) -> list[float]:
+    """The number of times "apples" appears in the completion (a cheap, dense reward)."""
+    return [float(str(c).count("apples")) for c in completions]
+
+
+def make_prompts(root: Path, count: int) -> Path:
+    rng = random.Random(2)
+    rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 30)))}
+            for _ in range(count)]  # fmt: skip
+    path = root / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _ours(folder: Path, prompts: Path, args) -> dict:
+    from mindspeed_align.rl.config import GRPOConfig
+    from mindspeed_align.rl.data import PromptSource, read_prompts
+    from mindspeed_align.rl.grpo import attach
+    from mindspeed_align.rl.objective import GRPOObjective
+    from mindspeed_align.rl.rewards import Rewards
+    from mindspeed_core.config import load_config
+    from mindspeed_core.distributed import destroy_distributed, init_distributed
+    from mindspeed_llm.tokenizer import load_tokenizer
+    from mindspeed_llm.train.trainer import Trainer
+
+    samples = args.prompts_per_step * args.n
+    cfg = load_config(GRPOConfig, None, [
+        f"--model.hf_path={folder}", f"--data.prompts={prompts}", f"--data.tokenizer={folder}",
+        "--data.seq_len=128", "--data.eval_prompts=0", f"--grpo.n={args.n}",
+        f"--grpo.max_new_tokens={args.max_new_tokens}", "--grpo.reward_workers=0",
+        "--grpo.rewards=[grpo_throughput:word_count_reward]", "--grpo.kl_coef=0",
+        f"--train.steps={args.steps}", f"--train.micro_batch={samples}",
+        f"--train.global_batch={samples}", "--optim.lr=1e-5",
+        f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
+    info = init_distributed(device_type="cpu")
+    tokenizer = load_tokenizer(folder)
+    records = read_prompts(prompts)
+    rewards = Rewards(cfg.grpo.rewards, workers=0)
+
+    def data(cfg_, model_cfg):
+        return PromptSource(records, tokenizer, max_prompt_len=128 - args.max_new_tokens,
+                            prompts_per_step=args.prompts_per_step, seed=0)  # fmt: skip
+
+    baseline = _rss_mb()
+    trainer = Trainer(cfg, info, data=data, objective=GRPOObjective(), command="grpo")
+    step = attach(trainer, cfg, tokenizer, rewards, None)
+    lengths, start = [], time.perf_counter()
+    for _ in range(args.steps):
+        result = step(trainer.data.next_step())
+        trainer.state.step += 1
+        lengths.append(result.metrics["response/length_mean"])
+    seconds = time.perf_counter() - start
+    destroy_distributed()
+    return {"samples_per_s": round(samples * args.steps / seconds, 2), "steps": args.steps,
+            "seconds": round(seconds, 2), "mean_completion_tokens": round(sum(lengths) / len(lengths), 2),
+            "peak_mem_mb": round(_peak_mb() - baseline, 1)}  # fmt: skip
+
+
+def _theirs(folder: Path, prompts: Path, args) -> dict:
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    dataset = datasets.Dataset.from_list(rows)
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    baseline = _rss_mb()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    samples = args.prompts_per_step * args.n
+    config = trl.GRPOConfig(output_dir=str(folder.parent / "trl"), per_device_train_batch_size=samples,
+                            num_generations=args.n, max_completion_length=args.max_new_tokens,
+                            steps_per_generation=1, num_iterations=1, beta=0.0, temperature=1.0,
+                            max_steps=args.steps, learning_rate=1e-5, report_to=[], use_cpu=True,
+                            save_strategy="no", logging_steps=1, dataloader_num_workers=0,
+                            disable_tqdm=True, shuffle_dataset=False)  # fmt: skip
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[word_count_reward], args=config,
+                              train_dataset=dataset, processing_class=tok)  # fmt: skip
+    start = time.perf_counter()
+    out = trainer.train()
+    seconds = time.perf_counter() - start
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history
+               if "completions/mean_length" in h]  # fmt: skip
+    return {"samples_per_s": round(samples * out.global_step / seconds, 2), "steps": out.global_step,
+            "seconds": round(seconds, 2), "mean_completion_tokens": round(sum(lengths) / max(len(lengths), 1), 2),
+            "peak_mem_mb": round(_peak_mb() - baseline, 1)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prompts-per-step", type=int, default=4)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--side", choices=["ours", "theirs"], help=argparse.SUPPRESS)
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:  # one side, in this subprocess
+        import torch
+
+        torch.set_num_threads(args.threads)
+        sys.path.insert(0, str(Path(__file__).parent))  # the reward spec's module
+        side = _ours if args.side == "ours" else _theirs
+        print(json.dumps(side(args.root / "model", args.root / "prompts.jsonl", args)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        make_inputs(root, 1)
+        make_prompts(root, args.steps * args.prompts_per_step)
+        results = run_sides(__file__, root, args.threads, [
+            f"--steps={args.steps}", f"--prompts-per-step={args.prompts_per_step}", f"--n={args.n}",
+            f"--max-new-tokens={args.max_new_tokens}"])  # fmt: skip
+    ours, theirs = results["ours"], results["theirs"]
+    print(json.dumps({
+        "benchmark": "grpo_throughput", "dtype": "fp32", "n": args.n,
+        "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens,
+        "ours": ours, "trl": theirs, "speedup": round(ours["samples_per_s"] / theirs["samples_per_s"], 2),
+        "memory_ratio": round(ours["peak_mem_mb"] / max(theirs["peak_mem_mb"], 1e-9), 2),
+        "load_avg_1min": round(os.getloadavg()[0], 2)}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
