@@ -18,7 +18,9 @@ from torch.distributed.tensor import DTensor
 from mindspeed_core.checkpoint.saved import SavedParam
 from mindspeed_llm.models.common.attention import Attention, RopeTables
 from mindspeed_llm.models.common.feed_forward import FeedForward
+from mindspeed_llm.models.common.mla import MultiLatentAttention
 from mindspeed_llm.models.common.moe import MoE
+from mindspeed_llm.models.common.mtp import MTPLayer
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.common.rope import rope_tables
 from mindspeed_llm.models.config import TransformerConfig
@@ -35,7 +37,9 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = _norm(config)
-        self.attention = Attention(config, layer_id)
+        # DeepSeek-V2/V3: multi-head latent attention
+        mla = config.kv_lora_rank is not None
+        self.attention = (MultiLatentAttention if mla else Attention)(config, layer_id)
         self.ffn_norm = _norm(config)
         self.feed_forward = (
             MoE(config)
@@ -122,6 +126,15 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.hidden_size, config.num_rows, bias=False)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.mtp = None  # DeepSeek-V3's multi-token prediction (`common.mtp`)
+        if config.num_nextn_predict_layers:
+            layer_ids = range(
+                config.num_layers, config.num_layers + config.num_nextn_predict_layers
+            )
+            self.mtp = nn.ModuleDict(
+                {str(i - config.num_layers): MTPLayer(i, config, Block(i, config), lambda: _norm(config))
+                 for i in layer_ids}
+            )  # fmt: skip
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -154,6 +167,8 @@ class Transformer(nn.Module):
         if self.tok_embeddings is not None:
             nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers.values():
+            layer.init_weights(std)
+        for layer in (self.mtp or {}).values():
             layer.init_weights(std)
         if self.norm is not None:
             self.norm.reset_parameters()
