@@ -241,7 +241,7 @@ def test_mtp_loss_is_the_formula():
 
     emb, head = model.tok_embeddings.weight, model.output.weight
     h, per_depth = hidden, []
-    for k, layer in enumerate(model.mtp.values(), start=1):
+    for k, layer in enumerate(model.mtp.layers.values(), start=1):
         ahead = torch.cat([ids[:, k:], torch.zeros(2, k, dtype=ids.dtype)], dim=1)
         merged = torch.cat([layer.enorm(F.embedding(ahead, emb)), layer.hnorm(h)], dim=-1)
         h = layer.block(merged @ layer.eh_proj.weight.T, (model.rope_cos, model.rope_sin))
@@ -256,7 +256,7 @@ def test_mtp_loss_is_the_formula():
     expected = 0.3 * sum(per_depth) / len(per_depth)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
     got.backward()
-    assert model.mtp["1"].eh_proj.weight.grad.abs().sum() > 0
+    assert model.mtp.layers["4"].eh_proj.weight.grad.abs().sum() > 0
 
 
 def test_mtp_layers_skipped_without_mtp_and_training_with_mtp_refused():

@@ -47,6 +47,25 @@ class MTPLayer(nn.Module):
         return self.block(merged, rope, position_ids=position_ids)
 
 
+class MultiTokenPrediction(nn.Module):
+    """The MTP modules, `layers` keyed by their block number (num_layers + k, DeepSeek's
+    numbering), so that each module's tensors group with the checkpoint's layer."""
+
+    def __init__(self, config: TransformerConfig, block, norm):
+        super().__init__()
+        first = config.num_layers
+        self.layers = nn.ModuleDict(
+            {
+                str(i): MTPLayer(i, config, block(i), norm)
+                for i in range(first, first + config.num_nextn_predict_layers)
+            }
+        )
+
+    def init_weights(self, std: float) -> None:
+        for layer in self.layers.values():
+            layer.init_weights(std)
+
+
 def shift_left(t: Tensor, k: int, fill: int) -> Tensor:
     """(batch, seq) -> t[:, k:] followed by k columns of `fill`."""
     return torch.cat([t[:, k:], t.new_full((t.shape[0], k), fill)], dim=1)
@@ -61,7 +80,7 @@ def mtp_hidden_states(
     outputs are meaningless and `mtp_loss` ignores them."""
     rope = (model.rope_cos, model.rope_sin)
     out = []
-    for k, layer in enumerate(model.mtp.values(), start=1):
+    for k, layer in enumerate(model.mtp.layers.values(), start=1):
         embedded = model.tok_embeddings(shift_left(tokens, k, 0))
         hidden = layer(embedded, hidden, rope, position_ids)
         out.append(layer.norm(hidden))

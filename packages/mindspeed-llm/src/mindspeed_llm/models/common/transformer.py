@@ -20,7 +20,7 @@ from mindspeed_llm.models.common.attention import Attention, RopeTables
 from mindspeed_llm.models.common.feed_forward import FeedForward
 from mindspeed_llm.models.common.mla import MultiLatentAttention
 from mindspeed_llm.models.common.moe import MoE
-from mindspeed_llm.models.common.mtp import MTPLayer
+from mindspeed_llm.models.common.mtp import MultiTokenPrediction
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.common.rope import rope_tables
 from mindspeed_llm.models.config import TransformerConfig
@@ -128,13 +128,9 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.mtp = None  # DeepSeek-V3's multi-token prediction (`common.mtp`)
         if config.num_nextn_predict_layers:
-            layer_ids = range(
-                config.num_layers, config.num_layers + config.num_nextn_predict_layers
+            self.mtp = MultiTokenPrediction(
+                config, lambda i: Block(i, config), lambda: _norm(config)
             )
-            self.mtp = nn.ModuleDict(
-                {str(i - config.num_layers): MTPLayer(i, config, Block(i, config), lambda: _norm(config))
-                 for i in layer_ids}
-            )  # fmt: skip
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -168,8 +164,8 @@ class Transformer(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers.values():
             layer.init_weights(std)
-        for layer in (self.mtp or {}).values():
-            layer.init_weights(std)
+        if self.mtp is not None:
+            self.mtp.init_weights(std)
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.config.tie_word_embeddings:

@@ -187,7 +187,7 @@ def _layers(config: TransformerConfig):
         yield f"layers.{i}.", f"model.layers.{i}.", i
     for k in range(config.num_nextn_predict_layers):
         i = config.num_layers + k
-        yield f"mtp.{k}.block.", f"model.layers.{i}.", i
+        yield f"mtp.layers.{i}.block.", f"model.layers.{i}.", i
 
 
 def name_map(config: TransformerConfig) -> dict[str, str]:
@@ -205,8 +205,8 @@ def name_map(config: TransformerConfig) -> dict[str, str]:
             own.update(_DENSE)
         names.update({ours + o: hf + h for o, h in own.items()})
     for k in range(config.num_nextn_predict_layers):
-        hf = f"model.layers.{config.num_layers + k}."
-        names.update({f"mtp.{k}.{o}": hf + h for o, h in _MTP.items()})
+        i = config.num_layers + k
+        names.update({f"mtp.layers.{i}.{o}": f"model.layers.{i}.{h}" for o, h in _MTP.items()})
     return names
 
 
