@@ -3,6 +3,7 @@ blocks and MTP gives transformers' logits and greedy tokens (fp32, random weight
 weights go to Hugging Face names and back unchanged (MTP layers included), the MTP loss
 is the formula, and what we do not build is refused by name."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -11,12 +12,17 @@ import torch.nn.functional as F
 import transformers
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
+from mindspeed_llm.data.collate import lm_batch
 from mindspeed_llm.generation import GenerationConfig, generate
 from mindspeed_llm.models import Transformer, TransformerConfig, build_model_config, get_model_spec
 from mindspeed_llm.models.common.layout import LayoutError, check_layout
+from mindspeed_llm.models.common.moe import moe_aux_loss
 from mindspeed_llm.models.common.mtp import mtp_loss
-from mindspeed_llm.train.build import build_model
+from mindspeed_llm.train.build import build_model, build_train_parts
+from mindspeed_llm.train.objectives import NextToken
+from mindspeed_llm.train.step import TrainStep
 
 ATOL = 1e-5
 VOCAB, SEQ = 512, 24
@@ -59,6 +65,15 @@ CASES = {
         }
     },
 }
+
+
+_MTP_DEBUG = dataclasses.replace(
+    build_model_config("deepseek_v3", "debug", ops_impl="reference"), num_nextn_predict_layers=2
+)
+
+
+def _inputs(batch):
+    return {k: batch[k] for k in ("position_ids", "cu_seqlens")} | {"tokens": batch["input_ids"]}
 
 
 def make_hf(**changes):
@@ -259,9 +274,8 @@ def test_mtp_loss_is_the_formula():
     assert model.mtp.layers["4"].eh_proj.weight.grad.abs().sum() > 0
 
 
-def test_mtp_layers_skipped_without_mtp_and_training_with_mtp_refused():
-    """A checkpoint's MTP layers load into a model without MTP (as transformers skips
-    them); the trainer refuses to train MTP, naming the field, and trains without it."""
+def test_mtp_layers_of_a_checkpoint_are_skipped_by_a_model_without_mtp():
+    """As transformers skips them: a checkpoint's MTP layers load into a model without MTP."""
     debug = build_model_config("deepseek_v3", "debug")
     with_mtp = dataclasses.replace(debug, num_nextn_predict_layers=1)
     adapter = get_model_spec("deepseek_v3").hf_adapter
@@ -269,9 +283,60 @@ def test_mtp_layers_skipped_without_mtp_and_training_with_mtp_refused():
     assert "model.layers.3.eh_proj.weight" in ckpt
     plain = adapter.from_hf(ckpt, debug)
     assert plain.keys() == Transformer(debug).state_dict().keys()
+
+
+def _packed_batch():
+    """Two rows of two documents each (EOD 7), some labels unsupervised."""
+    samples = torch.randint(8, VOCAB, (2, 13), generator=torch.Generator().manual_seed(5))
+    samples[0, 5] = samples[1, 8] = 7
+    batch = lm_batch(samples, 7)
+    batch["labels"] = batch["labels"].clone()  # a view of the samples, as input_ids
+    batch["labels"][0, 1] = batch["labels"][1, 9] = -100
+    return batch
+
+
+def test_packed_mtp_loss_is_that_of_the_documents_alone():
+    """In packed documents depth k at position i is supervised by labels[i + k] only when
+    position i + k is in the same document: the loss is the token-weighted mean of each
+    document's own loss (one MTP depth)."""
+    torch.manual_seed(0)
+    model = Transformer(dataclasses.replace(_MTP_DEBUG, num_nextn_predict_layers=1)).eval()
+    batch = _packed_batch()
+    with torch.no_grad():
+        model(**_inputs(batch), mtp_labels=batch["labels"])
+        packed = model.last_mtp_loss
+        nll, count = 0.0, 0
+        starts = batch["cu_seqlens"].tolist()
+        ids, labels = batch["input_ids"].flatten(), batch["labels"].flatten()
+        for start, end in zip(starts, starts[1:], strict=False):
+            doc, doc_labels = ids[None, start:end], labels[None, start:end]
+            model(doc, mtp_labels=doc_labels)
+            n = int((doc_labels[0, 1:] != -100).sum())  # depth 1 targets inside the document
+            nll, count = nll + model.last_mtp_loss * n, count + n
+    torch.testing.assert_close(packed, nll / count, atol=1e-6, rtol=1e-6)
+
+
+def test_training_step_adds_the_mtp_loss():
+    """The trainer's step backpropagates next-token mean + MTP loss (+ MoE aux) and
+    reports the MTP loss as a metric; the step's loss is the objective alone."""
+    config = dataclasses.replace(_MTP_DEBUG, router_aux_loss_coef=0.01)
     parallel = ParallelConfig()
     dims = parallel.dims(1).build("cpu")
-    with pytest.raises(ConfigError, match="num_nextn_predict_layers=1"):
-        build_model(with_mtp, dims, torch.device("cpu"), parallel=parallel, seq_len=8)
-    built = build_model(debug, dims, torch.device("cpu"), parallel=parallel, seq_len=8)
-    assert built.router is not None and built.model.mtp is None
+    built = build_model(config, dims, torch.device("cpu"), parallel=parallel, seq_len=12)
+    reference = copy.deepcopy(built.model)
+    parts = build_train_parts(built, OptimConfig(lr=1e-3, warmup_steps=0), total_steps=2)
+    step = TrainStep(parts, NextToken(), dims, clip_grad=0.0)
+    batch = _packed_batch()
+    result = step([batch])
+
+    logits = reference(**_inputs(batch), mtp_labels=batch["labels"])
+    nll = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+    mtp = reference.last_mtp_loss
+    (nll + mtp + moe_aux_loss(reference, config)).backward()
+    assert result.loss == pytest.approx(float(nll), abs=1e-6)
+    assert result.metrics["mtp_loss"] == pytest.approx(float(mtp), abs=1e-6)
+    grads = dict(reference.named_parameters())
+    for name, p in built.model.named_parameters():
+        if p.grad is not None or grads[name].grad is not None:
+            torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-6, rtol=0, msg=name)
+    assert built.model.mtp.layers["3"].eh_proj.weight.grad.abs().sum() > 0

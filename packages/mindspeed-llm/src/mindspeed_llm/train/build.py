@@ -105,13 +105,6 @@ def build_model(
         compile: torch.compile each block (after TP and recompute, before FSDP).
     """
     _check_offload(parallel, torch.device(device), "none" if frozen else ac)
-    if config.num_nextn_predict_layers and not frozen:
-        raise ConfigError(
-            f"model num_nextn_predict_layers={config.num_nextn_predict_layers}: training with "
-            "multi-token prediction is not supported yet (its loss is "
-            "mindspeed_llm.models.common.mtp.mtp_loss); override it to 0 to train without "
-            "MTP (a checkpoint's MTP layers are then skipped)"
-        )
     set_seed(seed, dims, vary_along=())
     spec = get_model_spec(config.family)
     with torch.device(device):

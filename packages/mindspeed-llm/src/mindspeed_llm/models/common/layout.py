@@ -91,16 +91,17 @@ def _check_experts(model_cfg: TransformerConfig, p: ParallelConfig, name) -> Non
 
 
 def _check_latent_attention(model_cfg: TransformerConfig, p: ParallelConfig, name) -> None:
-    """Multi-head latent attention and MTP have no tensor/context/pipeline parallel plan yet."""
+    """Multi-head latent attention has no tensor/context parallel plan yet; MTP modules
+    shift the sequence (no cp), sit after the last stage (no pp) and use the whole head."""
     if model_cfg.kv_lora_rank is not None and (p.tp > 1 or p.cp > 1):
         raise LayoutError(
             f"{name('tp')}={p.tp}, {name('cp')}={p.cp}: multi-head latent attention "
             "(kv_lora_rank) supports only tp=1 and cp=1 yet"
         )
-    if model_cfg.num_nextn_predict_layers and p.pp > 1:
+    if model_cfg.num_nextn_predict_layers and (p.tp > 1 or p.pp > 1 or p.cp > 1):
         raise LayoutError(
-            f"{name('pp')}={p.pp}: multi-token prediction (num_nextn_predict_layers) "
-            "supports only pp=1 yet"
+            f"{name('tp')}={p.tp}, {name('pp')}={p.pp}, {name('cp')}={p.cp}: multi-token "
+            "prediction (num_nextn_predict_layers) supports only tp=1, pp=1 and cp=1 yet"
         )
 
 

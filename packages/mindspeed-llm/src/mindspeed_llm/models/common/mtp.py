@@ -9,8 +9,16 @@ output, as DeepSeek's checkpoints are used by vLLM) and the embedding of token t
     logits^k_i = output(norm(h^k_i)) (the decoder's embedding and output are shared)
 
 and predicts token t_(i+1+k). The training loss adds mtp_loss_scale x the mean over
-modules of each module's mean cross-entropy (`mtp_loss`). Batches of packed documents are
-not supported: shifting by k would cross their boundaries.
+modules of each module's mean cross-entropy (`mtp_loss`). In packed documents depth k at
+position i is supervised by labels[i + k] only when position i + k is in the same
+document (as the main loss, its last position's label may be the next document's first
+token); the MTP blocks attend within documents, so the embeddings shifted across a
+boundary reach no supervised position.
+
+In training the decoder computes the loss inside its forward (`Transformer.forward(...,
+mtp_labels=labels)`, so FSDP has the shared embedding and head gathered) and keeps it in
+`last_mtp_loss`; the step adds `take_mtp_loss(model)` to the objective, as it adds the MoE
+router losses.
 """
 
 from __future__ import annotations
@@ -40,11 +48,18 @@ class MTPLayer(nn.Module):
         nn.init.normal_(self.eh_proj.weight, std=std)
         self.block.init_weights(std)
 
-    def forward(self, embedded: Tensor, hidden: Tensor, rope, position_ids: Tensor | None):
+    def forward(
+        self,
+        embedded: Tensor,
+        hidden: Tensor,
+        rope,
+        position_ids: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+    ) -> Tensor:
         """embedded: (batch, seq, hidden) embeddings of the tokens k ahead; hidden: the
         previous depth's (batch, seq, hidden) -> this depth's (batch, seq, hidden), pre-norm."""
         merged = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
-        return self.block(merged, rope, position_ids=position_ids)
+        return self.block(merged, rope, position_ids=position_ids, cu_seqlens=cu_seqlens)
 
 
 class MultiTokenPrediction(nn.Module):
@@ -72,7 +87,11 @@ def shift_left(t: Tensor, k: int, fill: int) -> Tensor:
 
 
 def mtp_hidden_states(
-    model: nn.Module, tokens: Tensor, hidden: Tensor, position_ids: Tensor | None = None
+    model: nn.Module,
+    tokens: Tensor,
+    hidden: Tensor,
+    position_ids: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> list[Tensor]:
     """Final-norm hidden states (batch, seq, hidden) of every MTP depth of `model` (a
     `Transformer` with `mtp`), from its tokens (batch, seq) and its final-norm `hidden`.
@@ -82,7 +101,7 @@ def mtp_hidden_states(
     out = []
     for k, layer in enumerate(model.mtp.layers.values(), start=1):
         embedded = model.tok_embeddings(shift_left(tokens, k, 0))
-        hidden = layer(embedded, hidden, rope, position_ids)
+        hidden = layer(embedded, hidden, rope, position_ids, cu_seqlens)
         out.append(layer.norm(hidden))
     return out
 
@@ -93,6 +112,7 @@ def mtp_loss(
     labels: Tensor,
     hidden: Tensor,
     position_ids: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """mtp_loss_scale x mean over depths k of the mean cross-entropy of token t_(i+1+k).
 
@@ -101,12 +121,33 @@ def mtp_loss(
         labels: (batch, seq) the next token at each position (-100: not supervised), as in
             the training batch; depth k's target at i is labels[:, i + k].
         hidden: (batch, seq, hidden) the decoder's final-norm output for `tokens`.
+        cu_seqlens: packed documents over the flattened batch * seq tokens.
     """
     losses = []
-    for k, h in enumerate(mtp_hidden_states(model, tokens, hidden, position_ids), start=1):
+    docs = None
+    if cu_seqlens is not None:  # (batch, seq) document index of every token
+        flat = torch.arange(tokens.numel(), device=tokens.device)
+        docs = torch.searchsorted(cu_seqlens[1:], flat, right=True).view_as(tokens)
+    states = mtp_hidden_states(model, tokens, hidden, position_ids, cu_seqlens)
+    for k, h in enumerate(states, start=1):
         logits = model.project(h).float()  # (batch, seq, vocab)
         target = shift_left(labels, k, IGNORE_INDEX)
-        losses.append(
-            F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX)
+        if docs is not None:  # the token k further on is another document's
+            target = target.masked_fill(shift_left(docs, k, -1) != docs, IGNORE_INDEX)
+        nll = F.cross_entropy(
+            logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
+        count = (target != IGNORE_INDEX).sum()
+        losses.append(nll / count.clamp(min=1))  # 0, not nan, where nothing is supervised
     return model.config.mtp_loss_scale * torch.stack(losses).mean()
+
+
+def take_mtp_loss(model: nn.Module) -> Tensor | None:
+    """The weighted MTP loss the last training forward of `model` kept (then forgotten),
+    or None (no MTP modules, or no forward with `mtp_labels` since the last take)."""
+    for module in model.modules():  # the decoder itself, or inside a wrapper
+        loss = getattr(module, "last_mtp_loss", None)
+        if loss is not None:
+            module.last_mtp_loss = None
+            return loss
+    return None
