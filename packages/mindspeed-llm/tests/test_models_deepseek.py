@@ -276,8 +276,8 @@ def test_mtp_loss_is_the_formula():
 
 def test_mtp_layers_of_a_checkpoint_are_skipped_by_a_model_without_mtp():
     """As transformers skips them: a checkpoint's MTP layers load into a model without MTP."""
-    debug = build_model_config("deepseek_v3", "debug")
-    with_mtp = dataclasses.replace(debug, num_nextn_predict_layers=1)
+    with_mtp = build_model_config("deepseek_v3", "debug")
+    debug = dataclasses.replace(with_mtp, num_nextn_predict_layers=0)
     adapter = get_model_spec("deepseek_v3").hf_adapter
     ckpt = adapter.to_hf(Transformer(with_mtp).state_dict(), with_mtp)
     assert "model.layers.3.eh_proj.weight" in ckpt

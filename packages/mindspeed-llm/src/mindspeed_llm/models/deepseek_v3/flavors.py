@@ -13,8 +13,7 @@ _DEEPSEEK = {
 """What every DeepSeek-V3 has: sigmoid routing, ungated shared experts, interleaved RoPE."""
 
 FLAVORS = {
-    # 3 blocks (the first dense), low-rank queries, 8 experts in 4 groups; no MTP module,
-    # so that it trains (the trainer refuses MTP yet; tests turn it on).
+    # 3 blocks (the first dense), low-rank queries, 8 experts in 4 groups, one MTP module.
     "debug": TransformerConfig(
         vocab_size=512,
         hidden_size=64,
@@ -36,6 +35,7 @@ FLAVORS = {
         topk_expert_groups=2,
         routed_scaling_factor=2.5,
         mlp_only_layers=(0,),
+        num_nextn_predict_layers=1,
         router_bias_update_rate=0.001,
         **_DEEPSEEK,
     ),
