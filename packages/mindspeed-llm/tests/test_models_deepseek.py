@@ -218,6 +218,7 @@ def test_config_round_trips_and_reads_v4_spelling():
         ("moe_layer_freq", 2),
         ("hidden_act", "gelu"),
         ("attention_bias", True),
+        ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]}),
     ],
 )
 def test_refuses_what_we_do_not_build(key, value):

@@ -44,6 +44,12 @@ def _check(hf: dict[str, Any]) -> None:
         )
     if hf.get("topk_method") not in _TOPK_METHODS:
         raise ConfigError(f"topk_method={hf['topk_method']!r} is not supported (only 'noaux_tc')")
+    if hf.get("quantization_config"):  # DeepSeek publishes block-wise fp8 weights
+        method = hf["quantization_config"].get("quant_method")
+        raise ConfigError(
+            f"quantization_config (quant_method={method!r}) is not supported: dequantize the "
+            "checkpoint to bf16 first (DeepSeek's fp8_cast_bf16.py)"
+        )
     if hf.get("moe_layer_freq", 1) != 1:
         raise ConfigError(f"moe_layer_freq={hf['moe_layer_freq']!r} is not supported (only 1)")
 
