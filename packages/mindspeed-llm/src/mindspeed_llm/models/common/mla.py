@@ -14,9 +14,10 @@ Per token (h: hidden state):
 The fused attention op and the KV cache want keys and values of one width, so values are
 padded with zeros to head_dim and the padding is cut from the output: the scores and the
 result are exact, and it costs (head_dim - v_head_dim) / v_head_dim more work in the
-probability-times-value product (a third for DeepSeek-V3's 192 vs 128), while every backend
-(SDPA/flash, npu_fusion_attention, our CPU kernel) and the cache work unchanged. Caching the
-latent instead (the memory win of MLA at inference) is left for later.
+probability-times-value product and the value cache (half as much again for DeepSeek-V3:
+192 vs 128), while every backend (SDPA/flash, npu_fusion_attention, our CPU kernel) and
+the cache work unchanged. Caching the latent instead (the memory win of MLA at inference)
+is left for later.
 
 The latent norms use epsilon 1e-6 whatever `norm_eps` is, as DeepSeek's checkpoints were
 trained with (transformers builds them with the default too).
