@@ -63,3 +63,25 @@ def test_an_ep2_checkpoint_resumes_in_one_process(
 def test_ep_not_dividing_the_data_ranks_is_one_line(pretrain_cli, tmp_path):
     done = pretrain_cli(tmp_path / "run", *MIXTRAL, "--parallel.ep=2")
     pretrain._assert_user_error(done, "ep=2 must divide dp_shard x cp = 1", tmp_path=tmp_path)
+
+
+DEEPSEEK = ["--model.family=deepseek_v3", "--model.flavor=debug", f"--train.steps={STEPS}"]
+
+
+def test_deepseek_v3_trains_with_mtp_and_ep2_gives_one_process_losses(torchrun, tmp_path):
+    """The debug DeepSeek-V3 (latent attention, grouped sigmoid routing with the aux-free
+    bias, one MTP module) trains through the CLI: the loss falls, the MTP loss and the
+    expert loads of its 2 MoE blocks and the MTP block reach metrics.jsonl; experts over
+    ep=2 (MTP block's too, FSDP over the rest) give one process's losses."""
+    one = torchrun(1, tmp_path / "one", *DEEPSEEK)
+    losses = pretrain._losses(one)
+    assert sorted(losses) == list(range(1, STEPS + 1)) and losses[STEPS] < losses[1]
+    for record in one:
+        if "loss" in record:
+            assert 0 < record["mtp_loss"] < 0.1 * 7  # mtp_loss_scale 0.1 x CE over 512 tokens
+            assert len(record["moe_load"]) == 3 and len(record["moe_load"][0]) == 8
+    ep2 = torchrun(2, tmp_path / "ep2", *DEEPSEEK, "--parallel.ep=2")
+    for key in ("loss", "mtp_loss"):
+        pretrain._assert_close(
+            pretrain._losses(ep2, key), pretrain._losses(one, key), range(1, STEPS + 1)
+        )

@@ -8,12 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 
 from mindspeed_core.checkpoint import steps
 from mindspeed_core.checkpoint.verify import read_metadata
 from mindspeed_core.cli import run as cli
 from mindspeed_core.testing import import_sibling, run_distributed
-from mindspeed_llm.models import checkpoint_io, hf_io
+from mindspeed_llm.models import (
+    Transformer,
+    TransformerConfig,
+    checkpoint_io,
+    get_model_spec,
+    hf_io,
+)
 from mindspeed_llm.models.loading import load_model
 from mindspeed_tools.convert import hf_to_mindspeed, mindspeed_to_hf, parse_size
 
@@ -44,6 +51,25 @@ MOE = {
     "qwen2_moe": (
         "Qwen2MoeConfig",
         {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+    ),
+    # latent attention (low-rank q), 8 experts in 4 groups, the first block dense
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            "num_hidden_layers": 3,
+            "first_k_dense_replace": 1,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 8,
+            "n_group": 4,
+            "topk_group": 2,
+            "moe_intermediate_size": 32,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 12,
+            "num_nextn_predict_layers": 0,
+        },
     ),
 }
 
@@ -87,11 +113,15 @@ def _same_config(a: Path, b: Path):
         ("mistral-window", None),
         ("mixtral", "40KB"),
         ("qwen2_moe", None),
+        ("deepseek_v3", "40KB"),
         ("phi3", "40KB"),  # fused qkv_proj / gate_up_proj, split and fused again
         ("gemma2", None),  # post norms, tied, soft caps, alternating windows
         ("gemma3", None),  # a second RoPE for the windowed blocks
         ("glm4", "40KB"),
-        ("internlm3", None),  # Llama's tensors under its own model type  # renamed norms, fused gate_up, q/k rows permuted for partial RoPE
+        (
+            "internlm3",
+            None,
+        ),  # Llama's tensors under its own model type  # renamed norms, fused gate_up, q/k rows permuted for partial RoPE
     ],
 )
 def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):
@@ -394,3 +424,32 @@ def test_a_full_disk_is_one_line_and_a_killed_converts_temporaries_go(
         code, err = _cli(capsys, "--input", ours, "--output", tmp_path / "back", "--to", "hf")
     assert code == 2 and "no space left on device" in err and "\n" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-llama", "ours"]
+
+
+def test_deepseek_v3_mtp_layers_convert_and_come_back(tmp_path):
+    """DeepSeek's published layout puts MTP module k at model.layers.{num_hidden_layers + k}
+    (transformers drops it); both conversions keep it, bit-identical, and it loads."""
+    _, src = _hf_dir(tmp_path, "deepseek_v3", shard="40KB")
+    hf_config = json.loads((src / "config.json").read_text())
+    hf_config["num_nextn_predict_layers"] = 1
+    (src / "config.json").write_text(json.dumps(hf_config))
+    config = TransformerConfig.from_hf(hf_config)
+    main = dict(hf_io.iter_hf_tensors(src))
+    torch.manual_seed(1)
+    drawn = get_model_spec("deepseek_v3").hf_adapter.to_hf(Transformer(config).state_dict(), config)
+    mtp = {k: v for k, v in drawn.items() if k.startswith("model.layers.3.")}
+    mtp["model.layers.3.embed_tokens.weight"] = main["model.embed_tokens.weight"]
+    mtp["model.layers.3.shared_head.head.weight"] = main["lm_head.weight"]
+    save_file(mtp, src / "model-mtp.safetensors")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    ours = hf_to_mindspeed(src, tmp_path / "ours")
+    back = mindspeed_to_hf(ours, tmp_path / "back", max_shard_size=parse_size("50KB"))
+    expected, got = dict(hf_io.iter_hf_tensors(src)), dict(hf_io.iter_hf_tensors(back))
+    assert got.keys() == expected.keys() and "model.layers.3.eh_proj.weight" in got
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name
+    model, _ = load_model(ours, dtype=torch.float32)
+    assert torch.equal(model.mtp.layers["3"].eh_proj.weight, mtp["model.layers.3.eh_proj.weight"])

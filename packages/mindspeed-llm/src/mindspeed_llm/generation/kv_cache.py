@@ -51,7 +51,14 @@ class KVCache:
     def for_model(cls, model: nn.Module, batch: int, max_len: int) -> KVCache:
         """A cache shaped for `model` (a `Transformer`, whole or tensor parallel)."""
         config = model.config
-        wk = next(iter(model.layers.values())).attention.wk
+        attention = next(iter(model.layers.values())).attention
+        if hasattr(attention, "kv_cache_layout"):  # e.g. latent attention: its own widths
+            heads, head_dim, dtype, device = attention.kv_cache_layout()
+            return cls(
+                num_layers=config.num_layers, batch=batch, max_len=max_len,
+                num_kv_heads=heads, head_dim=head_dim, dtype=dtype, device=device,
+            )  # fmt: skip
+        wk = attention.wk
         local = dtensor.local(wk.weight)
         # An int8 weight-only layer (`generation.quantize`) computes in its scale's dtype.
         dtype = local.dtype if local.is_floating_point() else wk.scale.dtype

@@ -11,6 +11,7 @@ Each family folder holds `flavors.py` (named sizes) and `hf.py` (its Hugging Fac
 """
 
 from mindspeed_llm.models import (
+    deepseek_v3,
     gemma2,
     gemma3,
     glm4,
@@ -35,7 +36,21 @@ from mindspeed_llm.models.registry import (
     unregister_model,
 )
 
-for _family in (llama, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, phi3, gemma2, gemma3, glm4, internlm3):
+for _family in (
+    llama,
+    qwen2,
+    qwen3,
+    mistral,
+    mixtral,
+    qwen2_moe,
+    qwen3_moe,
+    phi3,
+    gemma2,
+    gemma3,
+    glm4,
+    internlm3,
+    deepseek_v3,
+):
     register_model(_family.SPEC)
 
 __all__ = [

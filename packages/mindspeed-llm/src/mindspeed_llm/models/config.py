@@ -147,6 +147,38 @@ class TransformerConfig:
     full_attention_layers: tuple[int, ...] = ()
     """With `sliding_window`: blocks that attend to every earlier key (Gemma 2's odd
     blocks); the others slide."""
+    q_lora_rank: int | None = None
+    """Multi-head latent attention (`kv_lora_rank` set): width of the low-rank query
+    (q_a_proj -> RMSNorm -> q_b_proj); None: one full-rank q projection (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int | None = None
+    """Width of the compressed key/value latent of multi-head latent attention (DeepSeek-V2/V3);
+    None: ordinary attention. With it, `head_dim` is qk_nope_head_dim + qk_rope_head_dim."""
+    qk_nope_head_dim: int | None = None
+    """MLA: channels of each query/key head without RoPE (expanded from the latent)."""
+    qk_rope_head_dim: int | None = None
+    """MLA: channels of each query/key head that RoPE rotates (the key's are one head shared
+    by all heads)."""
+    v_head_dim: int | None = None
+    """MLA: channels of each value head (may differ from head_dim)."""
+    rope_interleaved: bool = False
+    """RoPE rotates interleaved channel pairs (2i, 2i + 1) instead of (i, i + dim / 2):
+    DeepSeek-V3's `rope_interleave`; only with MLA."""
+    num_expert_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): experts form this many groups and each
+    token chooses experts only from its `topk_expert_groups` best groups (a group's score:
+    the sum of its two best biased scores). 1: no grouping. Sigmoid routers only."""
+    topk_expert_groups: int = 1
+    """Groups each token may route to (DeepSeek-V3's topk_group)."""
+    routed_scaling_factor: float = 1.0
+    """Routing weights times this after the optional renormalisation (DeepSeek-V3: 2.5)."""
+    shared_expert_gated: bool = True
+    """The shared expert's output passes a sigmoid gate (Qwen2-MoE); False: added as is
+    (DeepSeek's shared experts)."""
+    num_nextn_predict_layers: int = 0
+    """Multi-token prediction modules after the decoder (DeepSeek-V3: 1): module k predicts
+    token t + 1 + k from the main model's hidden state and the embedding of token t + k."""
+    mtp_loss_scale: float = 0.1
+    """Weight of the mean multi-token-prediction loss over modules in the training loss."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     ops_impl: str = "auto"
@@ -203,6 +235,7 @@ class TransformerConfig:
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
         self._check_gemma()
         self._check_moe()
+        self._check_mla()
 
     def _check_gemma(self) -> None:
         if self.hidden_act not in _ACTS:
@@ -249,6 +282,80 @@ class TransformerConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a number >= 0")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(f"capacity_factor={self.capacity_factor!r} must be > 0 or None")
+        self._check_expert_groups()
+
+    def _check_expert_groups(self) -> None:
+        _check_positive_int("num_expert_groups", self.num_expert_groups)
+        _check_positive_int("topk_expert_groups", self.topk_expert_groups)
+        groups, chosen = self.num_expert_groups, self.topk_expert_groups
+        if self.num_experts % groups:
+            raise ConfigError(
+                f"num_expert_groups={groups} must divide num_experts={self.num_experts}"
+            )
+        if chosen > groups:
+            raise ConfigError(f"topk_expert_groups={chosen} exceeds num_expert_groups={groups}")
+        if groups > 1 and self.router_score != "sigmoid":
+            raise ConfigError(f"num_expert_groups={groups} needs router_score='sigmoid'")
+        if groups > 1 and self.num_experts // groups < 2:
+            raise ConfigError(
+                f"num_expert_groups={groups} leaves fewer than 2 experts per group "
+                f"(num_experts={self.num_experts}); a group's score sums its best two"
+            )
+        if chosen * (self.num_experts // groups) < self.num_experts_per_tok:
+            raise ConfigError(
+                f"topk_expert_groups={chosen} groups of {self.num_experts // groups} experts "
+                f"hold fewer than num_experts_per_tok={self.num_experts_per_tok}"
+            )
+        if not isinstance(self.routed_scaling_factor, int | float) or not (
+            self.routed_scaling_factor > 0
+        ):
+            raise ConfigError(
+                f"routed_scaling_factor={self.routed_scaling_factor!r} must be a positive number"
+            )
+
+    def _check_mla(self) -> None:
+        mla = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.kv_lora_rank is None:
+            others = [n for n in ("q_lora_rank", *mla) if getattr(self, n) is not None]
+            if others or self.rope_interleaved:
+                raise ConfigError(
+                    f"{(others or ['rope_interleaved'])[0]} needs kv_lora_rank (multi-head "
+                    "latent attention)"
+                )
+        else:
+            for name in ("kv_lora_rank", *mla):
+                _check_positive_int(name, getattr(self, name))
+            if self.q_lora_rank is not None:
+                _check_positive_int("q_lora_rank", self.q_lora_rank)
+            if self.v_head_dim > self.head_dim:
+                raise ConfigError(
+                    f"v_head_dim={self.v_head_dim} larger than qk_nope_head_dim + "
+                    f"qk_rope_head_dim={self.head_dim} is not supported"
+                )
+            if self.qk_rope_head_dim % 2:
+                raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
+            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
+                raise ConfigError(
+                    f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
+                    f"{self.qk_nope_head_dim + self.qk_rope_head_dim} with kv_lora_rank"
+                )
+            if self.num_kv_heads != self.num_heads:
+                raise ConfigError(
+                    f"num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads} "
+                    "with kv_lora_rank (latent attention expands keys for every head)"
+                )
+        if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:
+            raise ConfigError(
+                f"num_nextn_predict_layers={self.num_nextn_predict_layers!r} must be an integer >= 0"
+            )
+        if not isinstance(self.mtp_loss_scale, int | float) or self.mtp_loss_scale < 0:
+            raise ConfigError(f"mtp_loss_scale={self.mtp_loss_scale!r} must be a number >= 0")
+
+    @property
+    def rope_head_dim(self) -> int:
+        """Channels of a head that the RoPE tables cover: qk_rope_head_dim with latent
+        attention, head_dim otherwise."""
+        return self.qk_rope_head_dim if self.kv_lora_rank is not None else self.head_dim
 
     @property
     def num_rows(self) -> int:

@@ -29,6 +29,7 @@ from mindspeed_core.parallel import ParallelDims, build_pipeline_schedule, loss_
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import Batch, concat_batches, shard_context_parallel, split_batch
 from mindspeed_llm.models.common.moe import moe_aux_loss
+from mindspeed_llm.models.common.mtp import take_mtp_loss
 from mindspeed_llm.models.common.parallelize import tied_embedding_grads
 from mindspeed_llm.train.build import TrainParts
 from mindspeed_llm.train.objectives import LossOutput, Objective
@@ -94,6 +95,8 @@ class TrainStep:
                 scale_grads=False,  # the loss is already normalised over the whole step
             )
         self._pp: dict = {}
+        # MTP losses of the step's micro-batches (None: the model has no MTP modules)
+        self._mtp = [] if self.model.config.num_nextn_predict_layers else None
         # tied embeddings under pp: the first and last stage's copies sum their gradients
         self._tied = tied_embedding_grads(self.model.parts, dims)
 
@@ -113,6 +116,7 @@ class TrainStep:
         loss, metrics = self._reduce(loss_sum, sums, units)
         metrics = self.objective.finish_metrics(metrics, units)
         metrics.update(self._router_step())
+        metrics.update(self._mtp_step())
         grad_norm = self._optimizer_step(loss)
         return StepResult(loss, grad_norm, units, int(tokens), metrics)
 
@@ -154,16 +158,21 @@ class TrainStep:
 
     # -- forward and backward -------------------------------------------------------
 
-    def _forward(self, batch: Batch):
-        """The objective's output on `batch` (this rank's context-parallel share)."""
+    def _forward(self, batch: Batch, *, train: bool = False):
+        """The objective's output on `batch` (this rank's context-parallel share); in
+        training a model with MTP modules also gets the labels (see `_aux_loss`)."""
         batch = _to(batch, self.model.device)
         targets = self.objective.targets(batch)
         if self.dims.cp > 1:
             batch, targets = shard_context_parallel(
                 batch, self.dims.rank("cp"), self.dims.cp, targets
             )
+        mtp = {"mtp_labels": batch["labels"]} if train and self._mtp is not None else {}
         outputs = self.model.model(
-            batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"]
+            batch["input_ids"],
+            position_ids=batch["position_ids"],
+            cu_seqlens=batch["cu_seqlens"],
+            **mtp,
         )
         return self.objective.loss(outputs, targets, self.model.loss)
 
@@ -173,7 +182,7 @@ class TrainStep:
         scaler = self.parts.scaler
         for batch in micro_batches:
             with self._compute_context():
-                out = self._forward(batch)
+                out = self._forward(batch, train=True)
                 objective = out.loss_sum * weight
                 aux = self._aux_loss()
                 if aux is not None:  # the model's own loss, per micro-batch as before
@@ -274,13 +283,30 @@ class TrainStep:
     # -- the model's side -----------------------------------------------------------
 
     def _aux_loss(self) -> torch.Tensor | None:
-        """MoE: the router losses of the forward just run (added to the loss, not
-        reported in it), after noting its expert loads."""
-        if self.model.router is None:
-            return None
-        aux = moe_aux_loss(self.model.model, self.model.config)
-        self.model.router.observe(aux)
+        """The model's own losses of the forward just run (added to the loss, not
+        reported in it): MoE router losses, after noting the expert loads; the MTP loss
+        (DeepSeek-V3), noted for its metric."""
+        aux = None
+        if self.model.router is not None:
+            aux = moe_aux_loss(self.model.model, self.model.config)
+            self.model.router.observe(aux)
+        mtp = take_mtp_loss(self.model.model) if self._mtp is not None else None
+        if mtp is not None:
+            self._mtp.append(mtp.detach().float())
+            aux = mtp if aux is None else aux + mtp
         return aux
+
+    def _mtp_step(self) -> dict:
+        """MTP: the mean weighted MTP loss of the step's micro-batches over the loss ranks."""
+        if not self._mtp:
+            return {}
+        value = torch.stack(self._mtp).mean()
+        self._mtp.clear()
+        mesh = self.dims.mesh("loss")
+        if mesh is not None:
+            dist.all_reduce(value, group=mesh.get_group())
+            value = value / mesh.size()
+        return {"mtp_loss": float(value)}
 
     def _router_step(self) -> dict:
         """MoE: expert-load metrics of the step over every data rank; updates the

@@ -49,6 +49,7 @@ def check_layout(
     name = flag.format
     _check_degrees(parallel, name)
     _check_experts(model_cfg, parallel, name)
+    _check_latent_attention(model_cfg, parallel, name)
     _check_tensor_parallel(model_cfg, parallel.tp, name)
     _check_context_parallel(model_cfg, parallel, seq_len, name)
     return _check_pipeline(model_cfg, parallel, recompute, name)
@@ -86,6 +87,21 @@ def _check_experts(model_cfg: TransformerConfig, p: ParallelConfig, name) -> Non
     if p.ep > 1 and p.dp_replicate > 1:
         raise LayoutError(
             f"{name('ep')}={p.ep} with {name('dp_replicate')}={p.dp_replicate} is not supported yet"
+        )
+
+
+def _check_latent_attention(model_cfg: TransformerConfig, p: ParallelConfig, name) -> None:
+    """Multi-head latent attention has no tensor/context parallel plan yet; MTP modules
+    shift the sequence (no cp), sit after the last stage (no pp) and use the whole head."""
+    if model_cfg.kv_lora_rank is not None and (p.tp > 1 or p.cp > 1):
+        raise LayoutError(
+            f"{name('tp')}={p.tp}, {name('cp')}={p.cp}: multi-head latent attention "
+            "(kv_lora_rank) supports only tp=1 and cp=1 yet"
+        )
+    if model_cfg.num_nextn_predict_layers and (p.tp > 1 or p.pp > 1 or p.cp > 1):
+        raise LayoutError(
+            f"{name('tp')}={p.tp}, {name('pp')}={p.pp}, {name('cp')}={p.cp}: multi-token "
+            "prediction (num_nextn_predict_layers) supports only tp=1, pp=1 and cp=1 yet"
         )
 
 

@@ -51,7 +51,8 @@ class Router(nn.Module):
 
     With sigmoid scores a non-learned `expert_bias` buffer is added to the scores for
     choosing experts only (aux-loss-free balancing); `update_bias` moves it toward
-    balance after each step.
+    balance after each step. DeepSeek-V3 also limits each token to its `topk_groups` best
+    groups of experts and scales the weights by `scaling`.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -60,6 +61,8 @@ class Router(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.score = config.router_score
         self.norm_topk_prob = config.norm_topk_prob
+        self.num_groups, self.topk_groups = config.num_expert_groups, config.topk_expert_groups
+        self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         if self.score == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(config.num_experts))
@@ -78,11 +81,25 @@ class Router(nn.Module):
         else:
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(dim=-1, keepdim=True)
-            _, indices = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
+            choice = self._limit_groups(scores + self.expert_bias)
+            _, indices = torch.topk(choice, self.top_k, dim=-1)
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scaling != 1.0:
+            weights = weights * self.scaling
         return indices, weights.to(x.dtype), probs, logits
+
+    def _limit_groups(self, choice: Tensor) -> Tensor:
+        """Choice scores (tokens, experts) with every expert outside the token's
+        `topk_groups` best groups set to -inf; a group's score is the sum of its two best."""
+        if self.num_groups == 1:
+            return choice
+        grouped = choice.view(choice.shape[0], self.num_groups, -1)  # (tokens, groups, per group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (tokens, groups)
+        best = group_scores.topk(self.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: Tensor, rate: float) -> None:
@@ -139,7 +156,8 @@ class MoE(nn.Module):
             self.shared_expert = FeedForward(
                 config.hidden_size, config.shared_expert_intermediate_size, impl=config.ops_impl
             )
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            if config.shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         self.last_stats: RouterStats | None = None
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -147,6 +165,7 @@ class MoE(nn.Module):
         self.experts.init_weights(std, out_std)
         if self.shared_expert is not None:
             self.shared_expert.init_weights(std, out_std)
+        if self.shared_expert_gate is not None:
             nn.init.normal_(self.shared_expert_gate.weight, std=std)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -165,8 +184,10 @@ class MoE(nn.Module):
         routed = self.experts(x[kept // self.top_k], counts)  # (kept, hidden)
         out = x.new_zeros(flat.numel(), shape[-1]).index_copy(0, kept, routed)
         out = (out.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:  # DeepSeek: shared experts without a gate
+            out = out + self.shared_expert(x)
         self.last_stats = RouterStats(
             tokens_per_expert=counts_all.detach().float(),
             prob_per_expert=probs.mean(dim=0),

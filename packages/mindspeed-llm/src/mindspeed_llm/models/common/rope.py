@@ -59,9 +59,10 @@ def _yarn(dim: int, base: float, scaling: dict) -> Tensor:
 
 
 def inv_frequencies(config: TransformerConfig) -> Tensor:
-    """fp32 (head_dim // 2,) inverse frequencies after scaling; with a partial
-    `rotary_dim`, those of a rotary_dim-wide RoPE followed by zeros (pairs left as they are)."""
-    full = config.head_dim
+    """fp32 (rope_head_dim // 2,) inverse frequencies after scaling (rope_head_dim: head_dim,
+    or qk_rope_head_dim with latent attention); with a partial `rotary_dim`, those of a
+    rotary_dim-wide RoPE followed by zeros (pairs left as they are)."""
+    full = config.rope_head_dim
     if config.rotary_dim is not None and config.rotary_dim < full:
         partial = _scaled_inv_freq(config.rotary_dim, config.rope_theta, config.rope_scaling)
         return torch.cat([partial, partial.new_zeros((full - config.rotary_dim) // 2)])
@@ -99,7 +100,8 @@ def attention_factor(config: TransformerConfig) -> float:
 def rope_tables(
     config: TransformerConfig, device: torch.device | str | None = None
 ) -> tuple[Tensor, Tensor]:
-    """fp32 cos and sin, each (max_position_embeddings, head_dim // 2), for `rotary_embedding`."""
+    """fp32 cos and sin, each (max_position_embeddings, rope_head_dim // 2), for
+    `rotary_embedding`."""
     inv_freq = inv_frequencies(config).to(device)
     positions = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
     angles = positions[:, None] * inv_freq[None, :]  # (positions, head_dim // 2)

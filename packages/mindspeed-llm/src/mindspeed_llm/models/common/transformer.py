@@ -18,7 +18,9 @@ from torch.distributed.tensor import DTensor
 from mindspeed_core.checkpoint.saved import SavedParam
 from mindspeed_llm.models.common.attention import Attention, RopeTables
 from mindspeed_llm.models.common.feed_forward import FeedForward
+from mindspeed_llm.models.common.mla import MultiLatentAttention
 from mindspeed_llm.models.common.moe import MoE
+from mindspeed_llm.models.common.mtp import MultiTokenPrediction, mtp_loss
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.common.rope import rope_tables
 from mindspeed_llm.models.config import TransformerConfig
@@ -35,7 +37,9 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = _norm(config)
-        self.attention = Attention(config, layer_id)
+        # DeepSeek-V2/V3: multi-head latent attention
+        mla = config.kv_lora_rank is not None
+        self.attention = (MultiLatentAttention if mla else Attention)(config, layer_id)
         self.ffn_norm = _norm(config)
         self.feed_forward = (
             MoE(config)
@@ -122,6 +126,12 @@ class Transformer(nn.Module):
         self.output = nn.Linear(config.hidden_size, config.num_rows, bias=False)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.mtp = None  # DeepSeek-V3's multi-token prediction (`common.mtp`)
+        self.last_mtp_loss: Tensor | None = None
+        if config.num_nextn_predict_layers:
+            self.mtp = MultiTokenPrediction(
+                config, lambda i: Block(i, config), lambda: _norm(config)
+            )
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -155,6 +165,8 @@ class Transformer(nn.Module):
             nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers.values():
             layer.init_weights(std)
+        if self.mtp is not None:
+            self.mtp.init_weights(std)
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.output is not None and not self.config.tie_word_embeddings:
@@ -169,6 +181,7 @@ class Transformer(nn.Module):
         kv_cache: KVCache | None = None,
         logits_to_keep: int = 0,
         return_hidden: bool = False,
+        mtp_labels: Tensor | None = None,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -186,6 +199,10 @@ class Transformer(nn.Module):
                 prefill needs one, not seq x vocab); 0: every position.
             return_hidden: return the final-norm hidden states (batch, seq, hidden)
                 instead of logits; `project` turns chosen positions into logits.
+            mtp_labels: training a model with MTP modules: the batch's (batch, seq)
+                labels; the forward also runs the MTP modules and keeps their weighted
+                loss in `last_mtp_loss` (`common.mtp.take_mtp_loss`), as MoE keeps its
+                router statistics, so the return value stays the logits.
 
         Returns:
             (batch, seq, vocab_size) logits (vocab-sharded DTensor under loss parallel).
@@ -223,6 +240,8 @@ class Transformer(nn.Module):
             kv_cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
+        if mtp_labels is not None and self.mtp is not None:
+            self.last_mtp_loss = mtp_loss(self, tokens, mtp_labels, h, position_ids, cu_seqlens)
         if return_hidden:
             return h
         if logits_to_keep:

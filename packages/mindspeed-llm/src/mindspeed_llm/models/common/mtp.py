@@ -1,0 +1,153 @@
+"""Multi-token prediction (DeepSeek-V3): extra modules that predict tokens further ahead.
+
+Module k (1-based, `config.num_nextn_predict_layers` of them, in sequence) sees, at
+position i, the previous depth's hidden state h^(k-1)_i (h^0: the decoder's final-norm
+output, as DeepSeek's checkpoints are used by vLLM) and the embedding of token t_(i+k):
+
+    h'_i = eh_proj([enorm(embed(t_(i+k))); hnorm(h^(k-1)_i)])
+    h^k  = block(h')                 (a decoder block, causal over positions)
+    logits^k_i = output(norm(h^k_i)) (the decoder's embedding and output are shared)
+
+and predicts token t_(i+1+k). The training loss adds mtp_loss_scale x the mean over
+modules of each module's mean cross-entropy (`mtp_loss`). In packed documents depth k at
+position i is supervised by labels[i + k] only when position i + k is in the same
+document (as the main loss, its last position's label may be the next document's first
+token); the MTP blocks attend within documents, so the embeddings shifted across a
+boundary reach no supervised position.
+
+In training the decoder computes the loss inside its forward (`Transformer.forward(...,
+mtp_labels=labels)`, so FSDP has the shared embedding and head gathered) and keeps it in
+`last_mtp_loss`; the step adds `take_mtp_loss(model)` to the objective, as it adds the MoE
+router losses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mindspeed_llm.models.config import TransformerConfig
+
+IGNORE_INDEX = -100
+
+
+class MTPLayer(nn.Module):
+    """One prediction depth: its two input norms, the merge projection, a decoder block
+    (numbered `layer_id`, after the decoder's) and its own final norm."""
+
+    def __init__(self, layer_id: int, config: TransformerConfig, block: nn.Module, norm):
+        super().__init__()
+        self.enorm, self.hnorm, self.norm = norm(), norm(), norm()
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.block = block
+
+    def init_weights(self, std: float) -> None:
+        for n in (self.enorm, self.hnorm, self.norm):
+            n.reset_parameters()
+        nn.init.normal_(self.eh_proj.weight, std=std)
+        self.block.init_weights(std)
+
+    def forward(
+        self,
+        embedded: Tensor,
+        hidden: Tensor,
+        rope,
+        position_ids: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+    ) -> Tensor:
+        """embedded: (batch, seq, hidden) embeddings of the tokens k ahead; hidden: the
+        previous depth's (batch, seq, hidden) -> this depth's (batch, seq, hidden), pre-norm."""
+        merged = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
+        return self.block(merged, rope, position_ids=position_ids, cu_seqlens=cu_seqlens)
+
+
+class MultiTokenPrediction(nn.Module):
+    """The MTP modules, `layers` keyed by their block number (num_layers + k, DeepSeek's
+    numbering), so that each module's tensors group with the checkpoint's layer."""
+
+    def __init__(self, config: TransformerConfig, block, norm):
+        super().__init__()
+        first = config.num_layers
+        self.layers = nn.ModuleDict(
+            {
+                str(i): MTPLayer(i, config, block(i), norm)
+                for i in range(first, first + config.num_nextn_predict_layers)
+            }
+        )
+
+    def init_weights(self, std: float) -> None:
+        for layer in self.layers.values():
+            layer.init_weights(std)
+
+
+def shift_left(t: Tensor, k: int, fill: int) -> Tensor:
+    """(batch, seq) -> t[:, k:] followed by k columns of `fill`."""
+    return torch.cat([t[:, k:], t.new_full((t.shape[0], k), fill)], dim=1)
+
+
+def mtp_hidden_states(
+    model: nn.Module,
+    tokens: Tensor,
+    hidden: Tensor,
+    position_ids: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+) -> list[Tensor]:
+    """Final-norm hidden states (batch, seq, hidden) of every MTP depth of `model` (a
+    `Transformer` with `mtp`), from its tokens (batch, seq) and its final-norm `hidden`.
+    At depth k the last k positions have no token k ahead (they see token 0); their
+    outputs are meaningless and `mtp_loss` ignores them."""
+    rope = (model.rope_cos, model.rope_sin)
+    out = []
+    for k, layer in enumerate(model.mtp.layers.values(), start=1):
+        embedded = model.tok_embeddings(shift_left(tokens, k, 0))
+        hidden = layer(embedded, hidden, rope, position_ids, cu_seqlens)
+        out.append(layer.norm(hidden))
+    return out
+
+
+def mtp_loss(
+    model: nn.Module,
+    tokens: Tensor,
+    labels: Tensor,
+    hidden: Tensor,
+    position_ids: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
+    """mtp_loss_scale x mean over depths k of the mean cross-entropy of token t_(i+1+k).
+
+    Args:
+        tokens: (batch, seq) input ids.
+        labels: (batch, seq) the next token at each position (-100: not supervised), as in
+            the training batch; depth k's target at i is labels[:, i + k].
+        hidden: (batch, seq, hidden) the decoder's final-norm output for `tokens`.
+        cu_seqlens: packed documents over the flattened batch * seq tokens.
+    """
+    losses = []
+    docs = None
+    if cu_seqlens is not None:  # (batch, seq) document index of every token
+        flat = torch.arange(tokens.numel(), device=tokens.device)
+        docs = torch.searchsorted(cu_seqlens[1:], flat, right=True).view_as(tokens)
+    states = mtp_hidden_states(model, tokens, hidden, position_ids, cu_seqlens)
+    for k, h in enumerate(states, start=1):
+        logits = model.project(h).float()  # (batch, seq, vocab)
+        target = shift_left(labels, k, IGNORE_INDEX)
+        if docs is not None:  # the token k further on is another document's
+            target = target.masked_fill(shift_left(docs, k, -1) != docs, IGNORE_INDEX)
+        nll = F.cross_entropy(
+            logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        count = (target != IGNORE_INDEX).sum()
+        losses.append(nll / count.clamp(min=1))  # 0, not nan, where nothing is supervised
+    return model.config.mtp_loss_scale * torch.stack(losses).mean()
+
+
+def take_mtp_loss(model: nn.Module) -> Tensor | None:
+    """The weighted MTP loss the last training forward of `model` kept (then forgotten),
+    or None (no MTP modules, or no forward with `mtp_labels` since the last take)."""
+    for module in model.modules():  # the decoder itself, or inside a wrapper
+        loss = getattr(module, "last_mtp_loss", None)
+        if loss is not None:
+            module.last_mtp_loss = None
+            return loss
+    return None
