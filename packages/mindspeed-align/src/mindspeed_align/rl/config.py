@@ -61,6 +61,11 @@ class GRPOSection:
     """Dual-clip constant c > 1 for negative advantages (verl: 3.0); None: off."""
     kl_coef: float = 0.0
     """KL penalty in the loss against the starting model (0: no reference is built)."""
+    recompute_old_logps: bool = False
+    """Old log-probs of the ratio from a teacher-forced forward before the step (verl's
+    recompute); false: the training forward's own, detached (TRL's on-policy shortcut: one
+    update per rollout gives the same numbers with one forward fewer). The rollout/trainer
+    mismatch is measured either way."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: str = "token-mean"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
@@ -177,6 +182,9 @@ class PPOSection(GRPOSection):
     `use_kl_in_reward`); false: add it to the policy loss, as GRPO does."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """k1 = logp - ref_logp per token in the reward (TRL's PPO)."""
+    recompute_old_logps: bool = True
+    """PPO scores the KL of the reward with the old log-probs before the step, so they are
+    recomputed (false is refused with ppo.kl_in_reward and a ppo.kl_coef)."""
     whiten_advantages: bool = True
     """GAE advantages whitened over every response token of the step (all ranks)."""
     warmup_steps: int = 150
@@ -185,6 +193,9 @@ class PPOSection(GRPOSection):
         super().__post_init__()
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ConfigError(f"ppo.gamma={self.gamma} and ppo.lam={self.lam} must be in [0, 1]")
+        if self.kl_in_reward and self.kl_coef and not self.recompute_old_logps:
+            raise ConfigError("ppo.recompute_old_logps=false: the KL in the reward "
+                              "(ppo.kl_in_reward, ppo.kl_coef) needs the old log-probs first")  # fmt: skip
 
 
 @dataclass(kw_only=True)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from mindspeed_align.rl import advantages as adv_fns
 from mindspeed_align.rl.config import GROUP_ADVANTAGES, GRPOConfig
-from mindspeed_align.rl.objective import GRPOObjective, pack_samples, recompute_logps
+from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, recompute_logps
 from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
 from mindspeed_core.errors import ConfigError
@@ -111,10 +111,10 @@ class GRPOStep(TrainStep):
         stats.add_sums(
             reward=sum(rewards), reward_sq=sum(x * x for x in rewards), samples=len(rewards),
             zero_var=sum(rollout.flat), groups=len(rollout.flat), kept=kept, length=sum(lengths),
-            stopped=sum(batch.stopped), diff_sum=mismatch[0], diff_count=mismatch[1],
+            stopped=sum(batch.stopped), diff_sum=mismatch.sum, diff_count=mismatch.count,
             rollout_s=batch.seconds, failures=reward_metrics.pop("reward/failures"),
         )  # fmt: skip
-        stats.add_max(diff_max=mismatch[2], sync_s=rollout.sync_s)
+        stats.add_max(diff_max=mismatch.max, sync_s=rollout.sync_s)
         return stats.metrics(reward_metrics, warn_flat=self.rl.advantage in GROUP_ADVANTAGES)
 
     def _rewards(self, records, batch: RolloutBatch):
@@ -130,10 +130,12 @@ class GRPOStep(TrainStep):
     def _micro_batches(self, batch: RolloutBatch, per_token: dict[str, list], keep: list[int]):
         """`accum` packed micro-batches (always that many: FSDP's collectives pair up
         across ranks) of the samples `keep`, with `per_token` values (one list per sample,
-        a value per response token), old and reference log-probs; the sampler/trainer
-        mismatch (sum, count, max of |old - sampler| over the response tokens)."""
+        a value per response token), the sampler's log-probs, the reference's, and the
+        old ones when rl.recompute_old_logps; and the sampler/trainer `Mismatch`, measured
+        here by the recompute, else by the training forward (the objective fills it)."""
         size = math.ceil(len(keep) / self.accum)
-        out, diff_sum, count, diff_max = [], 0.0, 0, 0.0
+        out, mismatch = [], Mismatch()
+        recompute = self.rl.recompute_old_logps
         for k in range(self.accum):
             rows = keep[k * size : (k + 1) * size]
             b = pack_samples(
@@ -143,16 +145,14 @@ class GRPOStep(TrainStep):
                 agg=self.rl.loss_agg, max_new_tokens=self.rl.max_new_tokens,
                 pad_multiple=self.pad_multiple,
             )  # fmt: skip
-            b["old_logps"] = recompute_logps(self.parts.model, b, self.rl.temperature)
+            if recompute:
+                b["old_logps"] = recompute_logps(self.parts.model, b, self.rl.temperature)
+                mismatch.add(b["old_logps"], b.pop("sampler_logps"), b["labels"] != -100)
             if self.reference is not None:
                 b["ref_logps"] = recompute_logps(self.reference, b, self.rl.temperature)
-            supervised = b["labels"] != -100
-            diff = (b["old_logps"] - b.pop("sampler_logps"))[supervised].abs()
-            if diff.numel():
-                diff_sum, count = diff_sum + diff.sum().item(), count + diff.numel()
-                diff_max = max(diff_max, diff.max().item())
             out.append(b)
-        return out, (diff_sum, count, diff_max)
+        self.objective.mismatch = None if recompute else mismatch
+        return out, mismatch
 
 
 @dataclass

@@ -22,7 +22,7 @@ from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, token_nll
 
-__all__ = ["GRPOObjective", "pack_samples", "recompute_logps", "token_logps"]
+__all__ = ["GRPOObjective", "Mismatch", "pack_samples", "recompute_logps", "token_logps"]
 
 
 def token_logps(logits: Tensor, labels: Tensor, ctx: LossContext, temperature: float = 1.0):
@@ -93,10 +93,29 @@ def _weights(agg: str, n: int, max_new_tokens: int) -> tuple[float, float]:
     raise ValueError(f"loss aggregation {agg!r} is unknown")
 
 
+class Mismatch:
+    """|trainer log-prob - sampler log-prob| over the response tokens: sum, count and max
+    (the rollout/trainer mismatch verl and OpenRLHF users watch for)."""
+
+    def __init__(self):
+        self.sum, self.count, self.max = 0.0, 0, 0.0
+
+    def add(self, logps: Tensor, sampler_logps: Tensor, mask: Tensor) -> None:
+        diff = (logps.detach().float() - sampler_logps)[mask].abs()
+        if diff.numel():
+            self.sum, self.count = self.sum + diff.sum().item(), self.count + diff.numel()
+            self.max = max(self.max, diff.max().item())
+
+
 class GRPOObjective(Objective):
     """Clipped policy gradient + kl_coef * KL(policy || reference), aggregated by the
     batch's weights. Metrics (means over the aggregation's units): kl, clip fraction,
     entropy, ratio.
+
+    The ratio's old log-probs are the batch's "old_logps" when it has them (recomputed
+    before the step); else the training forward's own, detached (one update per rollout:
+    the same numbers, one forward fewer). With "sampler_logps" in the batch and a
+    `mismatch` set, the forward's log-probs are compared with the sampler's there.
 
     Args:
         eps_low / eps_high / dual_clip: see `losses.policy_loss`.
@@ -110,12 +129,14 @@ class GRPOObjective(Objective):
                  kl_estimator="k3", temperature=1.0):  # fmt: skip
         self.eps_low, self.eps_high, self.dual_clip = eps_low, eps_high, dual_clip
         self.kl_coef, self.kl_estimator, self.temperature = kl_coef, kl_estimator, temperature
+        self.mismatch: Mismatch | None = None
 
     def num_units(self, batch: Batch) -> Tensor:
         return batch["unit"].sum()
 
     def targets(self, batch: Batch) -> dict[str, Tensor]:
-        keys = ["labels", "weights", "metric_weights", "advantages", "old_logps"]
+        keys = ["labels", "weights", "metric_weights", "advantages"]
+        keys += [k for k in ("old_logps", "sampler_logps") if k in batch]
         if self.kl_coef:
             keys.append("ref_logps")
         return {k: batch[k] for k in keys}
@@ -123,7 +144,9 @@ class GRPOObjective(Objective):
     def loss(self, outputs: Tensor, targets: dict[str, Tensor], ctx: LossContext) -> LossOutput:
         labels = targets["labels"].flatten()
         logp = token_logps(outputs, labels, ctx, self.temperature)
-        old = targets["old_logps"].flatten()
+        old = targets["old_logps"].flatten() if "old_logps" in targets else logp.detach()
+        if self.mismatch is not None and "sampler_logps" in targets:
+            self.mismatch.add(logp, targets["sampler_logps"].flatten(), labels != IGNORE_INDEX)
         adv = targets["advantages"].flatten()
         pg, clipped = policy_loss(logp, old, adv, eps_low=self.eps_low, eps_high=self.eps_high,
                                   dual_clip=self.dual_clip)  # fmt: skip
