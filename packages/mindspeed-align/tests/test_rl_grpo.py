@@ -73,6 +73,7 @@ def test_bad_inputs_are_one_line(task, capsys):
         "--grpo.n=1": "grpo.n=1",
         "--parallel.pp=2": "parallel.pp=2",
         "--grpo.loss_agg=sum": "grpo.loss_agg='sum'",
+        "--grpo.rollout_kv_mb=0.001": "grpo.rollout_kv_mb: rollout KV budget of 0.001 MiB",
         "--grpo.rewards=[nosuch.module:f]": "nosuch.module:f",
         f"--data.prompts={long}": "prompt 0 has",
         f"--data.prompts={broken}": "broken.jsonl:2",

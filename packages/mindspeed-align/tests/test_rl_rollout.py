@@ -158,3 +158,35 @@ def test_grpo_step_tp2_equals_one_process():
             assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-6), key
         for name, grad in g1.items():
             torch.testing.assert_close(g2[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_kv_budget_decodes_in_chunks_that_fit(monkeypatch):
+    """`kv_budget_mb`: the prompts are decoded in chunks whose KV cache fits the budget; greedy
+    tokens equal one batch's, sampled ones keep their log-probs; too small a budget is named."""
+    from mindspeed_core.errors import ConfigError
+    from mindspeed_llm.generation.kv_cache import KVCache
+
+    policy, _ = _policy(ParallelConfig(), world_size=1)
+    rollout = LocalRollout(policy)
+    prompts = PROMPTS * 3  # 9 prompts
+    length = max(len(p) for p in prompts) + 8
+    per_prompt_mb = KVCache.bytes_per_position(policy.model) * length * 2 / 2**20  # n = 2
+    budget = 4.5 * per_prompt_mb  # 4 prompts a chunk: 3 chunks
+    caches = []
+    real = KVCache.for_model.__func__
+    monkeypatch.setattr(KVCache, "for_model", classmethod(
+        lambda cls, model, batch, max_len: caches.append((batch, max_len)) or real(cls, model, batch, max_len)))  # fmt: skip
+    greedy = dict(n=2, max_new_tokens=8, temperature=0.0)
+    whole = rollout.generate(prompts, SamplingConfig(**greedy), seed=1)
+    caches.clear()
+    chunked = rollout.generate(prompts, SamplingConfig(**greedy, kv_budget_mb=budget), seed=1)
+    assert chunked.response_ids == whole.response_ids and chunked.group == whole.group
+    assert [b for b, _ in caches] == [4, 4, 1]  # prompts prefilled per chunk (then x n rows)
+    assert all(2 * b * max_len * KVCache.bytes_per_position(policy.model) / 2**20 <= budget
+               for b, max_len in caches)  # fmt: skip
+    sampled = rollout.generate(prompts, SamplingConfig(n=2, max_new_tokens=8, kv_budget_mb=budget),
+                               seed=3)  # fmt: skip
+    torch.testing.assert_close(_recomputed(policy, sampled, 1.0), _sampler(sampled), rtol=0, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"KV budget of .* MiB cannot hold one prompt's 2 samples"):
+        rollout.generate(prompts, SamplingConfig(n=2, max_new_tokens=8, kv_budget_mb=per_prompt_mb / 2),
+                         seed=1)  # fmt: skip

@@ -47,6 +47,9 @@ class GRPOSection:
     """Sampling temperature; the loss's log-probs are of softmax(logits / temperature)."""
     max_new_tokens: int = 4
     """New tokens per sample at most."""
+    rollout_kv_mb: float = 0.0
+    """KV cache memory of one decoding batch at most (MiB, per rank): the rollout decodes
+    its prompts in chunks that fit (0: all at once)."""
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
     """grpo: (r - mean) / (std + eps) per group; dr_grpo: r - mean; rloo: r - mean of
     the others; reinforce_pp: r whitened over the batch's tokens; gae: GAE with a critic
@@ -120,6 +123,8 @@ class GRPOSection:
             raise ConfigError(f"{name}.temperature={self.temperature} must be > 0")
         if self.max_new_tokens < 1:
             raise ConfigError(f"{name}.max_new_tokens={self.max_new_tokens} must be positive")
+        if self.rollout_kv_mb < 0:
+            raise ConfigError(f"{name}.rollout_kv_mb={self.rollout_kv_mb} must be >= 0")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ConfigError(f"{name}.clip_low={self.clip_low} / clip_high={self.clip_high}")
         if not 0 <= self.overlong_buffer < self.max_new_tokens:

@@ -72,7 +72,8 @@ class GRPOStep(TrainStep):
         self.rollout = LocalRollout(parts.model)
         stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
         self.sampling = SamplingConfig(n=cfg.rl.n, max_new_tokens=cfg.rl.max_new_tokens,
-                                       temperature=cfg.rl.temperature, stop_token_ids=stops)  # fmt: skip
+                                       temperature=cfg.rl.temperature, stop_token_ids=stops,
+                                       kv_budget_mb=cfg.rl.rollout_kv_mb)  # fmt: skip
         self.pad_multiple = 8 * dims.tp
 
     def __call__(self, records: list[dict[str, Any]]) -> StepResult:
@@ -309,5 +310,10 @@ def attach(trainer: Trainer, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_
         reference=reference, accum=trainer.accum, clip_grad=cfg.optim.clip_grad,
         max_nonfinite_steps=cfg.train.max_nonfinite_steps, **step_options,
     )  # fmt: skip
+    if g.rollout_kv_mb:  # refused before anything is written, for the longest prompt allowed
+        try:
+            step.rollout.prompts_within_budget(cfg.data.seq_len - g.max_new_tokens, step.sampling)
+        except ConfigError as err:
+            raise ConfigError(f"{g.section}.rollout_kv_mb: {err}") from None
     trainer.step = step
     return step

@@ -25,8 +25,10 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from mindspeed_core.errors import ConfigError
 from mindspeed_core.parallel import dtensor
 from mindspeed_llm.generation import GenerationConfig, TokenSteps
+from mindspeed_llm.generation.kv_cache import KVCache
 from mindspeed_llm.models import get_model_spec
 from mindspeed_llm.train.build import BuiltModel
 
@@ -43,6 +45,9 @@ class SamplingConfig:
     """softmax(logits / temperature); no top-k/top-p, so the loss sees the sampler's law."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a sample (kept as its last token)."""
+    kv_budget_mb: float = 0.0
+    """The KV cache of one decoding batch at most (MiB, this rank); prompts are decoded in
+    chunks that fit (0: all at once)."""
 
 
 @dataclass
@@ -120,8 +125,45 @@ class LocalRollout:
     def generate(
         self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *, seed: int
     ) -> RolloutBatch:
-        """`cfg.n` samples of every prompt (each prompt prefilled once, its KV cache shared)."""
+        """`cfg.n` samples of every prompt (each prompt prefilled once, its KV cache shared),
+        in chunks of prompts whose KV cache fits `cfg.kv_budget_mb` (chunk k draws with
+        seed + k)."""
         start = time.perf_counter()
+        out = RolloutBatch([], [], [], [], [])
+        size = self._prompts_per_chunk(prompts, cfg)
+        for k, lo in enumerate(range(0, len(prompts), size)):
+            chunk = self._generate(prompts[lo : lo + size], cfg, seed + k)
+            out.prompt_ids += chunk.prompt_ids
+            out.response_ids += chunk.response_ids
+            out.sampler_logprobs += chunk.sampler_logprobs
+            out.group += [lo + g for g in chunk.group]
+            out.stopped += chunk.stopped
+        out.seconds = time.perf_counter() - start
+        return out
+
+    def _prompts_per_chunk(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig) -> int:
+        if not cfg.kv_budget_mb:
+            return len(prompts)
+        return self.prompts_within_budget(max(len(p) for p in prompts), cfg)
+
+    def prompts_within_budget(self, prompt_len: int, cfg: SamplingConfig) -> int:
+        """How many prompts of `prompt_len` tokens (with their n samples) one decoding batch
+        within `cfg.kv_budget_mb` holds.
+
+        Raises:
+            ConfigError: not even one.
+        """
+        length = prompt_len + cfg.max_new_tokens
+        row_mb = KVCache.bytes_per_position(self.module) * length / 2**20
+        fits = int(cfg.kv_budget_mb // (row_mb * cfg.n))
+        if fits < 1:
+            raise ConfigError(
+                f"rollout KV budget of {cfg.kv_budget_mb:g} MiB cannot hold one prompt's "
+                f"{cfg.n} samples of {length} tokens ({row_mb * cfg.n:.3g} MiB)"
+            )
+        return fits
+
+    def _generate(self, prompts, cfg: SamplingConfig, seed: int) -> RolloutBatch:
         rows = [list(p) for p in prompts for _ in range(cfg.n)]
         gen = GenerationConfig(
             max_new_tokens=cfg.max_new_tokens,
@@ -147,5 +189,4 @@ class LocalRollout:
             sampler_logprobs=logprobs,
             group=[i for i in range(len(prompts)) for _ in range(cfg.n)],
             stopped=[bool(out) and out[-1] in stops for out in steps.outputs],
-            seconds=time.perf_counter() - start,
         )

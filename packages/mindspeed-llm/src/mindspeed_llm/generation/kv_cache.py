@@ -50,27 +50,29 @@ class KVCache:
     @classmethod
     def for_model(cls, model: nn.Module, batch: int, max_len: int) -> KVCache:
         """A cache shaped for `model` (a `Transformer`, whole or tensor parallel)."""
+        return cls(batch=batch, max_len=max_len, **cls._layout(model))
+
+    @classmethod
+    def bytes_per_position(cls, model: nn.Module) -> int:
+        """Bytes one row's keys and values take per position over every layer (this
+        rank's heads): a memory budget's unit."""
+        layout = cls._layout(model)
+        itemsize = torch.empty((), dtype=layout["dtype"]).element_size()
+        return 2 * layout["num_layers"] * layout["num_kv_heads"] * layout["head_dim"] * itemsize
+
+    @staticmethod
+    def _layout(model: nn.Module) -> dict:
         config = model.config
         attention = next(iter(model.layers.values())).attention
         if hasattr(attention, "kv_cache_layout"):  # e.g. latent attention: its own widths
             heads, head_dim, dtype, device = attention.kv_cache_layout()
-            return cls(
-                num_layers=config.num_layers, batch=batch, max_len=max_len,
-                num_kv_heads=heads, head_dim=head_dim, dtype=dtype, device=device,
-            )  # fmt: skip
-        wk = attention.wk
-        local = dtensor.local(wk.weight)
-        # An int8 weight-only layer (`generation.quantize`) computes in its scale's dtype.
-        dtype = local.dtype if local.is_floating_point() else wk.scale.dtype
-        return cls(
-            num_layers=config.num_layers,
-            batch=batch,
-            max_len=max_len,
-            num_kv_heads=local.shape[0] // config.head_dim,
-            head_dim=config.head_dim,
-            dtype=dtype,
-            device=local.device,
-        )
+        else:
+            local = dtensor.local(attention.wk.weight)
+            # An int8 weight-only layer (`generation.quantize`) computes in its scale's dtype.
+            dtype = local.dtype if local.is_floating_point() else attention.wk.scale.dtype
+            heads, head_dim, device = local.shape[0] // config.head_dim, config.head_dim, local.device
+        return {"num_layers": config.num_layers, "num_kv_heads": heads, "head_dim": head_dim,
+                "dtype": dtype, "device": device}  # fmt: skip
 
     def reset(self, pad_lengths: list[int] | None = None) -> None:
         """Start over (offset 0); row i begins with `pad_lengths[i]` padding positions."""
