@@ -58,7 +58,7 @@ def _warmup(cfg: GRPOConfig) -> Path | None:
 
 
 def _task(cfg: GRPOConfig, init_from: Path | None):
-    """(tokenizer, training records, held-out records)."""
+    """(tokenizer, its path, training records, held-out records)."""
     from mindspeed_align.rl.data import demo_records, read_prompts
     from mindspeed_llm.tokenizer import load_tokenizer
 
@@ -87,7 +87,7 @@ def _task(cfg: GRPOConfig, init_from: Path | None):
                 f"data.tokenizer is needed with data.prompts (or {cfg.rl.section}.init_from)"
             )
         path = ensure_demo_data().tokenizer
-    return load_tokenizer(path), records, held_out
+    return load_tokenizer(path), path, records, held_out
 
 
 def grpo(cfg: GRPOConfig) -> dict[str, float]:
@@ -109,26 +109,23 @@ def _run(cfg: RLConfig, attach, command: str) -> dict[str, float]:
 
     from mindspeed_align.rl.data import PromptSource
     from mindspeed_align.rl.objective import GRPOObjective
-    from mindspeed_align.rl.rewards import Rewards
     from mindspeed_llm.train.trainer import Trainer
 
     owns_group = not dist.is_initialized()
     device = None if cfg.train.device == "auto" else cfg.train.device
     info = init_distributed(device_type=device) if owns_group else current_distributed(device)
-    rewards = None
+    rewards = roles = None
     try:
         init_from = _warmup(cfg) if _is_demo(cfg) else cfg.rl.init_from
-        tokenizer, records, held_out = _task(cfg, init_from)
+        tokenizer, tokenizer_path, records, held_out = _task(cfg, init_from)
         g = cfg.rl
-        model = None
-        if g.reward_model is not None:
-            from mindspeed_align.rl.reward_model import RewardModel
+        if g.placement == "ray":
+            from mindspeed_align.rl.placement import RayRoles
 
-            model = RewardModel(g.reward_model, tokenizer, info.device,
-                                what=f"{g.section}.reward_model")
-        rewards = Rewards(g.rewards, g.reward_weights, workers=g.reward_workers,
-                          timeout_s=g.reward_timeout_s, model=model,
-                          model_weight=g.reward_model_weight)  # fmt: skip
+            roles = RayRoles(g.section, info.world_size)
+            rewards = roles.rewards(g, tokenizer_path)
+        else:
+            rewards = _local_rewards(g, tokenizer, info.device)
 
         def data(cfg_, model_cfg):
             return PromptSource(records, tokenizer, max_prompt_len=cfg.data.seq_len - g.max_new_tokens,
@@ -136,7 +133,7 @@ def _run(cfg: RLConfig, attach, command: str) -> dict[str, float]:
                                 source=str(cfg.data.prompts or "the demo prompts"))  # fmt: skip
 
         trainer = Trainer(cfg, info, data=data, objective=GRPOObjective(), command=command)
-        step = attach(trainer, cfg, tokenizer, rewards, init_from)
+        step = attach(trainer, cfg, tokenizer, rewards, init_from, roles=roles)
         before = _evaluate(step, held_out, tokenizer, rewards, cfg)
         summary = trainer.run()
         after = _evaluate(step, held_out, tokenizer, rewards, cfg)
@@ -151,8 +148,24 @@ def _run(cfg: RLConfig, attach, command: str) -> dict[str, float]:
     finally:
         if rewards is not None:
             rewards.close()
+        if roles is not None:
+            roles.close()
         if owns_group:
             destroy_distributed()
+
+
+def _local_rewards(g, tokenizer, device):
+    """The colocated rewards: rule functions in worker processes, and the reward model."""
+    from mindspeed_align.rl.rewards import Rewards
+
+    model = None
+    if g.reward_model is not None:
+        from mindspeed_align.rl.reward_model import RewardModel
+
+        model = RewardModel(g.reward_model, tokenizer, device, what=f"{g.section}.reward_model")
+    return Rewards(g.rewards, g.reward_weights, workers=g.reward_workers,
+                   timeout_s=g.reward_timeout_s, model=model,
+                   model_weight=g.reward_model_weight)  # fmt: skip
 
 
 def _evaluate(step, held_out, tokenizer, rewards, cfg: GRPOConfig) -> tuple[float, float]:

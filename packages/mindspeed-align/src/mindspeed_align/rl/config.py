@@ -88,6 +88,10 @@ class GRPOSection:
     *ForSequenceClassification folder (`mindspeed rm --rm.export_hf`); None: rules only."""
     reward_model_weight: float = 1.0
     """Its weight in the sum of rewards."""
+    placement: Literal["colocated", "ray"] = "colocated"
+    """Where the reference and the rewards run: in the training processes, or as Ray actors
+    (`mindspeed-align[ray]`; a local cluster for one process, RAY_ADDRESS's for several).
+    The policy, its rollout and PPO's critic stay in the training processes."""
     reward_workers: int = 2
     """Worker processes for the rewards (0: in this process, no timeout)."""
     reward_timeout_s: float = 10.0
@@ -123,6 +127,8 @@ class GRPOSection:
             raise ConfigError(f"{name}.temperature={self.temperature} must be > 0")
         if self.max_new_tokens < 1:
             raise ConfigError(f"{name}.max_new_tokens={self.max_new_tokens} must be positive")
+        if self.placement not in ("colocated", "ray"):
+            raise ConfigError(f"{name}.placement={self.placement!r} is not colocated or ray")
         if self.rollout_kv_mb < 0:
             raise ConfigError(f"{name}.rollout_kv_mb={self.rollout_kv_mb} must be >= 0")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):

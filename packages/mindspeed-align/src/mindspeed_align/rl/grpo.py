@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from mindspeed_align.rl import advantages as adv_fns
 from mindspeed_align.rl.config import GROUP_ADVANTAGES, GRPOConfig
 from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, recompute_logps
+from mindspeed_align.rl.placement import LocalReference
 from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
 from mindspeed_core.errors import ConfigError
@@ -146,12 +147,15 @@ class GRPOStep(TrainStep):
                 agg=self.rl.loss_agg, max_new_tokens=self.rl.max_new_tokens,
                 pad_multiple=self.pad_multiple,
             )  # fmt: skip
-            if recompute:
-                b["old_logps"] = recompute_logps(self.parts.model, b, self.rl.temperature)
-                mismatch.add(b["old_logps"], b.pop("sampler_logps"), b["labels"] != -100)
-            if self.reference is not None:
-                b["ref_logps"] = recompute_logps(self.reference, b, self.rl.temperature)
             out.append(b)
+        # the reference's log-probs are asked for first: a Ray reference works meanwhile
+        pending = None if self.reference is None else self.reference.submit(out, self.rl.temperature)
+        for b in out if recompute else ():
+            b["old_logps"] = recompute_logps(self.parts.model, b, self.rl.temperature)
+            mismatch.add(b["old_logps"], b.pop("sampler_logps"), b["labels"] != -100)
+        for b, ref in zip(out, pending() if pending else [None] * len(out), strict=True):
+            if ref is not None:
+                b["ref_logps"] = ref
         self.objective.mismatch = None if recompute else mismatch
         return out, mismatch
 
@@ -289,17 +293,22 @@ def build_reference(trainer: Trainer):
 
 
 def attach(trainer: Trainer, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_from, *,
-           step_cls: type[GRPOStep] | None = None, **step_options) -> GRPOStep:  # fmt: skip
-    """Puts GRPO into a built `Trainer`: weights, reference, and the step (`step_cls`, with
-    `step_options`: PPO's step and its critic)."""
+           roles=None, step_cls: type[GRPOStep] | None = None, **step_options) -> GRPOStep:  # fmt: skip
+    """Puts GRPO into a built `Trainer`: weights, reference (colocated, or an actor of
+    `roles`, a `placement.RayRoles`), and the step (`step_cls`, with `step_options`: PPO's
+    step and its critic)."""
     what = f"{cfg.rl.section}.init_from"
     if init_from is not None:
         load_weights(trainer.parts.model, init_from, what=what)
     reference = None
-    if cfg.rl.kl_coef:
-        reference = build_reference(trainer)
+    if cfg.rl.kl_coef and roles is not None:
+        reference = roles.reference(trainer.model_cfg, seed=cfg.train.seed,
+                                    seq_len=cfg.data.seq_len, precision=cfg.train.precision,
+                                    hf_path=cfg.model.hf_path, init_from=init_from)  # fmt: skip
+    elif cfg.rl.kl_coef:
+        reference = LocalReference(build_reference(trainer))
         if init_from is not None:
-            load_weights(reference, init_from, what=what)
+            load_weights(reference.model, init_from, what=what)
     g = cfg.rl
     kl_in_loss = 0.0 if getattr(g, "kl_in_reward", False) else g.kl_coef
     objective = GRPOObjective(eps_low=g.clip_low, eps_high=g.clip_high, dual_clip=g.dual_clip,

@@ -223,7 +223,8 @@ def build_critic(trainer, cfg, init_from) -> TrainStep:
                      max_nonfinite_steps=cfg.train.max_nonfinite_steps)  # fmt: skip
 
 
-def attach_ppo(trainer, cfg, tokenizer, rewards, init_from) -> PPOStep:
+def attach_ppo(trainer, cfg, tokenizer, rewards, init_from, *, roles=None) -> PPOStep:
     """Puts PPO into a built `Trainer`: the critic, then GRPO's weights, reference and step."""
     critic = build_critic(trainer, cfg, init_from)
-    return attach(trainer, cfg, tokenizer, rewards, init_from, step_cls=PPOStep, critic=critic)
+    return attach(trainer, cfg, tokenizer, rewards, init_from, roles=roles, step_cls=PPOStep,
+                  critic=critic)  # fmt: skip

@@ -1,0 +1,96 @@
+"""`grpo.placement: ray` (mindspeed-align[ray]): the reference and the rewards as Ray actors on a
+local cluster give the colocated run's losses, and a reward that cannot load is one line.
+
+One local cluster serves the module (starting one costs 5-20 s on 2 cores; each actor
+a few seconds more, to import torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from mindspeed_align.rl.cli import main, ppo_main
+from mindspeed_align.rl.data import demo_records
+from mindspeed_core.cli import guarded
+from mindspeed_core.testing import import_sibling
+from mindspeed_core.training import read_metrics
+from mindspeed_llm.demo import ensure_demo_data
+
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # as `placement.RayRoles` sets
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def _reward_model(folder):
+    """A random reward model (`test_rl_rewards`): scores every text, so rewards vary."""
+    if not (folder / "rm").exists():
+        import_sibling(__file__, "test_rl_rewards")._reward_model_folder(folder, ensure_demo_data().tokenizer)
+    return folder / "rm"
+
+
+def _args(folder, run, section, *extra):
+    prompts = folder / "prompts.jsonl"
+    if not prompts.exists():
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in demo_records(24, seed=7)))
+    return [
+        f"--data.prompts={prompts}", f"--data.tokenizer={ensure_demo_data().tokenizer}",
+        "--data.eval_prompts=4", "--data.seq_len=48", f"--{section}.n=4",
+        f"--{section}.max_new_tokens=3", f"--{section}.reward_workers=0",
+        f"--{section}.kl_coef=0.1", f"--{section}.kl_estimator=k3",
+        f"--{section}.rewards=[final_number,exact_match]", f"--{section}.reward_weights=[1.0,0.5]",
+        f"--{section}.reward_model={_reward_model(folder)}",
+        "--train.global_batch=16", "--train.micro_batch=8", "--train.steps=2",
+        "--model.ops_impl=reference", f"--logging.run_dir={folder / run}",
+        "--logging.log_interval=1", "--logging.progress=false", "--logging.tensorboard=false",
+        *extra,
+    ]  # fmt: skip
+
+
+KEYS = ("loss", "grad_norm", "kl", "reward/mean", "reward/model", "entropy")
+
+
+def _same_runs(tmp_path, capsys, command, section):
+    """A colocated and a Ray run of `command`: the same metrics, step by step."""
+    assert guarded(command, _args(tmp_path, f"{section}-local", section)) == 0
+    assert "Ray actor" not in capsys.readouterr().err
+    assert guarded(command, _args(tmp_path, f"{section}-ray", section,
+                                  f"--{section}.placement=ray")) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    for role in ("reference runs", "rewards run"):
+        assert f"{section}: the {role} on Ray actor" in err, err
+    local = read_metrics(tmp_path / f"{section}-local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / f"{section}-ray" / "metrics.jsonl")
+    assert len(local) == len(remote) == 2
+    assert local[-1]["kl"] != 0 and local[0]["reward/std"] > 0  # reference and rewards live
+    for a, b in zip(local, remote, strict=True):
+        for key in KEYS + (("critic/loss",) if section == "ppo" else ()):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (section, a["step"], key)
+
+
+def test_ray_placement_gives_the_colocated_losses(tmp_path, capsys):
+    """GRPO with a KL reference and two weighted rewards: the same samples, rewards,
+    reference log-probs, losses and gradients either way."""
+    _same_runs(tmp_path, capsys, main, "grpo")
+
+
+@pytest.mark.slow
+def test_ray_placement_gives_the_colocated_ppo_losses(tmp_path, capsys):
+    """PPO (KL in the reward, a critic in the training process): the same either way."""
+    _same_runs(tmp_path, capsys, ppo_main, "ppo")
+
+
+def test_ray_reward_that_cannot_load_is_one_line(tmp_path, capsys):
+    args = _args(tmp_path, "bad", "grpo", "--grpo.placement=ray",
+                 f"--grpo.reward_model={tmp_path / 'missing'}")  # fmt: skip
+    assert guarded(main, args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "grpo.reward_model: no folder" in err and "\n" not in err, err
+    assert not (tmp_path / "bad").exists()
