@@ -102,3 +102,13 @@ def test_a_reward_model_folder_that_is_not_one_is_named(tmp_path):
         RewardModel(tmp_path / "lm", None, what="ppo.reward_model")
     with pytest.raises(ConfigError, match="grpo.reward_model: no folder"):
         RewardModel(tmp_path / "missing", None)
+
+
+def test_math_verify_reward_judges_equal_math():
+    """The `math_verify` built-in (math-verify): equal values in other spellings score 1."""
+    pytest.importorskip("math_verify")
+    from mindspeed_align.rl.rewards import math_verify
+
+    completions = ["so the answer is $\\frac{1}{2}$", "we get \\boxed{12}", "it is 13", "x = 0.5"]
+    assert math_verify([""] * 4, completions, answer=["0.5", "12", "12", "1/2"]) == [1.0, 1.0, 0.0, 1.0]
+    assert load_reward("math_verify") is math_verify

@@ -15,6 +15,7 @@ goes on (a hung worker is replaced).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import math
 import multiprocessing
@@ -25,7 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from mindspeed_core.errors import ConfigError
 
-__all__ = ["RewardFn", "Rewards", "exact_match", "final_number", "load_reward"]
+__all__ = ["RewardFn", "Rewards", "exact_match", "final_number", "load_reward", "math_verify"]
 
 logger = logging.getLogger("mindspeed.rl")
 
@@ -59,6 +60,15 @@ def final_number_last(prompts: list[str], completions: list[str], answer: list, 
     ]
 
 
+def math_verify(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 where the completion's final answer is mathematically equal to `answer` (LaTeX,
+    fractions, sets, intervals...), judged by Hugging Face's math-verify package
+    (`pip install 'mindspeed-align[math]'`), as TRL's and verl's math rewards do."""
+    from math_verify import parse, verify
+
+    return [float(verify(parse(str(a)), parse(c))) for c, a in zip(completions, answer, strict=True)]
+
+
 def _number_score(found: list[str], answer) -> float:
     if not found:
         return 0.0
@@ -79,6 +89,9 @@ def load_reward(spec: str) -> RewardFn:
         raise ConfigError(f"grpo.rewards: cannot load {spec!r} ({err})") from None
     if not callable(fn):
         raise ConfigError(f"grpo.rewards: {spec!r} is not callable")
+    if fn is math_verify and importlib.util.find_spec("math_verify") is None:
+        raise ConfigError("grpo.rewards: math_verify needs the math-verify package "
+                          "(pip install 'mindspeed-align[math]')")  # fmt: skip
     return fn
 
 
