@@ -98,3 +98,20 @@ def test_demo_reward_rises(tmp_path):
     assert greedy1 >= greedy0 - 0.05, summary
     metrics = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
     assert metrics[-1]["reward/mean"] > metrics[0]["reward/mean"]
+
+
+@pytest.mark.slow
+def test_dapo_demo_reward_rises(tmp_path):
+    """`mindspeed dapo`'s demo: DAPO's defaults (clip-higher, dynamic sampling, token-mean, no
+    KL), and the held-out reward rises as GRPO's does."""
+    from mindspeed_align.rl.cli import grpo
+    from mindspeed_align.rl.config import DAPOConfig, DAPOLoggingSection
+
+    cfg = DAPOConfig(logging=DAPOLoggingSection(run_dir=tmp_path / "dapo", progress=False))
+    g = cfg.grpo
+    assert (g.clip_high, g.dynamic_sampling, g.loss_agg, g.kl_coef) == (0.28, True, "token-mean", 0.0)
+    summary = grpo(cfg)
+    (_, sampled0), (greedy1, sampled1) = summary["reward_before"], summary["reward_after"]
+    assert sampled1 > 0.8 and sampled1 > sampled0 + 0.3 and greedy1 > 0.8, summary
+    metrics = read_metrics(tmp_path / "dapo" / "metrics.jsonl")
+    assert any(m["groups/kept_fraction"] < 1 for m in metrics)  # dynamic sampling dropped groups

@@ -14,7 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
-from mindspeed_align.rl.config import GRPOConfig, PPOConfig, RLConfig
+from mindspeed_align.rl.config import DAPOConfig, GRPOConfig, PPOConfig, RLConfig
 from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import (
     current_distributed,
@@ -25,7 +25,7 @@ from mindspeed_core.errors import ConfigError
 
 logger = logging.getLogger("mindspeed.grpo")
 
-__all__ = ["command", "grpo", "main", "ppo", "ppo_command", "ppo_main"]
+__all__ = ["command", "dapo_command", "grpo", "main", "ppo", "ppo_command", "ppo_main"]
 
 
 def _is_demo(cfg: GRPOConfig) -> bool:
@@ -189,6 +189,13 @@ command = config_command(
 )
 main = command.run
 
+dapo_command = config_command(
+    "dapo",
+    DAPOConfig,
+    grpo,
+    help="DAPO: GRPO with clip-higher, dynamic sampling and token-mean loss (no arguments: the demo)",
+    demo="DAPO on the demo's arithmetic (CPU, a few minutes).",
+)
 ppo_command = config_command(
     "ppo",
     PPOConfig,
@@ -202,6 +209,6 @@ ppo_main = ppo_command.run
 if __name__ == "__main__":
     args = sys.argv[1:]
     run = main
-    if args[:1] == ["ppo"]:
-        run, args = ppo_main, args[1:]
+    if args[:1] in (["ppo"], ["dapo"]):
+        run, args = {"ppo": ppo_main, "dapo": dapo_command.run}[args[0]], args[1:]
     sys.exit(guarded(run, [a for a in args if a != "--debug"], debug=debug_enabled(args)))

@@ -286,6 +286,29 @@ class GRPOConfig(RLConfig):
 
 
 @dataclass(kw_only=True)
+class DAPOLoggingSection(LoggingSection):
+    run_dir: Path = Path("runs/dapo")
+    """Where config.yaml, metrics.jsonl, tb/, checkpoints/ and loss_curve.png go."""
+    log_interval: int = 5
+
+
+def _dapo_section() -> GRPOSection:
+    return GRPOSection(clip_high=0.28, dynamic_sampling=True, loss_agg="token-mean", kl_coef=0.0)
+
+
+@dataclass(kw_only=True)
+class DAPOConfig(GRPOConfig):
+    """`mindspeed dapo`: GRPO's sections with DAPO's defaults (verl's recipe): clip-higher
+    (clip_high 0.28), dynamic sampling (zero-variance groups dropped), token-mean loss, no KL.
+    Its soft overlong penalty is `--grpo.overlong_buffer N` (off by default: the demo's
+    answers are a few tokens long)."""
+
+    logging: LoggingSection = field(default_factory=DAPOLoggingSection)
+    grpo: GRPOSection = field(default_factory=_dapo_section)
+    """The method (DAPO's defaults; the section keeps its `mindspeed grpo` name)."""
+
+
+@dataclass(kw_only=True)
 class PPOConfig(RLConfig):
     logging: LoggingSection = field(default_factory=PPOLoggingSection)
     ppo: PPOSection = field(default_factory=PPOSection)
