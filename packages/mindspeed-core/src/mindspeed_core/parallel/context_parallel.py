@@ -202,6 +202,9 @@ class ContextParallel:
     ulysses_group: ProcessGroup | None = None
     attention_fn: AttentionFn = reference_attention
 
+    # Under torch.compile the attention runs eagerly between the block's two graphs: its
+    # ring loop reads the document boundaries as Python ints and talks to other ranks.
+    @torch.compiler.disable
     def __call__(
         self,
         q: Tensor,

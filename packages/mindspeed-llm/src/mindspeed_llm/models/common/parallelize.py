@@ -120,8 +120,8 @@ def parallelize_decoder(
     apply_cp(model, dims.mesh("cp"), mode=cp_mode, ulysses_degree=ulysses_degree,
              attention_fn=attention_fn)  # fmt: skip
     apply_ac(model, ac_mode)
-    if compile:
-        apply_compile(model)
+    if compile:  # under cp the attention runs eagerly between a block's two graphs
+        apply_compile(model, fullgraph=dims.cp == 1)
     if cpu_offload and not dims.fsdp_enabled:
         raise ParallelError("cpu_offload (optimizer-state offload) needs FSDP: dp_shard x cp > 1")
     if dims.fsdp_enabled:
