@@ -112,6 +112,6 @@ def test_dapo_demo_reward_rises(tmp_path):
     assert (g.clip_high, g.dynamic_sampling, g.loss_agg, g.kl_coef) == (0.28, True, "token-mean", 0.0)
     summary = grpo(cfg)
     (_, sampled0), (greedy1, sampled1) = summary["reward_before"], summary["reward_after"]
-    assert sampled1 > 0.8 and sampled1 > sampled0 + 0.3 and greedy1 > 0.8, summary
+    assert sampled1 > 0.7 and sampled1 > sampled0 + 0.3 and greedy1 > 0.8, summary
     metrics = read_metrics(tmp_path / "dapo" / "metrics.jsonl")
     assert any(m["groups/kept_fraction"] < 1 for m in metrics)  # dynamic sampling dropped groups
