@@ -131,7 +131,14 @@ def build_model(
             part.requires_grad_(False).eval()
     router = None
     if config.num_experts and not frozen:
-        router = LoadTracker(whole, config.router_bias_update_rate)
+        pp_mesh = dims.mesh("pp")
+        router = LoadTracker(
+            parts,
+            config.router_bias_update_rate,
+            pp_group=None if pp_mesh is None else pp_mesh.get_group(),
+            num_experts=config.num_experts,
+            device=device,
+        )
     return BuiltModel(
         config=config,
         device=torch.device(device),
@@ -154,6 +161,8 @@ def _parallelize_options(parallel: ParallelConfig, dims, dtype, ac: str) -> dict
     }
     if dims.cp > 1:
         options.update(cp_mode=parallel.cp_mode, ulysses_degree=parallel.ulysses_degree)
+    if dims.ep > 1 and parallel.ep_dispatcher != "alltoall":
+        options.update(ep_dispatcher=parallel.ep_dispatcher)
     options.update({k: True for k in ("activation_offload", "cpu_offload") if getattr(parallel, k)})
     return options
 

@@ -1,0 +1,269 @@
+"""MoE models under tensor, context and pipeline parallel, and the all-gather token
+dispatcher, give one process's loss, aux loss, router loads and gradients (fp32, gloo).
+
+Each spawned function builds the one-process reference itself (same seed, same batch),
+then the layout, and compares: the cross entropy, the aux loss (load balancing + z-loss),
+the expert loads `LoadTracker` reports, and the gradients of every parameter (router,
+experts, shared experts, attention, embeddings)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from mindspeed_core.errors import ConfigError
+from mindspeed_core.parallel import ParallelConfig, ParallelDims, build_pipeline_schedule
+from mindspeed_core.parallel import shard_sequence
+from mindspeed_core.testing import run_distributed
+from mindspeed_llm.models import build_model_config, get_model_spec
+from mindspeed_llm.models.common.layout import check_layout
+from mindspeed_llm.models.common.moe import LoadTracker, moe_aux_loss
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+BATCH, SEQ = 4, 16
+COEFS = {"router_aux_loss_coef": 0.01, "router_z_loss_coef": 1e-3}
+
+
+def _tokens(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (BATCH, SEQ + 1), generator=gen)
+
+
+def _build(family, **changes):
+    spec = get_model_spec(family)
+    if family == "deepseek_v3":
+        changes.setdefault("num_nextn_predict_layers", 0)  # MTP is refused under tp/pp/cp
+    torch.manual_seed(0)
+    return spec, spec.build(build_model_config(family, flavor="debug", **COEFS, **changes))
+
+
+def _full(t):
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _grads(models):
+    """Full gradients by name over a model or a list of pipeline stages."""
+    models = models if isinstance(models, list) else [models]
+    return {n: _full(p.grad) for m in models for n, p in m.named_parameters()}
+
+
+def _reference(family, rows_per_loss, **changes):
+    """Mean over groups of `rows_per_loss` rows of (cross entropy + aux loss): the loss,
+    the mean aux, the router loads and the gradients of one process."""
+    _, model = _build(family, **changes)
+    tracker = LoadTracker(model)
+    data = _tokens()
+    ces, auxes = [], []
+    for rows in data.split(rows_per_loss):
+        logits = model(rows[:, :-1])
+        ces.append(F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()))
+        auxes.append(moe_aux_loss(model, model.config))
+        tracker.observe(auxes[-1])
+    ce, aux = torch.stack(ces).mean(), torch.stack(auxes).mean()
+    (ce + aux).backward()
+    return ce.detach(), aux.detach(), tracker.step()["moe_load"], _grads(model)
+
+
+def _assert_grads(grads, ref, label):
+    assert grads.keys() == ref.keys(), label
+    for name, want in ref.items():
+        got = grads[name][tuple(slice(0, s) for s in want.shape)]  # a padded vocabulary
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name: f"{label} {n}: {m}")
+
+
+def _assert_same(label, ref, ce, aux, loads, grads):
+    ref_ce, ref_aux, ref_loads, ref_grads = ref
+    torch.testing.assert_close(ce, ref_ce, **TOL, msg=lambda m: f"{label} loss: {m}")
+    torch.testing.assert_close(aux, ref_aux, **TOL, msg=lambda m: f"{label} aux: {m}")
+    torch.testing.assert_close(
+        torch.tensor(loads), torch.tensor(ref_loads), msg=lambda m: f"{label} loads: {m}"
+    )
+    _assert_grads(grads, ref_grads, label)
+
+
+# -- tensor parallel (+ sequence parallel, + expert parallel) ----------------------------
+
+
+def _tensor_parallel_run(family, degrees, options, changes):
+    """Each data-parallel rank takes its rows; tp peers read the same rows."""
+    spec, model = _build(family, **changes)
+    dims = ParallelDims(**degrees).build()
+    model = spec.parallelize(model, dims, **options)
+    tracker = LoadTracker(model)
+    rows = _tokens().split(BATCH // dims.dp)[dims.rank("dp")]
+    logits = model(rows[:, :-1])
+    ce = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+    aux = moe_aux_loss(model, model.config)
+    tracker.observe(aux)
+    (ce + aux).backward()
+    loss = torch.stack([ce, aux]).detach()
+    if dims.dp > 1:
+        dist.all_reduce(loss, group=dims.mesh("dp").get_group())
+        loss /= dims.dp
+    dp = dims.mesh("dp")
+    loads = tracker.step(None if dp is None else dp.get_group())["moe_load"]
+    return loss[0], loss[1], loads, _grads(model)
+
+
+def _tp_cases(cases):
+    for family, degrees, options, changes in cases:
+        world_dp = degrees.get("dp_shard", 1)
+        ref = _reference(family, BATCH // world_dp, **changes)
+        got = _tensor_parallel_run(family, degrees, options, changes)
+        _assert_same(f"{family} {degrees} {options}", ref, *got)
+
+
+def test_tp2_with_and_without_sequence_parallel_matches_one_process():
+    """Attention and the shared expert split over tp, routed experts whole on each rank."""
+    cases = [
+        ("mixtral", {"tp": 2}, {}, {}),
+        ("mixtral", {"tp": 2}, {"sequence_parallel": True}, {}),
+        ("qwen2_moe", {"tp": 2}, {"sequence_parallel": True}, {"capacity_factor": 1.0}),
+    ]
+    run_distributed(_tp_cases, 2, cases, timeout=300)
+
+
+@pytest.mark.slow
+def test_tp2_by_ep2_matches_one_process():
+    """4 ranks: dp_shard=2 x tp=2, experts over ep=2 (the dp_shard ranks of a tp rank)."""
+    cases = [
+        ("mixtral", {"tp": 2, "dp_shard": 2, "ep": 2}, {"sequence_parallel": True}, {}),
+        ("qwen2_moe", {"tp": 2, "dp_shard": 2, "ep": 2}, {"ep_dispatcher": "allgather"}, {}),
+    ]
+    run_distributed(_tp_cases, 4, cases, timeout=600)
+
+
+# -- expert parallel: the all-gather dispatcher equals the all-to-all one ----------------
+
+
+def _dispatchers(families):
+    for family in families:
+        ref = _reference(family, BATCH // 2)
+        degrees = {"dp_shard": 2, "ep": 2}
+        alltoall = _tensor_parallel_run(family, degrees, {}, {})
+        allgather = _tensor_parallel_run(family, degrees, {"ep_dispatcher": "allgather"}, {})
+        _assert_same(f"{family} alltoall", ref, *alltoall)
+        _assert_same(f"{family} allgather", ref, *allgather)
+        torch.testing.assert_close(allgather[3], alltoall[3], **TOL)
+
+
+def test_allgather_dispatcher_equals_alltoall_at_ep2():
+    """Mixtral, and DeepSeek-V3's group-limited sigmoid routing with shared experts."""
+    run_distributed(_dispatchers, 2, ["mixtral", "deepseek_v3"], timeout=300)
+
+
+# -- context parallel ---------------------------------------------------------------------
+
+
+def _cp_run(family):
+    """Ring attention at cp=2: each rank routes its zig-zag half of every sequence."""
+    ref = _reference(family, BATCH)
+    spec, model = _build(family)
+    dims = ParallelDims(cp=2).build()
+    model = spec.parallelize(model, dims, cp_mode="ring")
+    tracker = LoadTracker(model)
+    data = _tokens()
+    tokens, labels = data[:, :-1], data[:, 1:]
+    positions = torch.arange(SEQ).expand_as(tokens)
+    local = [shard_sequence(t, dims.rank("cp"), 2) for t in (tokens, labels, positions)]
+    logits = model(local[0], position_ids=local[2])
+    ce_sum = F.cross_entropy(logits.flatten(0, 1), local[1].flatten(), reduction="sum")
+    aux = moe_aux_loss(model, model.config)
+    tracker.observe(aux)
+    # FSDP averages over the cp ranks: each backpropagates cp x its share of the mean
+    (ce_sum / labels.numel() * 2 + aux).backward()
+    loss = torch.stack([ce_sum / labels.numel(), aux / 2]).detach()
+    dist.all_reduce(loss)
+    loads = tracker.step(dims.mesh("cp").get_group())["moe_load"]
+    _assert_same(f"{family} cp=2", ref, loss[0], loss[1], loads, _grads(model))
+
+
+def test_cp2_ring_matches_one_process():
+    run_distributed(_cp_run, 2, "mixtral", timeout=300)
+
+
+# -- pipeline parallel ----------------------------------------------------------------------
+
+
+def _pp_run(family, changes):
+    """pp=2, 1F1B over 2 microbatches: aux losses of both stages' blocks reach the
+    gradients through `AttachAux`; the tracker sums the loads over the stages."""
+    ref = _reference(family, BATCH // 2, **changes)
+    spec, model = _build(family, **changes)
+    dims = ParallelDims(pp=2).build()
+    parts = spec.pipeline(model, dims, device="cpu", schedule="1F1B")
+    tracker = LoadTracker(parts.model_parts, pp_group=dims.mesh("pp").get_group(),
+                          num_experts=model.config.num_experts)  # fmt: skip
+    for block in (m for p in parts.model_parts for m in p.modules()):
+        if hasattr(block, "aux_grad_scale"):
+            block.aux_grad_scale = 0.5  # each microbatch's share of the step
+    data = _tokens()
+    losses = []
+
+    def loss_fn(logits, labels):
+        losses.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten()).detach())
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()) / 2
+
+    schedule = build_pipeline_schedule(parts.stages, 2, loss_fn, "1F1B", scale_grads=False)
+    schedule.step(data[:, :-1], target=data[:, 1:])
+    metrics = tracker.step()
+    ce = torch.stack(losses).mean() if losses else torch.zeros(())
+    dist.all_reduce(ce)  # only the last stage computed it
+    grads = _grads(parts.model_parts)
+    ref_grads = {n: g for n, g in ref[3].items() if n in grads}
+    ref = (*ref[:3], ref_grads)
+    _assert_same(f"{family} pp=2", ref, ce, torch.tensor(metrics["moe_aux_loss"]),
+                 metrics["moe_load"], grads)  # fmt: skip
+    return sorted(grads)
+
+
+def _pp_cases(cases):
+    return [_pp_run(family, changes) for family, changes in cases]
+
+
+def test_pp2_matches_one_process():
+    """Mixtral (per-layer aux loss) and DeepSeek-V3 (a dense first block, shared
+    experts, group-limited routing; its 3 blocks split 2 + 1)."""
+    cases = [
+        ("mixtral", {"router_aux_loss_scope": "layer"}),
+        ("deepseek_v3", {"router_aux_loss_scope": "layer"}),
+    ]
+    results = run_distributed(_pp_cases, 2, cases, timeout=300)
+    for case in range(len(cases)):  # the two stages together hold every parameter
+        names = results[0][case] + results[1][case]
+        assert len(names) == len(set(names)) and any("router" in n for n in results[1][case])
+
+
+# -- refusals -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "changes", "parallel", "message"),
+    [
+        ("mixtral", {}, {"pp": 2}, "router_aux_loss_scope=layer"),
+        ("qwen2_moe", {"capacity_factor": 1.0}, {"cp": 2}, "capacity_factor=1.0 drops tokens"),
+        ("deepseek_v3", {}, {"tp": 2}, "multi-head latent attention"),
+        ("deepseek_v3", {"router_aux_loss_scope": "layer"}, {"pp": 2}, "multi-token prediction"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 33}, {"tp": 2}, "shared_expert_inter"),
+    ],
+)
+def test_moe_layouts_we_cannot_build_are_refused(family, changes, parallel, message):
+    config = build_model_config(family, flavor="debug", **changes)
+    with pytest.raises(ConfigError, match=message):
+        check_layout(config, ParallelConfig(**parallel))
+    assert not dist.is_initialized()
+
+
+def test_moe_layouts_now_accepted():
+    for family, changes, parallel in [
+        ("mixtral", {}, {"tp": 2, "sequence_parallel": True}),
+        ("mixtral", {}, {"cp": 2}),
+        ("mixtral", {"router_aux_loss_scope": "layer"}, {"pp": 2}),
+        ("qwen3_moe", {}, {"tp": 2, "ep": 2, "dp_shard": 2}),
+        ("deepseek_v3", {"num_nextn_predict_layers": 0}, {"pp": 3}),
+    ]:
+        config = build_model_config(family, flavor="debug", **changes)
+        assert check_layout(config, ParallelConfig(**parallel)) == (
+            None if parallel.get("pp", 1) == 1 else [1] * parallel["pp"]
+        )
