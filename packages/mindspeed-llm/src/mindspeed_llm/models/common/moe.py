@@ -26,7 +26,6 @@ Under parallel layouts (set from outside by `parallelize.py`, the block's code i
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -159,6 +158,10 @@ class MoE(nn.Module):
         attach_aux: pipeline parallel: attach this layer's share of the aux loss to the
             output (see `AttachAux`), scaled by `aux_grad_scale` (the micro-batch's share
             of the step, set by the trainer before each schedule step).
+        accumulate_stats: pipeline parallel: add each training forward's statistics to
+            the `step_stats` buffer (`LoadTracker` reads and clears it). A buffer, because
+            torch's pipelining runs a real forward to infer shapes and then restores
+            buffers, so that forward leaves no trace.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -172,6 +175,9 @@ class MoE(nn.Module):
         self.attach_aux = False
         self.aux_grad_scale = 1.0
         self.last_aux: Tensor | None = None
+        self.accumulate_stats = False
+        # (num_experts loads, dropped, forwards, aux sum) of the step so far
+        self.register_buffer("step_stats", torch.zeros(self.num_experts + 3), persistent=False)
         self.router = Router(config)
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.moe_intermediate_size, config.ops_impl
@@ -186,6 +192,7 @@ class MoE(nn.Module):
         self.last_stats: RouterStats | None = None
 
     def init_weights(self, std: float, out_std: float) -> None:
+        self.step_stats.zero_()
         self.router.init_weights(std)
         self.experts.init_weights(std, out_std)
         if self.shared_expert is not None:
@@ -222,7 +229,19 @@ class MoE(nn.Module):
         )
         if self.attach_aux:
             out = self._attach_aux(out)
+        if self.accumulate_stats and torch.is_grad_enabled() and not _in_backward():
+            self._accumulate()
         return out.view(shape)
+
+    @torch.no_grad()
+    def _accumulate(self) -> None:
+        """Add the last forward's statistics to `step_stats` (recompute in backward and
+        forwards without autograd are not counted)."""
+        stats, aux = self.last_stats, self.last_aux
+        self.step_stats[: self.num_experts] += stats.tokens_per_expert.to(self.step_stats)
+        self.step_stats[self.num_experts :] += self.step_stats.new_tensor([stats.num_dropped, 1, 0])
+        if aux is not None:
+            self.step_stats[-1] += aux.to(self.step_stats)
 
     def _attach_aux(self, out: Tensor) -> Tensor:
         """`out` carrying this layer's share of the model's aux loss into backward."""
@@ -357,10 +376,9 @@ class LoadTracker:
         self._loads: Tensor | None = None
         self._dropped = self._observed = 0
         self._aux = 0.0
-        self._seen: dict[str, int] = {}
         if pp_group is not None:
-            for name, layer in self.layers.items():
-                layer.register_forward_hook(functools.partial(self._note_layer, name))
+            for layer in self.layers.values():
+                layer.accumulate_stats = True
 
     def observe(self, aux_loss: Tensor | None = None) -> None:
         stats = [m.last_stats for m in self.layers.values()]
@@ -373,28 +391,14 @@ class LoadTracker:
         if aux_loss is not None:
             self._aux = self._aux + aux_loss.detach().float()
 
-    def _note_layer(self, name: str, layer: MoE, inputs, output) -> None:
-        """Forward hook (pipeline parallel): add one block's loads of a training forward.
-        Recompute re-runs the forward inside backward; that second look is skipped."""
-        if not torch.is_grad_enabled() or _in_backward():
-            return
-        stats, row = layer.last_stats, list(self.layers).index(name)
-        if self._loads is None:
-            self._loads = stats.tokens_per_expert.new_zeros(len(self.layers), self.num_experts)
-        self._loads[row] += stats.tokens_per_expert
-        self._dropped += stats.num_dropped
-        self._seen[name] = self._seen.get(name, 0) + 1
-        self._observed = max(self._seen.values())
-        if layer.last_aux is not None:
-            self._aux = self._aux + layer.last_aux.float()
-
     def step(self, group: dist.ProcessGroup | None = None) -> dict[str, float | list]:
         """Reduce, update biases, reset; the metrics of the step (empty if nothing seen)."""
-        if self.pp_group is None and self._loads is None:
+        if self.pp_group is not None:
+            self._take_accumulated()
+        elif self._loads is None:
             return {}
         loads, (dropped, observed, aux) = self._reduce(group)
         self._loads, self._dropped, self._observed, self._aux = None, 0, 0, 0.0
-        self._seen.clear()
         if self.bias_update_rate:
             for name, layer in self.layers.items():
                 layer.router.update_bias(loads[name], self.bias_update_rate)
@@ -410,6 +414,18 @@ class LoadTracker:
             "moe_aux_loss": aux / observed,
             "moe_load": [[round(float(v), 4) for v in row] for row in fractions],
         }
+
+    def _take_accumulated(self) -> None:
+        """Pipeline parallel: the step's statistics from the blocks' buffers, which restart."""
+        if not self.layers:
+            return
+        table = torch.stack([layer.step_stats for layer in self.layers.values()])
+        for layer in self.layers.values():
+            layer.step_stats.zero_()
+        self._loads = table[:, : self.num_experts]
+        self._dropped = float(table[:, -3].sum())
+        self._observed = float(table[:, -2].max())
+        self._aux = float(table[:, -1].sum())
 
     def _reduce(self, group) -> tuple[dict[str, Tensor], list[float]]:
         """Loads of every layer by name, and (dropped, micro-batches, aux sum), summed over

@@ -5,5 +5,5 @@ from mindspeed_llm.models.common.family import decoder_family
 from mindspeed_llm.models.qwen2_moe import flavors, hf
 
 SPEC = decoder_family(
-    "qwen2_moe", flavors.FLAVORS, hf.FORMAT, hf_adapter=hf.ADAPTER, pipeline=False
+    "qwen2_moe", flavors.FLAVORS, hf.FORMAT, hf_adapter=hf.ADAPTER
 )
