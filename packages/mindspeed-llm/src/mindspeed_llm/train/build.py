@@ -65,7 +65,8 @@ class BuiltModel:
 
 def model_config(model: ModelSection) -> TransformerConfig:
     """The model to build: from model.hf_path's config.json, model.hf_config, or a flavor."""
-    own = {"ops_impl": model.ops_impl, "vocab_divisible_by": model.vocab_divisible_by}
+    own = {"ops_impl": model.ops_impl, "vocab_divisible_by": model.vocab_divisible_by,
+           "router_aux_loss_scope": model.router_aux_loss_scope}  # fmt: skip
     if model.hf_path is not None:
         return read_hf_config(model.hf_path, **own)
     flavor = None if model.hf_config is not None else model.flavor

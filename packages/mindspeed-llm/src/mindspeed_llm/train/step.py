@@ -186,7 +186,8 @@ class TrainStep:
                 objective = out.loss_sum * weight
                 aux = self._aux_loss()
                 if aux is not None:  # the model's own loss, per micro-batch as before
-                    objective = objective + aux / len(micro_batches)
+                    # a replicated DTensor under loss parallel; aux is a plain tensor
+                    objective = full(objective) + aux / len(micro_batches)
                 (scaler.scale_loss(objective) if scaler else objective).backward()
             loss_sum += full(out.loss_sum).detach()
             _add(sums, out.metrics)
