@@ -118,14 +118,23 @@ def _tp_cases(cases):
         _assert_same(f"{family} {degrees} {options}", ref, *got)
 
 
-def test_tp2_with_and_without_sequence_parallel_matches_one_process():
-    """Attention and the shared expert split over tp, routed experts whole on each rank."""
-    cases = [
-        ("mixtral", {"tp": 2}, {}, {}),
-        ("mixtral", {"tp": 2}, {"sequence_parallel": True}, {}),
-        ("qwen2_moe", {"tp": 2}, {"sequence_parallel": True}, {"capacity_factor": 1.0}),
-    ]
-    run_distributed(_tp_cases, 2, cases, timeout=300)
+TP2_CASES = {
+    "mixtral_sp": ("mixtral", {"tp": 2}, {"sequence_parallel": True}, {}),
+    "mixtral": ("mixtral", {"tp": 2}, {}, {}),
+    # a gated shared expert split over tp, and token dropping on the gathered sequence
+    "qwen2_moe_sp": ("qwen2_moe", {"tp": 2}, {"sequence_parallel": True}, {"capacity_factor": 1.0}),
+}
+
+
+def test_tp2_with_sequence_parallel_matches_one_process():
+    """Attention split over tp, routed experts whole on each rank, the sequence gathered
+    around the MoE block."""
+    run_distributed(_tp_cases, 2, [TP2_CASES["mixtral_sp"]], timeout=300)
+
+
+@pytest.mark.slow
+def test_tp2_without_sequence_parallel_and_with_a_shared_expert_matches_one_process():
+    run_distributed(_tp_cases, 2, [TP2_CASES["mixtral"], TP2_CASES["qwen2_moe_sp"]], timeout=300)
 
 
 @pytest.mark.slow
@@ -153,8 +162,13 @@ def _dispatchers(families):
 
 
 def test_allgather_dispatcher_equals_alltoall_at_ep2():
-    """Mixtral, and DeepSeek-V3's group-limited sigmoid routing with shared experts."""
-    run_distributed(_dispatchers, 2, ["mixtral", "deepseek_v3"], timeout=300)
+    """DeepSeek-V3: group-limited sigmoid routing, shared experts, a dense first block."""
+    run_distributed(_dispatchers, 2, ["deepseek_v3"], timeout=300)
+
+
+@pytest.mark.slow
+def test_allgather_dispatcher_equals_alltoall_at_ep2_mixtral():
+    run_distributed(_dispatchers, 2, ["mixtral"], timeout=300)
 
 
 # -- context parallel ---------------------------------------------------------------------
@@ -227,17 +241,22 @@ def _pp_cases(cases):
     return [_pp_run(family, changes) for family, changes in cases]
 
 
-def test_pp2_matches_one_process():
-    """Mixtral (per-layer aux loss) and DeepSeek-V3 (a dense first block, shared
-    experts, group-limited routing; its 3 blocks split 2 + 1)."""
-    cases = [
-        ("mixtral", {"router_aux_loss_scope": "layer"}),
-        ("deepseek_v3", {"router_aux_loss_scope": "layer"}),
-    ]
-    results = run_distributed(_pp_cases, 2, cases, timeout=300)
-    for case in range(len(cases)):  # the two stages together hold every parameter
-        names = results[0][case] + results[1][case]
-        assert len(names) == len(set(names)) and any("router" in n for n in results[1][case])
+PP2_CASES = {
+    "mixtral": ("mixtral", {"router_aux_loss_scope": "layer"}),
+    # a dense first block, shared experts, group-limited routing; 3 blocks split 2 + 1
+    "deepseek_v3": ("deepseek_v3", {"router_aux_loss_scope": "layer"}),
+}
+
+
+@pytest.mark.parametrize(
+    "case", ["mixtral", pytest.param("deepseek_v3", marks=pytest.mark.slow)]
+)
+def test_pp2_matches_one_process(case):
+    results = run_distributed(_pp_cases, 2, [PP2_CASES[case]], timeout=300)
+    # the two stages hold every parameter once, and both hold a router
+    names = results[0][0] + results[1][0]
+    assert len(names) == len(set(names))
+    assert all(any("router" in n for n in r[0]) for r in results)
 
 
 # -- refusals -----------------------------------------------------------------------------
