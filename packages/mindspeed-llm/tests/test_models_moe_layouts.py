@@ -204,13 +204,13 @@ def test_cp2_ring_matches_one_process():
 # -- pipeline parallel ----------------------------------------------------------------------
 
 
-def _pp_run(family, changes):
+def _pp_run(family, changes, options):
     """pp=2, 1F1B over 2 microbatches: aux losses of both stages' blocks reach the
     gradients through `AttachAux`; the tracker sums the loads over the stages."""
     ref = _reference(family, BATCH // 2, **changes)
     spec, model = _build(family, **changes)
     dims = ParallelDims(pp=2).build()
-    parts = spec.pipeline(model, dims, device="cpu", schedule="1F1B")
+    parts = spec.pipeline(model, dims, device="cpu", schedule="1F1B", **options)
     tracker = LoadTracker(parts.model_parts, pp_group=dims.mesh("pp").get_group(),
                           num_experts=model.config.num_experts)  # fmt: skip
     for block in (m for p in parts.model_parts for m in p.modules()):
@@ -238,18 +238,25 @@ def _pp_run(family, changes):
 
 
 def _pp_cases(cases):
-    return [_pp_run(family, changes) for family, changes in cases]
+    return [_pp_run(*case) for case in cases]
 
 
 PP2_CASES = {
-    "mixtral": ("mixtral", {"router_aux_loss_scope": "layer"}),
+    "mixtral": ("mixtral", {"router_aux_loss_scope": "layer"}, {}),
     # a dense first block, shared experts, group-limited routing; 3 blocks split 2 + 1
-    "deepseek_v3": ("deepseek_v3", {"router_aux_loss_scope": "layer"}),
+    "deepseek_v3": ("deepseek_v3", {"router_aux_loss_scope": "layer"}, {}),
+    # recompute re-runs each block's forward in backward: counted once
+    "mixtral_recompute": ("mixtral", {"router_aux_loss_scope": "layer"}, {"ac_mode": "full"}),
 }
 
 
 @pytest.mark.parametrize(
-    "case", ["mixtral", pytest.param("deepseek_v3", marks=pytest.mark.slow)]
+    "case",
+    [
+        "mixtral",
+        pytest.param("deepseek_v3", marks=pytest.mark.slow),
+        pytest.param("mixtral_recompute", marks=pytest.mark.slow),
+    ],
 )
 def test_pp2_matches_one_process(case):
     results = run_distributed(_pp_cases, 2, [PP2_CASES[case]], timeout=300)

@@ -376,9 +376,11 @@ class LoadTracker:
         self._loads: Tensor | None = None
         self._dropped = self._observed = 0
         self._aux = 0.0
+        self._names: list[str] | None = None
         if pp_group is not None:
             for layer in self.layers.values():
                 layer.accumulate_stats = True
+                layer.step_stats.zero_()  # a model materialised without init_weights
 
     def observe(self, aux_loss: Tensor | None = None) -> None:
         stats = [m.last_stats for m in self.layers.values()]
@@ -427,14 +429,20 @@ class LoadTracker:
         self._observed = float(table[:, -2].max())
         self._aux = float(table[:, -1].sum())
 
+    def _all_layer_names(self) -> list[str]:
+        """The MoE blocks of every stage, in layer order (asked of the stages once)."""
+        if self.pp_group is None:
+            return list(self.layers)
+        if self._names is None:
+            gathered: list = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(gathered, list(self.layers), group=self.pp_group)
+            self._names = sorted({n for stage in gathered for n in stage}, key=_layer_order)
+        return self._names
+
     def _reduce(self, group) -> tuple[dict[str, Tensor], list[float]]:
         """Loads of every layer by name, and (dropped, micro-batches, aux sum), summed over
         `group` and, under pipeline parallel, over the stages."""
-        names = list(self.layers)
-        if self.pp_group is not None:  # every stage's layer names, in one order
-            gathered: list = [None] * dist.get_world_size(self.pp_group)
-            dist.all_gather_object(gathered, names, group=self.pp_group)
-            names = sorted({n for stage in gathered for n in stage}, key=_layer_order)
+        names = self._all_layer_names()
         loads = torch.zeros(len(names), self.num_experts, device=self.device)
         if self._loads is not None:
             mine = [names.index(n) for n in self.layers]
