@@ -225,6 +225,10 @@ def _pp_run(family, changes, options):
 
     schedule = build_pipeline_schedule(parts.stages, 2, loss_fn, "1F1B", scale_grads=False)
     schedule.step(data[:, :-1], target=data[:, 1:])
+    top_k, num_experts = model.config.num_experts_per_tok, model.config.num_experts
+    for block in tracker.layers.values():  # 2 forwards of 2 x SEQ tokens, none doubled
+        assert block.step_stats[:num_experts].sum() == BATCH * SEQ * top_k
+        assert block.step_stats[num_experts + 1] == 2
     metrics = tracker.step()
     # torch calls loss_fn once more before the schedule to infer gradient shapes
     ce = torch.stack(losses[-2:]).mean() if losses else torch.zeros(())
