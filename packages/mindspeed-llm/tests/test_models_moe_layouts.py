@@ -174,11 +174,12 @@ def test_allgather_dispatcher_equals_alltoall_at_ep2_mixtral():
 # -- context parallel ---------------------------------------------------------------------
 
 
-def _cp_run(family):
+def _cp_run(family, degrees):
     """Ring attention at cp=2: each rank routes its zig-zag half of every sequence."""
     ref = _reference(family, BATCH)
     spec, model = _build(family)
-    dims = ParallelDims(cp=2).build()
+    dims = ParallelDims(**degrees).build()
+    cp_group = dims.mesh("cp").get_group()
     model = spec.parallelize(model, dims, cp_mode="ring")
     tracker = LoadTracker(model)
     data = _tokens()
@@ -192,24 +193,35 @@ def _cp_run(family):
     # FSDP averages over the cp ranks: each backpropagates cp x its share of the mean
     (ce_sum / labels.numel() * 2 + aux).backward()
     loss = torch.stack([ce_sum / labels.numel(), aux / 2]).detach()
-    dist.all_reduce(loss)
-    loads = tracker.step(dims.mesh("cp").get_group())["moe_load"]
-    _assert_same(f"{family} cp=2", ref, loss[0], loss[1], loads, _grads(model))
+    dist.all_reduce(loss, group=cp_group)
+    loads = tracker.step(cp_group)["moe_load"]
+    _assert_same(f"{family} {degrees}", ref, loss[0], loss[1], loads, _grads(model))
 
 
 def test_cp2_ring_matches_one_process():
-    run_distributed(_cp_run, 2, "mixtral", timeout=300)
+    run_distributed(_cp_run, 2, "mixtral", {"cp": 2}, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "degrees"),
+    [(2, {"cp": 2, "ep": 2}), (4, {"cp": 2, "tp": 2})],
+    ids=["cp2_ep2", "cp2_tp2"],
+)
+def test_cp2_with_ep_or_tp_matches_one_process(world, degrees):
+    """Experts spread over the cp ranks (ep is carved from dp_shard x cp), or tp inside cp."""
+    run_distributed(_cp_run, world, "mixtral", degrees, timeout=600)
 
 
 # -- pipeline parallel ----------------------------------------------------------------------
 
 
-def _pp_run(family, changes, options):
+def _pp_run(family, changes, options, degrees):
     """pp=2, 1F1B over 2 microbatches: aux losses of both stages' blocks reach the
     gradients through `AttachAux`; the tracker sums the loads over the stages."""
     ref = _reference(family, BATCH // 2, **changes)
     spec, model = _build(family, **changes)
-    dims = ParallelDims(pp=2).build()
+    dims = ParallelDims(**degrees).build()
     parts = spec.pipeline(model, dims, device="cpu", schedule="1F1B", **options)
     tracker = LoadTracker(parts.model_parts, pp_group=dims.mesh("pp").get_group(),
                           num_experts=model.config.num_experts)  # fmt: skip
@@ -232,11 +244,11 @@ def _pp_run(family, changes, options):
     metrics = tracker.step()
     # torch calls loss_fn once more before the schedule to infer gradient shapes
     ce = torch.stack(losses[-2:]).mean() if losses else torch.zeros(())
-    dist.all_reduce(ce)  # only the last stage computed it
+    dist.all_reduce(ce, group=dims.mesh("pp").get_group())  # only the last stage computed it
     grads = _grads(parts.model_parts)
     ref_grads = {n: g for n, g in ref[3].items() if n in grads}
     ref = (*ref[:3], ref_grads)
-    _assert_same(f"{family} pp=2", ref, ce, torch.tensor(metrics["moe_aux_loss"]),
+    _assert_same(f"{family} {degrees} {options}", ref, ce, torch.tensor(metrics["moe_aux_loss"]),
                  metrics["moe_load"], grads)  # fmt: skip
     return sorted(grads)
 
@@ -245,12 +257,14 @@ def _pp_cases(cases):
     return [_pp_run(*case) for case in cases]
 
 
+PER_LAYER, PP2 = {"router_aux_loss_scope": "layer"}, {"pp": 2}
 PP2_CASES = {
-    "mixtral": ("mixtral", {"router_aux_loss_scope": "layer"}, {}),
+    "mixtral": ("mixtral", PER_LAYER, {}, PP2),
     # a dense first block, shared experts, group-limited routing; 3 blocks split 2 + 1
-    "deepseek_v3": ("deepseek_v3", {"router_aux_loss_scope": "layer"}, {}),
+    "deepseek_v3": ("deepseek_v3", PER_LAYER, {}, PP2),
     # recompute re-runs each block's forward in backward: counted once
-    "mixtral_recompute": ("mixtral", {"router_aux_loss_scope": "layer"}, {"ac_mode": "full"}),
+    "mixtral_recompute": ("mixtral", PER_LAYER, {"ac_mode": "full"}, PP2),
+    "mixtral_tp2": ("mixtral", PER_LAYER, {}, {"pp": 2, "tp": 2}),
 }
 
 
@@ -260,13 +274,15 @@ PP2_CASES = {
         "mixtral",
         pytest.param("deepseek_v3", marks=pytest.mark.slow),
         pytest.param("mixtral_recompute", marks=pytest.mark.slow),
+        pytest.param("mixtral_tp2", marks=pytest.mark.slow),
     ],
 )
 def test_pp2_matches_one_process(case):
-    results = run_distributed(_pp_cases, 2, [PP2_CASES[case]], timeout=300)
+    world = 4 if "tp" in PP2_CASES[case][3] else 2
+    results = run_distributed(_pp_cases, world, [PP2_CASES[case]], timeout=600)
     # the two stages hold every parameter once, and both hold a router
-    names = results[0][0] + results[1][0]
-    assert len(names) == len(set(names))
+    first, last = results[0][0], results[-1][0]
+    assert not set(first) & set(last)
     assert all(any("router" in n for n in r[0]) for r in results)
 
 
