@@ -169,7 +169,8 @@ class MoE(nn.Module):
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.capacity_factor = config.capacity_factor
-        self.aux_loss_coef, self.z_loss_coef = config.router_aux_loss_coef, config.router_z_loss_coef
+        self.aux_loss_coef = config.router_aux_loss_coef
+        self.z_loss_coef = config.router_z_loss_coef
         self.num_moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
         self.token_group: dist.ProcessGroup | None = None
         self.attach_aux = False
@@ -280,7 +281,9 @@ def moe_layers(model: nn.Module | list[nn.Module] | None) -> dict[str, MoE]:
     """The MoE blocks of `model` (or of every pipeline stage in a list) by module name
     (empty for a dense model). Stages keep the whole model's names, so names stay unique."""
     parts = model if isinstance(model, list | tuple) else [model]
-    return {n: m for p in parts if p is not None for n, m in p.named_modules() if isinstance(m, MoE)}
+    return {
+        n: m for p in parts if p is not None for n, m in p.named_modules() if isinstance(m, MoE)
+    }
 
 
 def load_balancing_loss(

@@ -132,7 +132,9 @@ def with_moe_layers(
     dense = {k: v for k, v in plan.items() if fnmatch.fnmatchcase(k, f"{ffn}*")}
     out = {k: v for k, v in plan.items() if k not in dense}
     for layer in dense_layers:
-        out.update({k.replace(f"{n.layers}.*", f"{n.layers}.{layer}", 1): v for k, v in dense.items()})
+        out.update(
+            {k.replace(f"{n.layers}.*", f"{n.layers}.{layer}", 1): v for k, v in dense.items()}
+        )
     for layer in moe_layers:
         block = f"{n.layers}.{layer}.{n.feed_forward}"
         out[block] = PrepareModuleInputOutput(
