@@ -45,6 +45,34 @@ def test_ep2_gives_the_losses_of_one_process_and_logs_router_statistics(torchrun
     assert [r["moe_load"] for r in ep2] == [r["moe_load"] for r in one]
 
 
+def _assert_same_moe_run(run, reference):
+    """Losses, aux losses and expert loads of `run` are those of `reference`."""
+    steps = range(1, STEPS + 1)
+    for key in ("loss", "moe_aux_loss"):
+        pretrain._assert_close(pretrain._losses(run, key), pretrain._losses(reference, key), steps)
+    loads = [[r["moe_load"] for r in records if "moe_load" in r] for records in (run, reference)]
+    assert len(loads[0]) == STEPS
+    for got, want in zip(*loads, strict=True):
+        flat = [v for row in want for v in row]
+        assert [v for row in got for v in row] == pytest.approx(flat, abs=2e-4)
+
+
+def test_tp2_with_sequence_parallel_gives_the_losses_of_one_process(torchrun, tmp_path, one):
+    """Routed experts whole on both tp ranks, attention split, the sequence gathered."""
+    tp2 = torchrun(
+        2, tmp_path / "tp2", *MIXTRAL, "--parallel.tp=2", "--parallel.sequence_parallel=true"
+    )
+    _assert_same_moe_run(tp2, one)
+
+
+@pytest.mark.slow
+def test_pp2_gives_the_losses_of_one_process(torchrun, tmp_path):
+    """Each stage's blocks attach their aux loss; loads summed over the stages."""
+    per_layer = [*MIXTRAL, "--model.router_aux_loss_scope=layer"]
+    reference = torchrun(1, tmp_path / "one", *per_layer)
+    _assert_same_moe_run(torchrun(2, tmp_path / "pp2", *per_layer, "--parallel.pp=2"), reference)
+
+
 @pytest.mark.slow
 def test_an_ep2_checkpoint_resumes_in_one_process(
     torchrun, converts_to_transformers, tmp_path, one

@@ -1,7 +1,8 @@
 """Expert parallel on a toy experts module (core alone, no model code): with ep=2 each rank's
 outputs and the experts' gradients equal one process's (fp32, 2 gloo ranks, uneven token
-counts, an expert that gets no tokens), the all-to-all is differentiable, and a number of
-experts that ep does not divide is refused."""
+counts, an expert that gets no tokens) with either dispatcher (all-to-all, all-gather), the
+all-to-all is differentiable, and a number of experts that ep does not divide, or an unknown
+dispatcher, is refused."""
 
 import pytest
 import torch
@@ -49,15 +50,20 @@ def _ep_matches_one_process():
     other_grad = reference.weight.grad.clone()
     dist.all_reduce(other_grad)
 
-    experts = ToyExperts()
-    apply_ep([experts], ParallelDims(dp_shard=2, ep=2).build().mesh("ep"))
-    assert experts.weight.placements == (Shard(0),) and experts.weight.to_local().shape[0] == 2
-    x_ep = x.clone().requires_grad_()
-    out = experts(x_ep, counts)
-    out.square().sum().backward()
-    torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(x_ep.grad, x_ref.grad)
-    torch.testing.assert_close(experts.weight.grad.full_tensor(), other_grad)
+    mesh = ParallelDims(dp_shard=2, ep=2).build().mesh("ep")
+    for dispatcher in ("alltoall", "allgather"):
+        experts = ToyExperts()
+        apply_ep([experts], mesh, dispatcher=dispatcher)
+        assert experts.weight.placements == (Shard(0),)
+        assert experts.weight.to_local().shape[0] == 2
+        x_ep = x.clone().requires_grad_()
+        out = experts(x_ep, counts)
+        out.square().sum().backward()
+        torch.testing.assert_close(out, expected, msg=lambda m, d=dispatcher: f"{d}: {m}")
+        torch.testing.assert_close(x_ep.grad, x_ref.grad)
+        torch.testing.assert_close(experts.weight.grad.full_tensor(), other_grad)
+    with pytest.raises(ParallelError, match=r"ep_dispatcher='ring'; choose one of"):
+        apply_ep([ToyExperts()], mesh, dispatcher="ring")
 
     odd = ToyExperts()
     odd.weight = nn.Parameter(torch.randn(3, DIM, DIM))

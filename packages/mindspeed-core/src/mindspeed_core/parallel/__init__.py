@@ -26,6 +26,8 @@ from mindspeed_core.parallel.context_parallel import (
 from mindspeed_core.parallel.data_parallel import apply_ddp, apply_fsdp
 from mindspeed_core.parallel.dims import MESH_NAMES, ParallelDims
 from mindspeed_core.parallel.expert_parallel import (
+    EP_DISPATCHERS,
+    AllGatherExpertParallel,
     ExpertParallel,
     all_to_all,
     apply_ep,
@@ -60,6 +62,8 @@ __all__ = [
     "apply_ac",
     "apply_compile",
     "apply_cp",
+    "AllGatherExpertParallel",
+    "EP_DISPATCHERS",
     "ExpertParallel",
     "all_to_all",
     "apply_ddp",

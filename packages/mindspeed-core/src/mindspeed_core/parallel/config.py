@@ -43,6 +43,9 @@ class ParallelConfig:
     ep: int = 1
     """Expert parallel degree (MoE models): experts spread over this many of the
     dp_shard x cp ranks; must divide both that product and the model's num_experts."""
+    ep_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How expert parallel moves tokens: all-to-all (each row to its expert's rank) or
+    all-gather (every rank gathers every row, results summed back; simpler, ep x traffic)."""
     dp_shard: int = -1
     """FSDP degree; -1 takes the processes the other degrees leave."""
     dp_replicate: int = 1

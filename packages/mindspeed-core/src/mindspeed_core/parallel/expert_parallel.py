@@ -11,7 +11,9 @@ the forward, as torchtitan does, with two hooks:
 - combine (after): undo the sort and send every row back to the rank it came from.
 
 Both all-to-alls are differentiable (`all_to_all` below), so backward runs the reverse
-exchanges. Data parallel of the experts is `apply_expert_fsdp`: FSDP over
+exchanges. The other dispatcher, `AllGatherExpertParallel` (``dispatcher="allgather"``),
+trades bandwidth for simplicity: every rank gathers all ranks' rows, runs the rows of its
+own experts, and the results are summed back to the rank each row came from. Data parallel of the experts is `apply_expert_fsdp`: FSDP over
 `dp_shard_mod_ep` (the data-parallel ranks that hold the same experts), gradients divided
 by the whole data-parallel size, since every rank's loss reached every expert.
 """
@@ -95,15 +97,103 @@ class ExpertParallel:
         return all_to_all(y, input_splits, output_splits, self.group)
 
 
-def apply_ep(experts: Iterable[nn.Module], ep_mesh: DeviceMesh | None) -> None:
-    """Shard each experts module over `ep_mesh` and route its tokens by all-to-all.
+class _GatherRows(torch.autograd.Function):
+    """Every rank's rows, concatenated in rank order (`sizes[r]` rows from rank r);
+    backward sums each rank's rows' gradients back to it."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, rank, group):
+        ctx.args = (sizes, rank, group)
+        return gather_rows(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ScatterRows.apply(grad, *ctx.args), None, None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Rows of every rank for every rank, summed over ranks; rank r keeps its `sizes[r]`
+    rows (a reduce-scatter with uneven blocks); backward gathers the gradients."""
+
+    @staticmethod
+    def forward(ctx, x, sizes, rank, group):
+        ctx.args = (sizes, rank, group)
+        total = x.contiguous().clone()
+        # gloo has no reduce-scatter of uneven blocks: sum everything, keep our block.
+        dist.all_reduce(total, group=group)
+        start = sum(sizes[:rank])
+        return total[start : start + sizes[rank]]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherRows.apply(grad, *ctx.args), None, None, None
+
+
+def gather_rows(x: Tensor, sizes: list[int], group: dist.ProcessGroup) -> Tensor:
+    """All ranks' rows of `x` in rank order, rank r giving `sizes[r]` (no autograd)."""
+    longest = max(sizes)
+    padded = x.new_zeros((longest, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    blocks = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(blocks, padded.contiguous(), group=group)
+    return torch.cat([b[:n] for b, n in zip(blocks, sizes, strict=True)])
+
+
+class AllGatherExpertParallel(ExpertParallel):
+    """The all-gather dispatcher: gather every rank's rows and counts, run the rows of
+    this rank's experts, sum the results back to their ranks (differentiable both ways).
+
+    Moves ep times the rows of all-to-all, with no uneven all-to-all: a fallback where
+    that collective is slow or missing, and the reference the all-to-all is tested against.
+    """
+
+    def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x, counts = inputs  # rows sorted by global expert; counts (num_experts,)
+        ep, rank = mesh.size(), mesh.get_local_rank()
+        num_local = counts.numel() // ep
+        every = [torch.empty_like(counts) for _ in range(ep)]
+        dist.all_gather(every, counts, group=self.group)
+        every = torch.stack(every)  # (source rank, global expert)
+        sizes = every.sum(dim=1).tolist()
+        rows = _GatherRows.apply(x, sizes, rank, self.group)
+        expert_of_row = torch.arange(counts.numel(), device=x.device).repeat(ep)
+        expert_of_row = expert_of_row.repeat_interleave(every.flatten())
+        mine = torch.nonzero(expert_of_row // num_local == rank).squeeze(1)
+        # rows of our experts, grouped by expert (each source's rows in order)
+        mine = mine[torch.argsort(expert_of_row[mine], stable=True)]
+        self._pending = (mine, sizes, rows.shape[0])
+        local = every[:, rank * num_local : (rank + 1) * num_local].sum(dim=0)
+        return rows[mine], local
+
+    def _combine(self, module: nn.Module, y: Tensor, mesh: DeviceMesh) -> Tensor:
+        assert self._pending is not None, "combine without dispatch"
+        mine, sizes, num_rows = self._pending
+        self._pending = None
+        out = y.new_zeros((num_rows, *y.shape[1:])).index_copy(0, mine, y)
+        return _ScatterRows.apply(out, sizes, mesh.get_local_rank(), self.group)
+
+
+EP_DISPATCHERS = {"alltoall": ExpertParallel, "allgather": AllGatherExpertParallel}
+
+
+def apply_ep(
+    experts: Iterable[nn.Module], ep_mesh: DeviceMesh | None, *, dispatcher: str = "alltoall"
+) -> None:
+    """Shard each experts module over `ep_mesh` and route its tokens between the ranks.
 
     Apply after tensor parallel and before activation checkpointing and FSDP. None (ep=1)
     is a no-op.
 
+    Args:
+        dispatcher: "alltoall" (each row sent only to its expert's rank) or "allgather"
+            (every rank sees every row; `AllGatherExpertParallel`).
+
     Raises:
-        ParallelError: the number of experts is not divisible by the ep degree.
+        ParallelError: the number of experts is not divisible by the ep degree, or an
+            unknown dispatcher.
     """
+    if dispatcher not in EP_DISPATCHERS:
+        raise ParallelError(f"ep_dispatcher={dispatcher!r}; choose one of {list(EP_DISPATCHERS)}")
     if ep_mesh is None:
         return
     for module in experts:
@@ -113,7 +203,7 @@ def apply_ep(experts: Iterable[nn.Module], ep_mesh: DeviceMesh | None) -> None:
                     f"ep={ep_mesh.size()} must divide the number of experts "
                     f"({param.shape[0]}, dim 0 of {name})"
                 )
-        ExpertParallel(ep_mesh).apply(module)
+        EP_DISPATCHERS[dispatcher](ep_mesh).apply(module)
 
 
 def apply_expert_fsdp(

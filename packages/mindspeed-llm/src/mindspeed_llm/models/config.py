@@ -113,6 +113,11 @@ class TransformerConfig:
     """Weight of the load-balancing loss (Switch/Mixtral) in the training loss."""
     router_z_loss_coef: float = 0.0
     """Weight of the router z-loss (mean logsumexp(logits)^2, ST-MoE)."""
+    router_aux_loss_scope: str = "model"
+    """How the load-balancing loss pools its statistics: "model" (Hugging Face's: loads
+    and probabilities averaged over all MoE layers, then multiplied) or "layer"
+    (Megatron's: each layer's own loss, then the mean over layers). Pipeline parallel
+    needs "layer": a stage sees only its own layers' loads."""
     capacity_factor: float | None = None
     """Each expert takes at most ceil(factor * tokens * top_k / num_experts) assignments per
     forward, the rest are dropped; None: dropless."""
@@ -276,6 +281,10 @@ class TransformerConfig:
             raise ConfigError(
                 f"router_bias_update_rate={self.router_bias_update_rate} needs "
                 "router_score='sigmoid'"
+            )
+        if self.router_aux_loss_scope not in ("model", "layer"):
+            raise ConfigError(
+                f"router_aux_loss_scope={self.router_aux_loss_scope!r} must be 'model' or 'layer'"
             )
         for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
             if not isinstance(getattr(self, name), int | float) or getattr(self, name) < 0:

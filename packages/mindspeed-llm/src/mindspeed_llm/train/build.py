@@ -65,7 +65,8 @@ class BuiltModel:
 
 def model_config(model: ModelSection) -> TransformerConfig:
     """The model to build: from model.hf_path's config.json, model.hf_config, or a flavor."""
-    own = {"ops_impl": model.ops_impl, "vocab_divisible_by": model.vocab_divisible_by}
+    own = {"ops_impl": model.ops_impl, "vocab_divisible_by": model.vocab_divisible_by,
+           "router_aux_loss_scope": model.router_aux_loss_scope}  # fmt: skip
     if model.hf_path is not None:
         return read_hf_config(model.hf_path, **own)
     flavor = None if model.hf_config is not None else model.flavor
@@ -131,7 +132,14 @@ def build_model(
             part.requires_grad_(False).eval()
     router = None
     if config.num_experts and not frozen:
-        router = LoadTracker(whole, config.router_bias_update_rate)
+        pp_mesh = dims.mesh("pp")
+        router = LoadTracker(
+            parts,
+            config.router_bias_update_rate,
+            pp_group=None if pp_mesh is None else pp_mesh.get_group(),
+            num_experts=config.num_experts,
+            device=device,
+        )
     return BuiltModel(
         config=config,
         device=torch.device(device),
@@ -154,6 +162,8 @@ def _parallelize_options(parallel: ParallelConfig, dims, dtype, ac: str) -> dict
     }
     if dims.cp > 1:
         options.update(cp_mode=parallel.cp_mode, ulysses_degree=parallel.ulysses_degree)
+    if dims.ep > 1 and parallel.ep_dispatcher != "alltoall":
+        options.update(ep_dispatcher=parallel.ep_dispatcher)
     options.update({k: True for k in ("activation_offload", "cpu_offload") if getattr(parallel, k)})
     return options
 

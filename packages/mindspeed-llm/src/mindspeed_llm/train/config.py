@@ -47,6 +47,9 @@ class ModelSection:
     """Under parallel.tp > 1 the embedding and output are padded to a multiple of
     vocab_divisible_by x tp rows (Megatron's --make-vocab-size-divisible-by); the padding
     is never predicted and never saved."""
+    router_aux_loss_scope: Literal["model", "layer"] = "model"
+    """MoE: the load-balancing loss pooled over all layers (Hugging Face's) or each
+    layer's own, averaged (Megatron's); pipeline parallel needs "layer"."""
 
 
 @dataclass(kw_only=True)

@@ -28,7 +28,7 @@ from mindspeed_core.optim import clip_grad_norm_
 from mindspeed_core.parallel import ParallelDims, build_pipeline_schedule, loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import Batch, concat_batches, shard_context_parallel, split_batch
-from mindspeed_llm.models.common.moe import moe_aux_loss
+from mindspeed_llm.models.common.moe import moe_aux_loss, moe_layers
 from mindspeed_llm.models.common.mtp import take_mtp_loss
 from mindspeed_llm.models.common.parallelize import tied_embedding_grads
 from mindspeed_llm.train.build import TrainParts
@@ -186,7 +186,8 @@ class TrainStep:
                 objective = out.loss_sum * weight
                 aux = self._aux_loss()
                 if aux is not None:  # the model's own loss, per micro-batch as before
-                    objective = objective + aux / len(micro_batches)
+                    # a replicated DTensor under loss parallel; aux is a plain tensor
+                    objective = full(objective) + aux / len(micro_batches)
                 (scaler.scale_loss(objective) if scaler else objective).backward()
             loss_sum += full(out.loss_sum).detach()
             _add(sums, out.metrics)
@@ -208,6 +209,7 @@ class TrainStep:
             {"position_ids": b["position_ids"], "cu_seqlens": b["cu_seqlens"]} for b in batches
         ]
         handles = [torch.tensor(i, device=self.model.device) for i in range(len(batches))]
+        self._scale_attached_aux(len(batches))
         self._pp = {"targets": [self.objective.targets(b) for b in batches], "weight": weight,
                     "outputs": {}}  # fmt: skip
         with self._compute_context():
@@ -224,6 +226,15 @@ class TrainStep:
         reduced = torch.stack([loss_sum, *sums.values()])
         dist.all_reduce(reduced, group=self.dims.mesh("pp").get_group())
         return reduced[0], dict(zip(sums, reduced[1:], strict=True))
+
+    def _scale_attached_aux(self, n_microbatches: int) -> None:
+        """Pipeline parallel: the MoE blocks attach their aux loss to their outputs; each
+        micro-batch's is its share of the step, as `_forward_backward` adds it."""
+        scale = 1.0 / n_microbatches
+        if self.parts.scaler is not None:
+            scale *= self.parts.scaler.scale
+        for block in moe_layers(self.model.parts).values():
+            block.aux_grad_scale = scale
 
     def _pipeline_loss(self, outputs: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
         """The schedule's loss_fn: this microbatch's share of the step (scaled for fp16).

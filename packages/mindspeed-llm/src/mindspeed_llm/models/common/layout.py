@@ -79,10 +79,20 @@ def _check_experts(model_cfg: TransformerConfig, p: ParallelConfig, name) -> Non
         )
     if num_experts % p.ep:
         raise LayoutError(f"{name('ep')}={p.ep} must divide the model's num_experts={num_experts}")
-    if num_experts and (p.tp > 1 or p.pp > 1 or p.cp > 1):
+    num_moe_layers = sum(model_cfg.is_moe_layer(i) for i in range(model_cfg.num_layers))
+    pooled = model_cfg.router_aux_loss_coef and model_cfg.router_aux_loss_scope == "model"
+    if p.pp > 1 and pooled and num_moe_layers > 1:
         raise LayoutError(
-            f"{name('tp')}={p.tp}, {name('pp')}={p.pp}, {name('cp')}={p.cp}: MoE models support "
-            f"only tp=1, pp=1 and cp=1 yet (use {name('ep')} and dp_shard)"
+            f"{name('pp')}={p.pp}: the load-balancing loss pooled over all MoE layers "
+            "(model.router_aux_loss_scope=model) needs every layer's loads on one stage; "
+            "set model.router_aux_loss_scope=layer (each layer's own loss) or "
+            "model.router_aux_loss_coef=0"
+        )
+    if p.cp > 1 and num_experts and model_cfg.capacity_factor is not None:
+        raise LayoutError(
+            f"{name('cp')}={p.cp}: capacity_factor={model_cfg.capacity_factor} drops tokens per "
+            "rank's share of a sequence, unlike one process; use dropless routing "
+            "(capacity_factor=None) with context parallel"
         )
     if p.ep > 1 and p.dp_replicate > 1:
         raise LayoutError(
@@ -114,7 +124,8 @@ def _check_tensor_parallel(model_cfg: TransformerConfig, tp: int, name) -> None:
     ]
     fields = ["num_heads", "num_kv_heads"]  # the vocabulary is padded (vocab_divisible_by)
     fields += ["intermediate_size"] if not all(moe) else []  # some dense feed-forward
-    fields += ["moe_intermediate_size"] if any(moe) else []
+    # routed experts stay whole under tp (expert parallel shards them); shared experts split
+    fields += ["shared_expert_intermediate_size"] if any(moe) else []
     for field in fields:
         if getattr(model_cfg, field) % tp:
             raise LayoutError(

@@ -12,6 +12,16 @@ the model's return value (and so works with FSDP, recompute and pipeline stages)
 `MoE` keeps the `RouterStats` of its last forward in `last_stats`, and `moe_aux_loss(model)`
 combines them right after the forward, before backward. `LoadTracker` accumulates the
 expert loads over a step for the metrics and for the aux-loss-free bias update.
+
+Under parallel layouts (set from outside by `parallelize.py`, the block's code is the same):
+- tensor parallel: every tp rank routes the same (gathered) tokens through all its experts,
+  so the statistics are already those of the tokens; nothing is reduced over tp;
+- context parallel: each cp rank routes its share of a sequence; `token_group` names the
+  cp ranks, and the load-balancing loss sums the expert loads over them first;
+- pipeline parallel: a stage holds some of the layers, so the step cannot gather every
+  layer's statistics after the forward; each block instead attaches its own share of the
+  aux loss to its output (`attach_aux`, Megatron's auxiliary-loss scaler), whose backward
+  adds that share's gradient. This needs `router_aux_loss_scope="layer"`.
 """
 
 from __future__ import annotations
@@ -140,13 +150,35 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router -> sort by expert -> grouped experts -> weighted sum (+ gated shared expert)."""
+    """Router -> sort by expert -> grouped experts -> weighted sum (+ gated shared expert).
+
+    Attributes set by the parallel layout (None / False by default):
+        token_group: the context-parallel ranks that route shares of the same sequences;
+            the load-balancing loss sums expert loads over them.
+        attach_aux: pipeline parallel: attach this layer's share of the aux loss to the
+            output (see `AttachAux`), scaled by `aux_grad_scale` (the micro-batch's share
+            of the step, set by the trainer before each schedule step).
+        accumulate_stats: pipeline parallel: add each training forward's statistics to
+            the `step_stats` buffer (`LoadTracker` reads and clears it). A buffer, because
+            torch's pipelining runs a real forward to infer shapes and then restores
+            buffers, so that forward leaves no trace.
+    """
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
         self.capacity_factor = config.capacity_factor
+        self.aux_loss_coef = config.router_aux_loss_coef
+        self.z_loss_coef = config.router_z_loss_coef
+        self.num_moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+        self.token_group: dist.ProcessGroup | None = None
+        self.attach_aux = False
+        self.aux_grad_scale = 1.0
+        self.last_aux: Tensor | None = None
+        self.accumulate_stats = False
+        # (num_experts loads, dropped, forwards, aux sum) of the step so far
+        self.register_buffer("step_stats", torch.zeros(self.num_experts + 3), persistent=False)
         self.router = Router(config)
         self.experts = GroupedExperts(
             config.num_experts, config.hidden_size, config.moe_intermediate_size, config.ops_impl
@@ -161,6 +193,7 @@ class MoE(nn.Module):
         self.last_stats: RouterStats | None = None
 
     def init_weights(self, std: float, out_std: float) -> None:
+        self.step_stats.zero_()
         self.router.init_weights(std)
         self.experts.init_weights(std, out_std)
         if self.shared_expert is not None:
@@ -195,7 +228,30 @@ class MoE(nn.Module):
             num_tokens=x.shape[0],
             num_dropped=num_dropped,
         )
+        if self.attach_aux:
+            out = self._attach_aux(out)
+        if self.accumulate_stats and torch.is_grad_enabled() and not _in_backward():
+            self._accumulate()
         return out.view(shape)
+
+    @torch.no_grad()
+    def _accumulate(self) -> None:
+        """Add the last forward's statistics to `step_stats` (recompute in backward and
+        forwards without autograd are not counted)."""
+        stats, aux = self.last_stats, self.last_aux
+        self.step_stats[: self.num_experts] += stats.tokens_per_expert.to(self.step_stats)
+        self.step_stats[self.num_experts :] += self.step_stats.new_tensor([stats.num_dropped, 1, 0])
+        if aux is not None:
+            self.step_stats[-1] += aux.to(self.step_stats)
+
+    def _attach_aux(self, out: Tensor) -> Tensor:
+        """`out` carrying this layer's share of the model's aux loss into backward."""
+        aux = layer_aux_loss(self.last_stats, self) / self.num_moe_layers
+        self.last_aux = aux.detach()
+        no_coef = not (self.aux_loss_coef or self.z_loss_coef)
+        if no_coef or not aux.requires_grad:  # or a forward without autograd (evaluation)
+            return out
+        return AttachAux.apply(out, aux * self.aux_grad_scale)
 
     def _drop_over_capacity(self, flat: Tensor, num_tokens: int) -> tuple[Tensor, int]:
         """Keep the first `capacity` assignments of each expert (in token order)."""
@@ -206,38 +262,83 @@ class MoE(nn.Module):
         return torch.where(keep, flat, self.num_experts), int((~keep).sum())
 
 
-def moe_layers(model: nn.Module) -> dict[str, MoE]:
-    """The MoE blocks of `model` by module name (empty for a dense model)."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+class AttachAux(torch.autograd.Function):
+    """Returns `out` unchanged; backward also gives `aux` the gradient 1, as if `aux`
+    had been added to the loss (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux: Tensor) -> Tensor:
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
 
 
-def load_balancing_loss(stats: list[RouterStats], num_experts: int) -> Tensor:
+def moe_layers(model: nn.Module | list[nn.Module] | None) -> dict[str, MoE]:
+    """The MoE blocks of `model` (or of every pipeline stage in a list) by module name
+    (empty for a dense model). Stages keep the whole model's names, so names stay unique."""
+    parts = model if isinstance(model, list | tuple) else [model]
+    return {
+        n: m for p in parts if p is not None for n, m in p.named_modules() if isinstance(m, MoE)
+    }
+
+
+def load_balancing_loss(
+    stats: list[RouterStats], num_experts: int, group: dist.ProcessGroup | None = None
+) -> Tensor:
     """Switch Transformer's loss as Hugging Face's `load_balancing_loss_func` computes it.
 
     num_experts * sum_e f_e * P_e, where f_e is the fraction of top-k assignments to
     expert e and P_e its mean routing probability, both averaged over the layers first.
+
+    With `group` (context parallel: ranks holding shares of the same sequences) f_e is
+    that of the whole sequences (counts summed over the group), P_e stays this rank's
+    mean. The group's ranks average their gradients, and the mean of P_e over equal
+    shares is the whole sequences' P_e, so the averaged gradient and the mean value over
+    the group are the whole sequences' loss.
     """
     rows = sum(s.num_tokens for s in stats)
-    tokens = torch.stack([s.tokens_per_expert for s in stats]).sum(0) / rows
+    counts = torch.stack([s.tokens_per_expert for s in stats]).sum(0)
+    total = torch.cat([counts, counts.new_tensor([rows])])
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    tokens = total[:-1] / total[-1]
     probs = torch.stack([s.prob_per_expert * s.num_tokens for s in stats]).sum(0) / rows
     return num_experts * (tokens * probs).sum()
+
+
+def layer_aux_loss(stats: RouterStats, layer: MoE) -> Tensor:
+    """One layer's weighted aux loss: its own load balancing and z-loss."""
+    loss = stats.z_loss * layer.z_loss_coef
+    if layer.aux_loss_coef:
+        balance = load_balancing_loss([stats], layer.num_experts, layer.token_group)
+        loss = loss + layer.aux_loss_coef * balance
+    return loss
 
 
 def moe_aux_loss(model: nn.Module, config: TransformerConfig) -> Tensor | None:
     """The weighted auxiliary loss of the last forward (None for a dense model or no coef).
 
-    router_aux_loss_coef * load balancing + router_z_loss_coef * mean z-loss over layers.
+    router_aux_loss_coef * load balancing + router_z_loss_coef * mean z-loss over layers;
+    the load balancing pooled over all layers or per layer (`router_aux_loss_scope`).
     Call after the forward and before backward; add the result to the training loss.
+    None too when the blocks attach their aux loss themselves (pipeline parallel).
     """
-    stats = [m.last_stats for m in moe_layers(model).values() if m.last_stats is not None]
-    if not stats:
+    layers = [m for m in moe_layers(model).values() if m.last_stats is not None]
+    if not layers or any(m.attach_aux for m in layers):
         return None
-    loss = None
+    if not (config.router_aux_loss_coef or config.router_z_loss_coef):
+        return None
+    if config.router_aux_loss_scope == "layer":
+        return torch.stack([layer_aux_loss(m.last_stats, m) for m in layers]).mean()
+    stats = [m.last_stats for m in layers]
+    loss = config.router_z_loss_coef * torch.stack([s.z_loss for s in stats]).mean()
     if config.router_aux_loss_coef:
-        loss = config.router_aux_loss_coef * load_balancing_loss(stats, config.num_experts)
-    if config.router_z_loss_coef:
-        z = config.router_z_loss_coef * torch.stack([s.z_loss for s in stats]).mean()
-        loss = z if loss is None else loss + z
+        balance = load_balancing_loss(stats, config.num_experts, layers[0].token_group)
+        loss = loss + config.router_aux_loss_coef * balance
     return loss
 
 
@@ -250,14 +351,39 @@ class LoadTracker:
     the load of each layer's experts as fractions of its assignments (`moe_load`), the
     highest and lowest load relative to a balanced one (1.0), dropped assignments, and
     the mean aux loss.
+
+    Pipeline parallel (`model` a list of this rank's stages, `pp_group` given): the
+    schedule runs the forwards, so the tracker notes each block's statistics in a forward
+    hook instead, and `step` also sums over the stages, so every rank reports every
+    layer (and the aux loss, each stage's layers' share summed).
     """
 
-    def __init__(self, model: nn.Module, bias_update_rate: float = 0.0):
+    def __init__(
+        self,
+        model: nn.Module | list[nn.Module],
+        bias_update_rate: float = 0.0,
+        *,
+        pp_group: dist.ProcessGroup | None = None,
+        num_experts: int | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        """`num_experts` and `device` matter for a pipeline stage without MoE blocks."""
         self.layers = moe_layers(model)
+        self.device = torch.device(device)
+        if self.layers:
+            num_experts = next(iter(self.layers.values())).num_experts
+            self.device = next(iter(self.layers.values())).router.weight.device
+        self.num_experts = num_experts
         self.bias_update_rate = bias_update_rate
+        self.pp_group = pp_group
         self._loads: Tensor | None = None
         self._dropped = self._observed = 0
         self._aux = 0.0
+        self._names: list[str] | None = None
+        if pp_group is not None:
+            for layer in self.layers.values():
+                layer.accumulate_stats = True
+                layer.step_stats.zero_()  # a model materialised without init_weights
 
     def observe(self, aux_loss: Tensor | None = None) -> None:
         stats = [m.last_stats for m in self.layers.values()]
@@ -272,20 +398,20 @@ class LoadTracker:
 
     def step(self, group: dist.ProcessGroup | None = None) -> dict[str, float | list]:
         """Reduce, update biases, reset; the metrics of the step (empty if nothing seen)."""
-        if self._loads is None:
+        if self.pp_group is not None:
+            self._take_accumulated()
+        elif self._loads is None:
             return {}
-        counters = self._loads.new_tensor([self._dropped, self._observed, float(self._aux)])
-        loads = torch.cat([self._loads.flatten(), counters])
-        if group is not None:
-            dist.all_reduce(loads, group=group)
-        dropped, observed, aux = loads[-3:].tolist()
-        loads = loads[:-3].view_as(self._loads)
+        loads, (dropped, observed, aux) = self._reduce(group)
         self._loads, self._dropped, self._observed, self._aux = None, 0, 0, 0.0
         if self.bias_update_rate:
-            for layer, load in zip(self.layers.values(), loads, strict=True):
-                layer.router.update_bias(load, self.bias_update_rate)
-        fractions = loads / loads.sum(dim=1, keepdim=True)  # (layers, experts), rows sum to 1
-        relative = fractions * loads.shape[1]  # 1 = perfectly balanced
+            for name, layer in self.layers.items():
+                layer.router.update_bias(loads[name], self.bias_update_rate)
+        if not observed:
+            return {}
+        table = torch.stack([loads[n] for n in sorted(loads, key=_layer_order)])
+        fractions = table / table.sum(dim=1, keepdim=True)  # (layers, experts), rows sum to 1
+        relative = fractions * table.shape[1]  # 1 = perfectly balanced
         return {
             "moe_max_load": float(relative.max()),
             "moe_min_load": float(relative.min()),
@@ -293,6 +419,59 @@ class LoadTracker:
             "moe_aux_loss": aux / observed,
             "moe_load": [[round(float(v), 4) for v in row] for row in fractions],
         }
+
+    def _take_accumulated(self) -> None:
+        """Pipeline parallel: the step's statistics from the blocks' buffers, which restart."""
+        if not self.layers:
+            return
+        table = torch.stack([layer.step_stats for layer in self.layers.values()])
+        for layer in self.layers.values():
+            layer.step_stats.zero_()
+        self._loads = table[:, : self.num_experts]
+        self._dropped = float(table[:, -3].sum())
+        self._observed = float(table[:, -2].max())
+        self._aux = float(table[:, -1].sum())
+
+    def _all_layer_names(self) -> list[str]:
+        """The MoE blocks of every stage, in layer order (asked of the stages once)."""
+        if self.pp_group is None:
+            return list(self.layers)
+        if self._names is None:
+            gathered: list = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(gathered, list(self.layers), group=self.pp_group)
+            self._names = sorted({n for stage in gathered for n in stage}, key=_layer_order)
+        return self._names
+
+    def _reduce(self, group) -> tuple[dict[str, Tensor], list[float]]:
+        """Loads of every layer by name, and (dropped, micro-batches, aux sum), summed over
+        `group` and, under pipeline parallel, over the stages."""
+        names = self._all_layer_names()
+        loads = torch.zeros(len(names), self.num_experts, device=self.device)
+        if self._loads is not None:
+            mine = [names.index(n) for n in self.layers]
+            loads[mine] = self._loads.to(loads)
+        counters = loads.new_tensor([self._dropped, float(self._aux), self._observed])
+        values = torch.cat([loads.flatten(), counters])
+        for g in (group, self.pp_group):
+            if g is not None:
+                dist.all_reduce(values[:-1], group=g)
+        if group is not None:
+            dist.all_reduce(values[-1:], group=group)
+        if self.pp_group is not None:  # a stage without MoE blocks observed nothing
+            dist.all_reduce(values[-1:], op=dist.ReduceOp.MAX, group=self.pp_group)
+        rows = values[:-3].view(len(names), -1)
+        dropped, aux, observed = values[-3:].tolist()
+        return dict(zip(names, rows, strict=True)), [dropped, observed, aux]
+
+
+def _layer_order(name: str) -> tuple:
+    """Module names sorted by their layer number ("layers.10..." after "layers.9...")."""
+    return tuple(int(p) if p.isdigit() else p for p in name.split("."))
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward (where recompute re-runs forwards)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def active_params(model: nn.Module) -> int:

@@ -39,7 +39,7 @@ from mindspeed_core.parallel import (
 )
 from mindspeed_llm.models.common.layout import check_layout, layout_of
 from mindspeed_llm.models.common.moe import MoE
-from mindspeed_llm.models.common.tp_plan import llama_tp_plan
+from mindspeed_llm.models.common.tp_plan import llama_tp_plan, with_moe_layers
 from mindspeed_ops import attention
 
 ModelHook = Callable[[nn.Module, ParallelDims], None]
@@ -60,6 +60,7 @@ def parallelize_decoder(
     activation_offload: bool = False,
     cpu_offload: bool = False,
     compile: bool = False,
+    ep_dispatcher: str = "alltoall",
     before_tp: ModelHook | None = None,
     after_tp: ModelHook | None = None,
 ) -> nn.Module:
@@ -82,6 +83,8 @@ def parallelize_decoder(
             (`mindspeed_core.memory.offload_activations`; accelerators, no recompute).
         cpu_offload: FSDP2's CPU offload of sharded parameters, gradients and optimizer
             states (accelerators, with FSDP).
+        ep_dispatcher: how expert parallel (ep > 1) moves tokens: "alltoall" or
+            "allgather" (see `mindspeed_core.parallel.apply_ep`).
         before_tp: called on the whole, still plain model first: the place to swap the
             head, e.g. `model.output = nn.Linear(hidden, 1)` for a reward model or critic.
             A head that is not vocabulary-sized stays replicated under TP (its input is
@@ -115,7 +118,10 @@ def parallelize_decoder(
         _tensor_parallel(model, dims.mesh("tp"), sequence_parallel, loss_parallel)
     if after_tp is not None:
         after_tp(model, dims)
-    experts_ignored_by_fsdp = _expert_parallel(model, dims, param_dtype, reduce_dtype)
+    experts_ignored_by_fsdp = _expert_parallel(
+        model, dims, param_dtype, reduce_dtype, ep_dispatcher
+    )
+    _route_over_cp(model, dims)
     attention_fn = functools.partial(attention, impl=model.config.ops_impl)
     apply_cp(model, dims.mesh("cp"), mode=cp_mode, ulysses_degree=ulysses_degree,
              attention_fn=attention_fn)  # fmt: skip
@@ -156,6 +162,13 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
     )
     if sequence_parallel and config.post_norms:  # Gemma 2's output norms see sequence shards
         plan.update({f"layers.*.{n}": SequenceParallel(use_local_output=True) for n in _POST_NORMS})
+    moe = [k for k, layer in model.layers.items() if isinstance(layer.feed_forward, MoE)]
+    if moe:
+        dense = [k for k in model.layers if k not in moe]
+        plan = with_moe_layers(
+            plan, moe, dense, sequence_parallel=sequence_parallel,
+            shared_expert=bool(config.shared_expert_intermediate_size),
+        )  # fmt: skip
     head = getattr(model, "output", None)
     pad_vocabulary(model, tp_mesh.size())
     config = model.config
@@ -270,6 +283,9 @@ def pipeline_decoder(
     )
     for part in parts.model_parts:
         parallelize_decoder(part, dims, after_tp=after_tp, **options)
+        for block in part.modules():
+            if isinstance(block, MoE):  # the step cannot see other stages' router statistics
+                block.attach_aux = True
     return parts
 
 
@@ -291,15 +307,24 @@ def _owned_entries(plan: dict, model: nn.Module) -> dict:
     return {k: v for k, v in plan.items() if any(fnmatch.fnmatchcase(n, k) for n in names)}
 
 
+def _route_over_cp(model: nn.Module, dims: ParallelDims) -> None:
+    """Context parallel: each MoE block's load-balancing loss sums the loads over cp."""
+    if dims.cp == 1:
+        return
+    for block in model.modules():
+        if isinstance(block, MoE):
+            block.token_group = dims.mesh("cp").get_group()
+
+
 def _expert_parallel(
-    model: nn.Module, dims: ParallelDims, param_dtype, reduce_dtype
+    model: nn.Module, dims: ParallelDims, param_dtype, reduce_dtype, dispatcher: str
 ) -> set[nn.Parameter]:
-    """Experts over `ep` (all-to-all), their own FSDP over `dp_shard_mod_ep`; returns the
-    expert parameters the model-wide FSDP must leave alone."""
+    """Experts over `ep` (all-to-all or all-gather), their own FSDP over
+    `dp_shard_mod_ep`; returns the expert parameters the model-wide FSDP must leave alone."""
     experts = [m.experts for m in model.modules() if isinstance(m, MoE)]
     if dims.ep == 1:
         return set()
-    apply_ep(experts, dims.mesh("ep"))
+    apply_ep(experts, dims.mesh("ep"), dispatcher=dispatcher)
     return apply_expert_fsdp(
         experts,
         dims.mesh("dp_shard_mod_ep"),

@@ -9,6 +9,7 @@ it; the plan lives here, beside the model whose submodule names it spells.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 from torch.distributed.tensor import Replicate, Shard
@@ -16,6 +17,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -105,3 +107,46 @@ def llama_tp_plan(
         block[n.ffn_norm] = SequenceParallel()
     plan.update({f"{n.layers}.*.{k}": v for k, v in block.items()})
     return plan
+
+
+def with_moe_layers(
+    plan: dict[str, ParallelStyle],
+    moe_layers: list[str],
+    dense_layers: list[str],
+    *,
+    sequence_parallel: bool = False,
+    shared_expert: bool = False,
+    names: LlamaNames = LlamaNames(),
+) -> dict[str, ParallelStyle]:
+    """`plan` with its feed-forward entries spelled out per layer for a model with MoE
+    blocks (`moe_layers`, e.g. ["1", "2"]) beside dense ones (`dense_layers`).
+
+    A MoE block keeps its routed experts whole on every tp rank (expert parallel, if
+    any, spreads them over `ep`): it takes the whole (gathered) sequence as a plain
+    tensor and gives back its slice, so each tp rank routes the same tokens and the
+    router's statistics count each token once. A shared expert is split like a dense
+    feed-forward, its output summed over tp inside the block.
+    """
+    n, seq = names, Shard(1) if sequence_parallel else Replicate()
+    ffn = f"{n.layers}.*.{n.feed_forward}"
+    dense = {k: v for k, v in plan.items() if fnmatch.fnmatchcase(k, f"{ffn}*")}
+    out = {k: v for k, v in plan.items() if k not in dense}
+    for layer in dense_layers:
+        out.update(
+            {k.replace(f"{n.layers}.*", f"{n.layers}.{layer}", 1): v for k, v in dense.items()}
+        )
+    for layer in moe_layers:
+        block = f"{n.layers}.{layer}.{n.feed_forward}"
+        out[block] = PrepareModuleInputOutput(
+            input_layouts=(seq,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(seq,),
+            use_local_output=True,
+        )
+        if shared_expert:
+            out[f"{block}.shared_expert.{n.w1}"] = ColwiseParallel()
+            out[f"{block}.shared_expert.{n.w3}"] = ColwiseParallel()
+            out[f"{block}.shared_expert.{n.w2}"] = RowwiseParallel()
+    return out

@@ -4,4 +4,4 @@ spelling and expert names in hf.py)."""
 from mindspeed_llm.models.common.family import decoder_family
 from mindspeed_llm.models.mixtral import flavors, hf
 
-SPEC = decoder_family("mixtral", flavors.FLAVORS, hf.FORMAT, hf_adapter=hf.ADAPTER, pipeline=False)
+SPEC = decoder_family("mixtral", flavors.FLAVORS, hf.FORMAT, hf_adapter=hf.ADAPTER)
