@@ -235,13 +235,14 @@ def test_refuses_bad_group_settings_and_parallel_layouts():
         dataclasses.replace(debug, num_expert_groups=3)
     with pytest.raises(ConfigError, match="kv_lora_rank"):
         dataclasses.replace(debug, kv_lora_rank=None)
-    with pytest.raises(LayoutError, match="latent attention"):
+    with pytest.raises(LayoutError, match="multi-token prediction"):
         check_layout(debug, ParallelConfig(tp=2))
     with pytest.raises(LayoutError, match="multi-token prediction"):
         check_layout(debug, ParallelConfig(pp=3))
     dense = dataclasses.replace(debug, num_experts=0, num_nextn_predict_layers=0)
-    with pytest.raises(LayoutError, match="latent attention"):
-        check_layout(dense, ParallelConfig(tp=2))
+    with pytest.raises(LayoutError, match="latent attention splits its heads"):
+        check_layout(dense, ParallelConfig(tp=3))
+    check_layout(dense, ParallelConfig(tp=2, cp=2))  # heads split over tp, ring over cp
 
 
 def test_mtp_loss_is_the_formula():

@@ -202,6 +202,17 @@ def test_cp2_ring_matches_one_process():
     run_distributed(_cp_run, 2, "mixtral", {"cp": 2}, timeout=300)
 
 
+def _latent_layouts():
+    """DeepSeek-V3 (multi-head latent attention, MoE with shared experts): tp=2 with
+    sequence parallel (heads split, low-rank parts replicated), then cp=2 ring."""
+    _tp_cases([("deepseek_v3", {"tp": 2}, {"sequence_parallel": True}, {})])
+    _cp_run("deepseek_v3", {"cp": 2})
+
+
+def test_latent_attention_tp2_and_cp2_match_one_process():
+    run_distributed(_latent_layouts, 2, timeout=300)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "degrees"),
@@ -294,7 +305,8 @@ def test_pp2_matches_one_process(case):
     [
         ("mixtral", {}, {"pp": 2}, "router_aux_loss_scope=layer"),
         ("qwen2_moe", {"capacity_factor": 1.0}, {"cp": 2}, "capacity_factor=1.0 drops tokens"),
-        ("deepseek_v3", {}, {"tp": 2}, "multi-head latent attention"),
+        ("deepseek_v3", {}, {"tp": 2}, "multi-token prediction"),
+        ("deepseek_v3", {"num_nextn_predict_layers": 0}, {"tp": 3}, "multi-head latent attention"),
         ("deepseek_v3", {"router_aux_loss_scope": "layer"}, {"pp": 2}, "multi-token prediction"),
         ("qwen2_moe", {"shared_expert_intermediate_size": 33}, {"tp": 2}, "shared_expert_inter"),
     ],

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial
 
-from mindspeed_core.errors import ConfigError
 from mindspeed_core.parallel import dtensor
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.config import TransformerConfig
@@ -56,8 +56,22 @@ def softmax_scale(config: TransformerConfig) -> float:
     return scale
 
 
+def _local_share(t: Tensor) -> Tensor:
+    """A replicated DTensor (tensor parallel) as this rank's plain tensor, for use with its
+    local heads only: its gradient is marked partial, so DTensor sums it over the ranks."""
+    if isinstance(t, DTensor):
+        return t.to_local(grad_placements=[Partial()] * t.device_mesh.ndim)
+    return t
+
+
 class MultiLatentAttention(nn.Module):
-    """MLA with `num_heads` heads; same `forward` signature as `Attention`."""
+    """MLA with `num_heads` heads; same `forward` signature as `Attention`.
+
+    Under tensor parallel (`mla_tp_plan`) the heads are split: wq / wq_b and wkv_b by
+    column (each rank's heads), wo by row; the low-rank parts (wq_a, q_norm, wkv_a,
+    kv_norm) are replicated DTensors run on the gathered input, so their gradients come
+    back whole through the column-parallel layers, and the shared rotary key, used by each
+    rank's heads alone, is handed over as a partial-gradient share (`_local_share`)."""
 
     def __init__(self, config: TransformerConfig, layer_id: int | None = None):
         super().__init__()
@@ -68,7 +82,8 @@ class MultiLatentAttention(nn.Module):
         self.scale = softmax_scale(config)
         self.impl = config.ops_impl
         self.sliding_window = None  # read by the decoder (Gemma 3's local RoPE choice)
-        self.context_parallel = None  # apply_cp would set it; MLA refuses cp in check_layout
+        # Set by mindspeed_core's `apply_cp`: inputs are this rank's zig-zag sequence shards.
+        self.context_parallel = None
         hidden, heads = config.hidden_size, config.num_heads
         if config.q_lora_rank is None:
             self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
@@ -117,7 +132,9 @@ class MultiLatentAttention(nn.Module):
         if kv_cache is not None:
             out = kv_cache.attend(q, k, v, scale=self.scale)
         elif self.context_parallel is not None:
-            raise ConfigError("multi-head latent attention does not support context parallel yet")
+            if cu_seqlens is not None:  # packed local documents: (tokens, heads, head_dim)
+                q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+            out = self.context_parallel(q, k, v, cu_seqlens=cu_seqlens, scale=self.scale)
         elif cu_seqlens is None:
             out = attention(q, k, v, scale=self.scale, impl=self.impl)
         else:  # packed layout: (batch * seq, heads, head_dim)
@@ -144,7 +161,8 @@ class MultiLatentAttention(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         batch, seq, _ = x.shape
         latent, k_rope = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_rope = self._rotate(k_rope[:, :, None, :], rope, position_ids)  # (batch, seq, 1, rope)
+        k_rope = _local_share(k_rope)[:, :, None, :]  # (batch, seq, 1, rope)
+        k_rope = self._rotate(k_rope, rope, position_ids)
         kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq, -1, self.nope_dim + self.v_head_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # per local head
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)

@@ -39,7 +39,12 @@ from mindspeed_core.parallel import (
 )
 from mindspeed_llm.models.common.layout import check_layout, layout_of
 from mindspeed_llm.models.common.moe import MoE
-from mindspeed_llm.models.common.tp_plan import llama_tp_plan, with_moe_layers
+from mindspeed_llm.models.common.tp_plan import (
+    LATENT_REPLICATED,
+    llama_tp_plan,
+    with_latent_attention,
+    with_moe_layers,
+)
 from mindspeed_ops import attention
 
 ModelHook = Callable[[nn.Module, ParallelDims], None]
@@ -160,6 +165,8 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
     )
+    if config.kv_lora_rank is not None:
+        plan = with_latent_attention(plan)
     if sequence_parallel and config.post_norms:  # Gemma 2's output norms see sequence shards
         plan.update({f"layers.*.{n}": SequenceParallel(use_local_output=True) for n in _POST_NORMS})
     moe = [k for k, layer in model.layers.items() if isinstance(layer.feed_forward, MoE)]
@@ -184,6 +191,8 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
     tie_embeddings(model)
     if config.qk_norm:
         _replicate_qk_norms(model, tp_mesh)
+    if config.kv_lora_rank is not None:
+        _replicate_latent_parts(model, tp_mesh)
 
 
 def _vocab_matrices(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -332,6 +341,17 @@ def _expert_parallel(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
     )
+
+
+def _replicate_latent_parts(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Multi-head latent attention's low-rank parts as replicated DTensors over the tp mesh:
+    they run on the gathered input and feed column-parallel layers, whose input gradients
+    come back summed, so every rank holds their whole gradient."""
+    for layer in model.layers.values():
+        for name in LATENT_REPLICATED:
+            module = getattr(layer.attention, name, None)
+            if module is not None:
+                distribute_module(module, tp_mesh)
 
 
 def _replicate_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -150,3 +150,20 @@ def with_moe_layers(
             out[f"{block}.shared_expert.{n.w3}"] = ColwiseParallel()
             out[f"{block}.shared_expert.{n.w2}"] = RowwiseParallel()
     return out
+
+
+LATENT_REPLICATED = ("wq_a", "q_norm", "wkv_a", "kv_norm")
+"""Multi-head latent attention's low-rank parts: replicated DTensors under tensor parallel."""
+
+
+def with_latent_attention(
+    plan: dict[str, ParallelStyle], names: LlamaNames = LlamaNames()
+) -> dict[str, ParallelStyle]:
+    """`plan` for multi-head latent attention (`mla.MultiLatentAttention`): its heads split
+    like Llama's (wq or the low-rank wq_b, and wkv_b, which expands each head's key and
+    value, by column; wo by row); the low-rank parts stay whole (see LATENT_REPLICATED)."""
+    attention = f"{names.layers}.*.{names.attention}"
+    out = {k: v for k, v in plan.items() if k not in (f"{attention}.{names.wk}", f"{attention}.{names.wv}")}
+    out[f"{attention}.wq_b"] = ColwiseParallel()
+    out[f"{attention}.wkv_b"] = ColwiseParallel()
+    return out
