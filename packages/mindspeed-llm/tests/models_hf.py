@@ -78,6 +78,11 @@ FAMILY_CASES = {
         {"head_dim": 32, "partial_rotary_factor": 0.25, "pad_token_id": 0, "eos_token_id": 2},
     ),
     "internlm3": ("InternLM3Config", {"head_dim": 16, "rope_theta": 5e7}),
+    # GLM-4-9B-chat's form: glm4's partial interleaved RoPE (half here) without post norms
+    "glm": (
+        "GlmConfig",
+        {"head_dim": 16, "partial_rotary_factor": 0.5, "pad_token_id": 0, "eos_token_id": 2},
+    ),
 }
 """Families whose Hugging Face names are not the dense adapter's (tested in
 test_models_families.py)."""

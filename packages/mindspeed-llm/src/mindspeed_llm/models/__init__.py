@@ -14,6 +14,7 @@ from mindspeed_llm.models import (
     deepseek_v3,
     gemma2,
     gemma3,
+    glm,
     glm4,
     internlm3,
     llama,
@@ -48,6 +49,7 @@ for _family in (
     gemma2,
     gemma3,
     glm4,
+    glm,
     internlm3,
     deepseek_v3,
 ):
