@@ -16,6 +16,7 @@ from mindspeed_llm.models import (
     gemma3,
     glm,
     glm4,
+    internlm2,
     internlm3,
     llama,
     mistral,
@@ -51,6 +52,7 @@ for _family in (
     glm4,
     glm,
     internlm3,
+    internlm2,
     deepseek_v3,
 ):
     register_model(_family.SPEC)

@@ -1,0 +1,243 @@
+"""GLM-4-9B-chat (`glm`), InternLM2 and DeepSeek-V2 beyond the shared parity tests.
+
+GLM's logits, greedy decoding and HF round trip run with the other families in
+test_models_families.py (models_hf.FAMILY_CASES). InternLM2 has no transformers class: its
+oracle is transformers' Llama, given the same random weights unfused from InternLM2's
+grouped `wqkv` by a mapping written here from the published layout. DeepSeek-V2 is
+compared with transformers' DeepseekV2ForCausalLM (softmax routing, greedy and
+group-limited, scaled weights)."""
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+
+from mindspeed_core.errors import CheckpointError, ConfigError
+from mindspeed_core.testing import import_sibling
+from mindspeed_llm.generation import GenerationConfig, generate
+from mindspeed_llm.models import Transformer, TransformerConfig, build_model_config, get_model_spec
+
+models_hf = import_sibling(__file__, "models_hf")
+make_hf, ours_from, tokens, SEQ = (
+    models_hf.make_hf,
+    models_hf.ours_from,
+    models_hf.tokens,
+    models_hf.SEQ,
+)
+ATOL = 1e-5
+VOCAB = 512
+
+
+def _greedy_equals(ours, hf, new_tokens=16):
+    """Our KV-cache greedy tokens equal transformers' generate, and a left-padded batch
+    gives the one-by-one tokens."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (11, 3)]
+    config = GenerationConfig(max_new_tokens=new_tokens)
+    alone = [generate(ours, [p], config)[0] for p in prompts]
+    assert generate(ours, prompts, config) == alone
+    for prompt, got in zip(prompts, alone, strict=True):
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert got == out[0, len(prompt) :].tolist()
+
+
+# -- GLM (GLM-4-9B-chat) ------------------------------------------------------------------
+
+
+def test_glm_reads_v4_and_v5_spellings_and_refuses_what_it_lacks():
+    v5 = make_hf("glm").config.to_dict()
+    v4 = {k: v for k, v in v5.items() if k != "rope_parameters"}
+    v4.update(rope_theta=10000.0, partial_rotary_factor=0.5)
+    config = TransformerConfig.from_hf(v5)
+    assert config.family == "glm" and config.rotary_dim == 8 and config.qkv_bias
+    assert not config.post_norms  # GLM-4-9B-chat has none, unlike the 0414 glm4
+    assert TransformerConfig.from_hf(v4) == config
+    assert TransformerConfig.from_hf(config.to_hf_dict()) == config
+    published = build_model_config("glm", "glm-4-9b-chat")
+    assert TransformerConfig.from_hf(published.to_hf_dict()) == published
+    for key, value, match in (
+        ("attention_bias", False, "attention_bias=false"),
+        ("hidden_act", "gelu", "hidden_act='gelu'"),
+        ("mlp_bias", True, "mlp_bias"),
+    ):
+        with pytest.raises(ConfigError, match=match):
+            TransformerConfig.from_hf({**v5, key: value})
+
+
+def test_glm_weights_are_glm4_rows_without_post_norms():
+    """q rows are permuted (partial interleaved RoPE), gate/up split in order, and a GLM
+    checkpoint read as glm4 is refused for its missing post norms."""
+    hf = make_hf("glm")
+    ours = ours_from(hf)
+    layer = hf.model.layers[1]
+    ffn = ours.layers["1"].feed_forward
+    assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([ffn.w1.weight, ffn.w3.weight]))
+    q = ours.layers["1"].attention.wq.weight
+    assert not torch.equal(q, layer.self_attn.q_proj.weight)
+    assert torch.equal(q.sort(dim=0).values, layer.self_attn.q_proj.weight.sort(dim=0).values)
+    as_glm4 = TransformerConfig.from_hf({**hf.config.to_dict(), "model_type": "glm4"})
+    with pytest.raises(CheckpointError, match="missing model.layers.0.post_"):
+        get_model_spec("glm4").hf_adapter.from_hf(hf.state_dict(), as_glm4)
+
+
+# -- InternLM2 ----------------------------------------------------------------------------
+
+INTERNLM2 = {
+    "model_type": "internlm2",
+    "architectures": ["InternLM2ForCausalLM"],
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000,
+    "rope_scaling": None,
+    "bias": False,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attn_implementation": "eager",
+    "torch_dtype": "float32",
+}
+"""A tiny config.json as InternLM2.5's remote code spells it (4 query heads per kv head)."""
+
+
+def internlm2_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under InternLM2's checkpoint names (norms near 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, ffn = config["hidden_size"], config["intermediate_size"]
+    d = h // config["num_attention_heads"]
+
+    def w(*shape, norm=False):
+        if norm:
+            return torch.rand(*shape, generator=gen) + 0.5
+        return torch.randn(*shape, generator=gen) * 0.08
+
+    rows = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * d
+    sd = {"model.tok_embeddings.weight": w(VOCAB, h), "model.norm.weight": w(h, norm=True)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({
+            p + "attention_norm.weight": w(h, norm=True),
+            p + "attention.wqkv.weight": w(rows, h),
+            p + "attention.wo.weight": w(h, config["num_attention_heads"] * d),
+            p + "ffn_norm.weight": w(h, norm=True),
+            p + "feed_forward.w1.weight": w(ffn, h),
+            p + "feed_forward.w3.weight": w(ffn, h),
+            p + "feed_forward.w2.weight": w(h, ffn),
+        })  # fmt: skip
+    sd["output.weight"] = w(VOCAB, h)
+    return sd
+
+
+def llama_oracle(config: dict, sd: dict[str, torch.Tensor]) -> transformers.LlamaForCausalLM:
+    """transformers' Llama holding InternLM2 weights: wqkv unfused by the published layout
+    (rows per kv head g: its q heads, then k_g, then v_g), a loop over row blocks."""
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d, per = config["hidden_size"] // heads, heads // kv
+    llama = transformers.LlamaConfig(
+        **{k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                  "num_hidden_layers", "num_attention_heads",
+                                  "num_key_value_heads", "max_position_embeddings",
+                                  "rms_norm_eps", "rope_theta")},
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(llama, attn_implementation="eager")
+    out = {"model.embed_tokens.weight": sd["model.tok_embeddings.weight"],
+           "model.norm.weight": sd["model.norm.weight"], "lm_head.weight": sd["output.weight"]}  # fmt: skip
+    for i in range(config["num_hidden_layers"]):
+        src, dst = f"model.layers.{i}.", f"model.layers.{i}."
+        wqkv, q, k, v = sd[src + "attention.wqkv.weight"], [], [], []
+        for g in range(kv):
+            start = g * (per + 2) * d
+            q.append(wqkv[start : start + per * d])
+            k.append(wqkv[start + per * d : start + (per + 1) * d])
+            v.append(wqkv[start + (per + 1) * d : start + (per + 2) * d])
+        out.update({
+            dst + "self_attn.q_proj.weight": torch.cat(q),
+            dst + "self_attn.k_proj.weight": torch.cat(k),
+            dst + "self_attn.v_proj.weight": torch.cat(v),
+            dst + "self_attn.o_proj.weight": sd[src + "attention.wo.weight"],
+            dst + "input_layernorm.weight": sd[src + "attention_norm.weight"],
+            dst + "post_attention_layernorm.weight": sd[src + "ffn_norm.weight"],
+            dst + "mlp.gate_proj.weight": sd[src + "feed_forward.w1.weight"],
+            dst + "mlp.up_proj.weight": sd[src + "feed_forward.w3.weight"],
+            dst + "mlp.down_proj.weight": sd[src + "feed_forward.w2.weight"],
+        })  # fmt: skip
+    model.load_state_dict(out, strict=False)  # rotary buffers are recomputed
+    return model.eval()
+
+
+def internlm2_ours(config: dict, sd: dict[str, torch.Tensor]) -> Transformer:
+    ours_config = TransformerConfig.from_hf(config)
+    model = Transformer(ours_config)
+    model.load_state_dict(get_model_spec("internlm2").hf_adapter.from_hf(sd, ours_config))
+    return model.eval()
+
+
+def test_internlm2_logits_and_greedy_decoding_match_llama_on_the_unfused_weights():
+    sd = internlm2_state_dict(INTERNLM2)
+    ours, oracle = internlm2_ours(INTERNLM2, sd), llama_oracle(INTERNLM2, sd)
+    assert ours.config.family == "internlm2" and ours.config.num_kv_heads == 2
+    ids = tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), oracle(ids).logits, atol=ATOL, rtol=0)
+    _greedy_equals(ours, oracle)
+
+
+def test_internlm2_wqkv_layout_matters_and_round_trips_bit_identical():
+    """Reading wqkv as plain [q; k; v] (Phi-3's layout) gives other logits, so the parity
+    above checks the grouping; ours -> InternLM2 -> ours is exact."""
+    sd = internlm2_state_dict(INTERNLM2)
+    config = TransformerConfig.from_hf(INTERNLM2)
+    adapter = get_model_spec("internlm2").hf_adapter
+    ours = adapter.from_hf(sd, config)
+    assert ours.keys() == Transformer(config).state_dict().keys()
+    back = adapter.to_hf(ours, config)
+    assert back.keys() == sd.keys()
+    for name, tensor in sd.items():
+        assert torch.equal(back[name], tensor), name
+    plain = dict(ours)
+    for i in range(2):
+        q, k, v = sd[f"model.layers.{i}.attention.wqkv.weight"].split([64, 16, 16])
+        plain.update(
+            {f"layers.{i}.attention.w{n}.weight": t for n, t in zip("qkv", (q, k, v), strict=True)}
+        )
+    model = Transformer(config)
+    model.load_state_dict(plain)
+    ids = tokens()
+    with torch.no_grad():
+        assert not torch.allclose(model.eval()(ids), internlm2_ours(INTERNLM2, sd)(ids), atol=1e-3)
+    bad = {
+        **sd,
+        "model.layers.0.attention.wqkv.weight": sd["model.layers.0.attention.wqkv.weight"][:-1],
+    }
+    with pytest.raises(CheckpointError, match="wqkv.weight has shape"):
+        adapter.from_hf(bad, config)
+
+
+def test_internlm2_config_reads_its_spelling_and_refuses_dynamic_rope_and_bias():
+    config = TransformerConfig.from_hf(INTERNLM2)
+    assert config.rope_theta == 1e6 and config.head_dim == 8 and not config.qkv_bias
+    written = config.to_hf_dict()
+    assert written["bias"] is False and "head_dim" not in written
+    assert TransformerConfig.from_hf(written) == config
+    published = build_model_config("internlm2", "internlm2_5-7b")
+    assert TransformerConfig.from_hf(published.to_hf_dict()) == published
+    with pytest.raises(ConfigError, match="bias=true"):
+        TransformerConfig.from_hf({**INTERNLM2, "bias": True})
+    with pytest.raises(ConfigError, match="'dynamic' is not supported"):
+        TransformerConfig.from_hf({**INTERNLM2, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="head_dim=16 must be hidden_size / num_heads"):
+        dataclasses.replace(config, head_dim=16).to_hf_dict()
