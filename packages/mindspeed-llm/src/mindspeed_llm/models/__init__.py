@@ -11,6 +11,7 @@ Each family folder holds `flavors.py` (named sizes) and `hf.py` (its Hugging Fac
 """
 
 from mindspeed_llm.models import (
+    deepseek_v2,
     deepseek_v3,
     gemma2,
     gemma3,
@@ -54,6 +55,7 @@ for _family in (
     internlm3,
     internlm2,
     deepseek_v3,
+    deepseek_v2,
 ):
     register_model(_family.SPEC)
 
