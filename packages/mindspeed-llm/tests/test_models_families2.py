@@ -15,7 +15,7 @@ import transformers
 
 from mindspeed_core.errors import CheckpointError, ConfigError
 from mindspeed_core.parallel import ParallelConfig
-from mindspeed_core.testing import import_sibling
+from mindspeed_core.testing import import_sibling, run_distributed
 from mindspeed_llm.generation import GenerationConfig, generate
 from mindspeed_llm.models import Transformer, TransformerConfig, build_model_config, get_model_spec
 from mindspeed_llm.models.common.layout import LayoutError, check_layout
@@ -72,6 +72,9 @@ def test_glm_reads_v4_and_v5_spellings_and_refuses_what_it_lacks():
     assert TransformerConfig.from_hf(config.to_hf_dict()) == config
     published = build_model_config("glm", "glm-4-9b-chat")
     assert TransformerConfig.from_hf(published.to_hf_dict()) == published
+    # transformers' GlmConfig defaults are THUDM/glm-4-9b-chat's (its docstring's checkpoint)
+    defaults = TransformerConfig.from_hf(transformers.GlmConfig().to_dict())
+    assert defaults == dataclasses.replace(published, dtype=None)
     for key, value, match in (
         ("attention_bias", False, "attention_bias=false"),
         ("hidden_act", "gelu", "hidden_act='gelu'"),
@@ -322,3 +325,18 @@ def test_deepseek_v2_keeps_the_moe_layout_refusals():
         dataclasses.replace(debug, expert_group_score="mean")
     with pytest.raises(ConfigError, match="num_nextn_predict_layers=1 cannot be written"):
         dataclasses.replace(debug, num_nextn_predict_layers=1).to_hf_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_deepseek_v2_ep2_over_dp_shard2_matches_one_process():
+    """Softmax group-limited routing under expert parallel: three AdamW steps give one
+    process's losses, gradients and weights (test_models_moe_parallel's comparison; every
+    block MoE so that block 0's experts are the sharded ones it checks)."""
+    moe_parallel = import_sibling(__file__, "test_models_moe_parallel")
+    changes = {"mlp_only_layers": ()}
+    degrees = {"dp_shard": 2, "ep": 2}
+    results = run_distributed(
+        moe_parallel._compare, 2, 2, degrees, "deepseek_v2", changes, timeout=300
+    )
+    assert results[0] == results[1]
