@@ -78,6 +78,11 @@ FAMILY_CASES = {
         {"head_dim": 32, "partial_rotary_factor": 0.25, "pad_token_id": 0, "eos_token_id": 2},
     ),
     "internlm3": ("InternLM3Config", {"head_dim": 16, "rope_theta": 5e7}),
+    # GLM-4-9B-chat's form: glm4's partial interleaved RoPE (half here) without post norms
+    "glm": (
+        "GlmConfig",
+        {"head_dim": 16, "partial_rotary_factor": 0.5, "pad_token_id": 0, "eos_token_id": 2},
+    ),
 }
 """Families whose Hugging Face names are not the dense adapter's (tested in
 test_models_families.py)."""
@@ -111,3 +116,95 @@ def tokens(batch=2, seq=SEQ, seed=1):
     return torch.randint(
         0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed)
     )
+
+
+# -- InternLM2 (remote code only: no transformers class) ---------------------------------
+
+INTERNLM2 = {
+    "model_type": "internlm2",
+    "architectures": ["InternLM2ForCausalLM"],
+    "vocab_size": TINY["vocab_size"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000,
+    "rope_scaling": None,
+    "bias": False,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attn_implementation": "eager",
+    "torch_dtype": "float32",
+}
+"""A tiny config.json as InternLM2.5's remote code spells it (4 query heads per kv head)."""
+
+
+def internlm2_state_dict(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under InternLM2's checkpoint names (norms near 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, ffn = config["hidden_size"], config["intermediate_size"]
+    d = h // config["num_attention_heads"]
+
+    def w(*shape, norm=False):
+        if norm:
+            return torch.rand(*shape, generator=gen) + 0.5
+        return torch.randn(*shape, generator=gen) * 0.08
+
+    rows = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * d
+    sd = {
+        "model.tok_embeddings.weight": w(TINY["vocab_size"], h),
+        "model.norm.weight": w(h, norm=True),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        sd.update({
+            p + "attention_norm.weight": w(h, norm=True),
+            p + "attention.wqkv.weight": w(rows, h),
+            p + "attention.wo.weight": w(h, config["num_attention_heads"] * d),
+            p + "ffn_norm.weight": w(h, norm=True),
+            p + "feed_forward.w1.weight": w(ffn, h),
+            p + "feed_forward.w3.weight": w(ffn, h),
+            p + "feed_forward.w2.weight": w(h, ffn),
+        })  # fmt: skip
+    sd["output.weight"] = w(TINY["vocab_size"], h)
+    return sd
+
+
+def llama_oracle(config: dict, sd: dict[str, torch.Tensor]) -> transformers.LlamaForCausalLM:
+    """transformers' Llama holding InternLM2 weights: wqkv unfused by the published layout
+    (rows per kv head g: its q heads, then k_g, then v_g), a loop over row blocks."""
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d, per = config["hidden_size"] // heads, heads // kv
+    llama = transformers.LlamaConfig(
+        **{k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                  "num_hidden_layers", "num_attention_heads",
+                                  "num_key_value_heads", "max_position_embeddings",
+                                  "rms_norm_eps", "rope_theta")},
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(llama, attn_implementation="eager")
+    out = {"model.embed_tokens.weight": sd["model.tok_embeddings.weight"],
+           "model.norm.weight": sd["model.norm.weight"], "lm_head.weight": sd["output.weight"]}  # fmt: skip
+    for i in range(config["num_hidden_layers"]):
+        src, dst = f"model.layers.{i}.", f"model.layers.{i}."
+        wqkv, q, k, v = sd[src + "attention.wqkv.weight"], [], [], []
+        for g in range(kv):
+            start = g * (per + 2) * d
+            q.append(wqkv[start : start + per * d])
+            k.append(wqkv[start + per * d : start + (per + 1) * d])
+            v.append(wqkv[start + (per + 1) * d : start + (per + 2) * d])
+        out.update({
+            dst + "self_attn.q_proj.weight": torch.cat(q),
+            dst + "self_attn.k_proj.weight": torch.cat(k),
+            dst + "self_attn.v_proj.weight": torch.cat(v),
+            dst + "self_attn.o_proj.weight": sd[src + "attention.wo.weight"],
+            dst + "input_layernorm.weight": sd[src + "attention_norm.weight"],
+            dst + "post_attention_layernorm.weight": sd[src + "ffn_norm.weight"],
+            dst + "mlp.gate_proj.weight": sd[src + "feed_forward.w1.weight"],
+            dst + "mlp.up_proj.weight": sd[src + "feed_forward.w3.weight"],
+            dst + "mlp.down_proj.weight": sd[src + "feed_forward.w2.weight"],
+        })  # fmt: skip
+    model.load_state_dict(out, strict=False)  # rotary buffers are recomputed
+    return model.eval()

@@ -174,6 +174,8 @@ TP_CASES = {  # name: (family, config changes, parallelize options)
     ),
     "phi3_tp2": ("phi3", {"sliding_window": 8}, {}),
     "glm4_tp2_sp": ("glm4", {}, {"sequence_parallel": True}),
+    "glm_tp2_sp": ("glm", {}, {"sequence_parallel": True}),
+    "internlm2_tp2_sp": ("internlm2", {}, {"sequence_parallel": True}),
     "gemma3_tp2_sp": (
         "gemma3",
         {"tie_word_embeddings": False, "sliding_window": 4},

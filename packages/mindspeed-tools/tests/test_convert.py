@@ -71,6 +71,28 @@ MOE = {
             "num_nextn_predict_layers": 0,
         },
     ),
+    # full-rank q (V2-Lite), softmax routing to the best 2 of 4 groups, 2 shared experts
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        {
+            "num_hidden_layers": 3,
+            "first_k_dense_replace": 1,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 8,
+            "n_shared_experts": 2,
+            "num_experts_per_tok": 3,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.0,
+            "moe_intermediate_size": 32,
+            "q_lora_rank": None,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 12,
+        },
+    ),
 }
 
 
@@ -114,6 +136,7 @@ def _same_config(a: Path, b: Path):
         ("mixtral", "40KB"),
         ("qwen2_moe", None),
         ("deepseek_v3", "40KB"),
+        ("deepseek_v2", None),  # softmax group-limited routing, no expert bias
         ("phi3", "40KB"),  # fused qkv_proj / gate_up_proj, split and fused again
         ("gemma2", None),  # post norms, tied, soft caps, alternating windows
         ("gemma3", None),  # a second RoPE for the windowed blocks
@@ -122,6 +145,7 @@ def _same_config(a: Path, b: Path):
             "internlm3",
             None,
         ),  # Llama's tensors under its own model type  # renamed norms, fused gate_up, q/k rows permuted for partial RoPE
+        ("glm", "40KB"),  # GLM-4-9B-chat: glm4's fused gate_up and q/k rows, no post norms
     ],
 )
 def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):
@@ -453,3 +477,30 @@ def test_deepseek_v3_mtp_layers_convert_and_come_back(tmp_path):
         assert torch.equal(tensor, expected[name]), name
     model, _ = load_model(ours, dtype=torch.float32)
     assert torch.equal(model.mtp.layers["3"].eh_proj.weight, mtp["model.layers.3.eh_proj.weight"])
+
+
+def test_internlm2_round_trip_is_bit_identical_and_gives_llamas_logits(tmp_path):
+    """InternLM2 has no transformers class: a folder written by hand in its published
+    layout (fused grouped wqkv, top-level output.weight) converts and comes back
+    bit-identical, and the converted model gives the logits of transformers' Llama holding
+    the same weights unfused (models_hf.llama_oracle)."""
+    src = tmp_path / "hf-internlm2"
+    src.mkdir()
+    weights = models_hf.internlm2_state_dict(models_hf.INTERNLM2)
+    save_file(weights, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps(models_hf.INTERNLM2))
+    ours = hf_to_mindspeed(src, tmp_path / "ours")
+    back = mindspeed_to_hf(ours, tmp_path / "back", max_shard_size=parse_size("50KB"))
+    got = dict(hf_io.iter_hf_tensors(back))
+    assert got.keys() == weights.keys()
+    for name, tensor in got.items():
+        assert torch.equal(tensor, weights[name]), name
+    written = json.loads((back / "config.json").read_text())
+    assert written["model_type"] == "internlm2" and written["bias"] is False
+    assert TransformerConfig.from_hf(written) == TransformerConfig.from_hf(models_hf.INTERNLM2)
+    ids = tokens()
+    with torch.no_grad():
+        want = models_hf.llama_oracle(models_hf.INTERNLM2, weights)(ids).logits
+        for source in (ours, src):
+            model, _ = load_model(source, dtype=torch.float32)
+            torch.testing.assert_close(model(ids), want, atol=1e-5, rtol=0)

@@ -11,10 +11,13 @@ Each family folder holds `flavors.py` (named sizes) and `hf.py` (its Hugging Fac
 """
 
 from mindspeed_llm.models import (
+    deepseek_v2,
     deepseek_v3,
     gemma2,
     gemma3,
+    glm,
     glm4,
+    internlm2,
     internlm3,
     llama,
     mistral,
@@ -48,8 +51,11 @@ for _family in (
     gemma2,
     gemma3,
     glm4,
+    glm,
     internlm3,
+    internlm2,
     deepseek_v3,
+    deepseek_v2,
 ):
     register_model(_family.SPEC)
 

@@ -19,6 +19,7 @@ from mindspeed_core.errors import ConfigError
 from mindspeed_llm.models.hf_format import format_of_family, format_of_model_type
 
 _ROUTER_SCORES = ("softmax", "sigmoid")
+_GROUP_SCORES = ("top2_sum", "max")
 _OPS_IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
 _ACTS = ("silu", "gelu_tanh")
 
@@ -174,6 +175,10 @@ class TransformerConfig:
     the sum of its two best biased scores). 1: no grouping. Sigmoid routers only."""
     topk_expert_groups: int = 1
     """Groups each token may route to (DeepSeek-V3's topk_group)."""
+    expert_group_score: str = "top2_sum"
+    """How group-limited routing scores a group: "top2_sum" (DeepSeek-V3: the sum of its two
+    best biased sigmoid scores) or "max" (DeepSeek-V2's group_limited_greedy: its best
+    score; softmax routers too)."""
     routed_scaling_factor: float = 1.0
     """Routing weights times this after the optional renormalisation (DeepSeek-V3: 2.5)."""
     shared_expert_gated: bool = True
@@ -303,9 +308,17 @@ class TransformerConfig:
             )
         if chosen > groups:
             raise ConfigError(f"topk_expert_groups={chosen} exceeds num_expert_groups={groups}")
-        if groups > 1 and self.router_score != "sigmoid":
-            raise ConfigError(f"num_expert_groups={groups} needs router_score='sigmoid'")
-        if groups > 1 and self.num_experts // groups < 2:
+        if self.expert_group_score not in _GROUP_SCORES:
+            raise ConfigError(
+                f"expert_group_score={self.expert_group_score!r} must be one of {_GROUP_SCORES}"
+            )
+        top2 = self.expert_group_score == "top2_sum"
+        if groups > 1 and top2 and self.router_score != "sigmoid":
+            raise ConfigError(
+                f"num_expert_groups={groups} with expert_group_score='top2_sum' needs "
+                "router_score='sigmoid'"
+            )
+        if groups > 1 and top2 and self.num_experts // groups < 2:
             raise ConfigError(
                 f"num_expert_groups={groups} leaves fewer than 2 experts per group "
                 f"(num_experts={self.num_experts}); a group's score sums its best two"

@@ -62,7 +62,8 @@ class Router(nn.Module):
     With sigmoid scores a non-learned `expert_bias` buffer is added to the scores for
     choosing experts only (aux-loss-free balancing); `update_bias` moves it toward
     balance after each step. DeepSeek-V3 also limits each token to its `topk_groups` best
-    groups of experts and scales the weights by `scaling`.
+    groups of experts and scales the weights by `scaling`; DeepSeek-V2 limits softmax
+    routing to groups scored by their best expert (`expert_group_score="max"`).
     """
 
     def __init__(self, config: TransformerConfig):
@@ -72,6 +73,7 @@ class Router(nn.Module):
         self.score = config.router_score
         self.norm_topk_prob = config.norm_topk_prob
         self.num_groups, self.topk_groups = config.num_expert_groups, config.topk_expert_groups
+        self.group_score = config.expert_group_score
         self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         if self.score == "sigmoid":
@@ -87,7 +89,7 @@ class Router(nn.Module):
         logits = F.linear(x, self.weight).float()  # (tokens, experts)
         if self.score == "softmax":
             scores = probs = torch.softmax(logits, dim=-1)
-            _, indices = torch.topk(scores, self.top_k, dim=-1)
+            _, indices = torch.topk(self._limit_groups(scores), self.top_k, dim=-1)
         else:
             scores = torch.sigmoid(logits)
             probs = scores / scores.sum(dim=-1, keepdim=True)
@@ -102,11 +104,15 @@ class Router(nn.Module):
 
     def _limit_groups(self, choice: Tensor) -> Tensor:
         """Choice scores (tokens, experts) with every expert outside the token's
-        `topk_groups` best groups set to -inf; a group's score is the sum of its two best."""
+        `topk_groups` best groups set to -inf; a group's score is the sum of its two best
+        ("top2_sum") or its best ("max")."""
         if self.num_groups == 1:
             return choice
         grouped = choice.view(choice.shape[0], self.num_groups, -1)  # (tokens, groups, per group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (tokens, groups)
+        if self.group_score == "max":
+            group_scores = grouped.amax(dim=-1)  # (tokens, groups)
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
         best = group_scores.topk(self.topk_groups, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)

@@ -44,6 +44,12 @@ def _check(hf: dict[str, Any]) -> None:
         )
     if hf.get("topk_method") not in _TOPK_METHODS:
         raise ConfigError(f"topk_method={hf['topk_method']!r} is not supported (only 'noaux_tc')")
+    check_weights_and_layers(hf)
+
+
+def check_weights_and_layers(hf: dict[str, Any]) -> None:
+    """Refuse fp8 (quantized) weights and MoE blocks other than every one after the dense
+    first ones (DeepSeek-V2 and V3)."""
     if hf.get("quantization_config"):  # DeepSeek publishes block-wise fp8 weights
         method = hf["quantization_config"].get("quant_method")
         raise ConfigError(
@@ -54,13 +60,12 @@ def _check(hf: dict[str, Any]) -> None:
         raise ConfigError(f"moe_layer_freq={hf['moe_layer_freq']!r} is not supported (only 1)")
 
 
-def read_deepseek(hf: dict[str, Any]) -> dict[str, Any]:
-    """Our fields for DeepSeek-V3's own config.json keys."""
-    _check(hf)
+def read_latent_moe(hf: dict[str, Any]) -> dict[str, Any]:
+    """Our fields for the keys DeepSeek-V2 and V3 share: latent attention sizes, routed and
+    shared experts, dense first blocks (not the routing rule, RoPE pairing or MTP)."""
     nope, rope = hf.get("qk_nope_head_dim", 128), hf.get("qk_rope_head_dim", 64)
     moe_width = hf.get("moe_intermediate_size", 2048)
     first_dense = hf.get("first_k_dense_replace") or 0
-    groups = hf.get("n_group") or 1
     return {
         "num_kv_heads": hf["num_attention_heads"],  # keys are expanded for every head
         "head_dim": nope + rope,
@@ -69,24 +74,33 @@ def read_deepseek(hf: dict[str, Any]) -> dict[str, Any]:
         "qk_nope_head_dim": nope,
         "qk_rope_head_dim": rope,
         "v_head_dim": hf.get("v_head_dim", 128),
-        "rope_interleaved": bool(hf.get("rope_interleave", True)),
         "num_experts": hf.get("n_routed_experts") or hf.get("num_local_experts") or 256,
         "num_experts_per_tok": hf.get("num_experts_per_tok", 8),
         "moe_intermediate_size": moe_width,
         "shared_expert_intermediate_size": moe_width * (hf.get("n_shared_experts") or 0),
         "shared_expert_gated": False,
+        "routed_scaling_factor": hf.get("routed_scaling_factor", 1.0),
+        "mlp_only_layers": tuple(range(min(first_dense, hf["num_hidden_layers"]))),
+    }
+
+
+def read_deepseek(hf: dict[str, Any]) -> dict[str, Any]:
+    """Our fields for DeepSeek-V3's own config.json keys."""
+    _check(hf)
+    groups = hf.get("n_group") or 1
+    return {
+        **read_latent_moe(hf),
+        "rope_interleaved": bool(hf.get("rope_interleave", True)),
         "router_score": "sigmoid",
         "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
         "num_expert_groups": groups,
         "topk_expert_groups": hf.get("topk_group") or groups,
-        "routed_scaling_factor": hf.get("routed_scaling_factor", 1.0),
-        "mlp_only_layers": tuple(range(min(first_dense, hf["num_hidden_layers"]))),
         "num_nextn_predict_layers": hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)),
     }
 
 
-def write_deepseek(config: TransformerConfig) -> dict[str, Any]:
-    """DeepSeek-V3's own config.json keys from our config.
+def write_latent_moe(config: TransformerConfig) -> dict[str, Any]:
+    """The config.json keys DeepSeek-V2 and V3 share (see `read_latent_moe`).
 
     Raises:
         ConfigError: dense blocks other than the first ones, or shared experts whose
@@ -95,13 +109,13 @@ def write_deepseek(config: TransformerConfig) -> dict[str, Any]:
     first_dense = len(config.mlp_only_layers)
     if config.mlp_only_layers != tuple(range(first_dense)):
         raise ConfigError(
-            f"mlp_only_layers={config.mlp_only_layers} must be the first blocks for deepseek_v3"
+            f"mlp_only_layers={config.mlp_only_layers} must be the first blocks for {config.family}"
         )
     shared, width = config.shared_expert_intermediate_size, config.moe_intermediate_size
     if shared % width or config.shared_expert_gated:
         raise ConfigError(
             f"shared_expert_intermediate_size={shared} must be ungated and a multiple of "
-            f"moe_intermediate_size={width} for deepseek_v3"
+            f"moe_intermediate_size={width} for {config.family}"
         )
     return {
         "q_lora_rank": config.q_lora_rank,
@@ -109,19 +123,26 @@ def write_deepseek(config: TransformerConfig) -> dict[str, Any]:
         "qk_nope_head_dim": config.qk_nope_head_dim,
         "qk_rope_head_dim": config.qk_rope_head_dim,
         "v_head_dim": config.v_head_dim,
-        "rope_interleave": config.rope_interleaved,
         "n_routed_experts": config.num_experts,
         "num_experts_per_tok": config.num_experts_per_tok,
         "moe_intermediate_size": width,
         "n_shared_experts": shared // width,
+        "routed_scaling_factor": config.routed_scaling_factor,
+        "first_k_dense_replace": first_dense,
+        "moe_layer_freq": 1,
+    }
+
+
+def write_deepseek(config: TransformerConfig) -> dict[str, Any]:
+    """DeepSeek-V3's own config.json keys from our config (see `write_latent_moe`)."""
+    return {
+        **write_latent_moe(config),
+        "rope_interleave": config.rope_interleaved,
         "n_group": config.num_expert_groups,
         "topk_group": config.topk_expert_groups,
-        "routed_scaling_factor": config.routed_scaling_factor,
         "norm_topk_prob": config.norm_topk_prob,
         "scoring_func": "sigmoid",
         "topk_method": "noaux_tc",
-        "first_k_dense_replace": first_dense,
-        "moe_layer_freq": 1,
         "num_nextn_predict_layers": config.num_nextn_predict_layers,
     }
 
@@ -170,6 +191,7 @@ _MOE = {
     "feed_forward.router.weight": "mlp.gate.weight",
     "feed_forward.router.expert_bias": "mlp.gate.e_score_correction_bias",
 }
+_MOE_NO_BIAS = {"feed_forward.router.weight": "mlp.gate.weight"}  # softmax routers (V2)
 _SHARED = {
     "feed_forward.shared_expert.w1.weight": "mlp.shared_experts.gate_proj.weight",
     "feed_forward.shared_expert.w3.weight": "mlp.shared_experts.up_proj.weight",
@@ -205,7 +227,7 @@ def name_map(config: TransformerConfig) -> dict[str, str]:
     for ours, hf, i in _layers(config):
         own = dict(layer)
         if config.is_moe_layer(i):
-            own.update(_MOE)
+            own.update(_MOE if config.router_score == "sigmoid" else _MOE_NO_BIAS)
             own.update(_SHARED if config.shared_expert_intermediate_size else {})
         else:
             own.update(_DENSE)

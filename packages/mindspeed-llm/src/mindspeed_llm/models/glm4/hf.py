@@ -34,7 +34,9 @@ _NORMS = {  # GLM-4's name -> the dense adapter's (post_norms) name, per layer
 }
 
 
-def _read(hf: dict[str, Any]) -> dict[str, Any]:
+def read_partial_rotary(base: HFFormat, hf: dict[str, Any]) -> dict[str, Any]:
+    """`base.read` plus `rotary_dim` from `partial_rotary_factor` (default 0.5, as GLM's
+    configs); q/k/v biases are required (`attention_bias` false refused)."""
     hf = dict(hf)
     rope = dict(hf.get("rope_parameters") or {})
     factor = rope.pop("partial_rotary_factor", None) or hf.pop("partial_rotary_factor", 0.5)
@@ -42,23 +44,29 @@ def _read(hf: dict[str, Any]) -> dict[str, Any]:
     if rope:
         hf["rope_parameters"] = rope
     if not hf.get("attention_bias", True):
-        raise ConfigError("glm4 with attention_bias=false is not supported")
+        raise ConfigError(f"{base.model_type} with attention_bias=false is not supported")
     hf.pop("attention_bias", None)
-    fields = _BASE.read(hf)
+    fields = base.read(hf)
     head_dim = fields["head_dim"] or fields["hidden_size"] // fields["num_heads"]
     rotary_dim = int(head_dim * factor)
     fields["rotary_dim"] = None if rotary_dim == head_dim else rotary_dim
     return fields
 
 
-def _write(config: TransformerConfig) -> dict[str, Any]:
-    out = _BASE.write(config)
+def write_partial_rotary(base: HFFormat, config: TransformerConfig) -> dict[str, Any]:
+    """`base.write` plus `partial_rotary_factor` and `attention_bias` (q/k/v only)."""
+    out = base.write(config)
     out["partial_rotary_factor"] = (config.rotary_dim or config.head_dim) / config.head_dim
     out["attention_bias"] = True
     return out
 
 
-FORMAT = HFFormat(model_type="glm4", architecture="Glm4ForCausalLM", read=_read, write=_write)
+FORMAT = HFFormat(
+    model_type="glm4",
+    architecture="Glm4ForCausalLM",
+    read=lambda hf: read_partial_rotary(_BASE, hf),
+    write=lambda config: write_partial_rotary(_BASE, config),
+)
 
 
 def _pairing(config: TransformerConfig) -> Tensor:
@@ -95,27 +103,38 @@ def _rename(sd: Mapping[str, Tensor], table: Mapping[str, str]) -> dict[str, Ten
     return out
 
 
+def to_glm_rows(hf_state_dict: dict[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
+    """q/k rows (weights and biases) in our RoPE pairing -> GLM's, in place of the dict."""
+    inverse = torch.argsort(_pairing(config))
+    for name in _qk_names(config):
+        hf_state_dict[name] = _permute(hf_state_dict[name], inverse, config)
+    return hf_state_dict
+
+
+def from_glm_rows(hf_state_dict: dict[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
+    """q/k rows in GLM's interleaved RoPE pairing -> ours, in place of the dict (a missing
+    tensor is left for the name check to report)."""
+    index = _pairing(config)
+    for name in _qk_names(config):
+        if name in hf_state_dict:
+            hf_state_dict[name] = _permute(hf_state_dict[name], index, config)
+    return hf_state_dict
+
+
 class Glm4Adapter:
     """GLM-4's `hf_adapter`: `to_hf(state_dict, config)`, `from_hf(hf_state_dict, config)`."""
 
     @staticmethod
     def to_hf(state_dict: Mapping[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
         out = _rename(hf_adapter.to_hf(state_dict, config), {v: k for k, v in _NORMS.items()})
-        inverse = torch.argsort(_pairing(config))
-        for name in _qk_names(config):
-            out[name] = _permute(out[name], inverse, config)
-        return phi3_hf.fuse(out, config, qkv=False)
+        return phi3_hf.fuse(to_glm_rows(out, config), config, qkv=False)
 
     @staticmethod
     def from_hf(
         hf_state_dict: Mapping[str, Tensor], config: TransformerConfig
     ) -> dict[str, Tensor]:
         split = _rename(phi3_hf.split(hf_state_dict, config, qkv=False), _NORMS)
-        index = _pairing(config)
-        for name in _qk_names(config):
-            if name in split:
-                split[name] = _permute(split[name], index, config)
-        return hf_adapter.from_hf(split, config)
+        return hf_adapter.from_hf(from_glm_rows(split, config), config)
 
 
 ADAPTER = Glm4Adapter()
