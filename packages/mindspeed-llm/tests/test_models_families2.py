@@ -317,10 +317,13 @@ def test_deepseek_v2_refuses_what_we_do_not_build(key, value):
         TransformerConfig.from_hf({**written, key: value})
 
 
-def test_deepseek_v2_keeps_the_moe_layout_refusals():
+def test_deepseek_v2_layouts_and_group_score():
+    """tp and cp are checked by `test_models_moe_layouts.py` (latent attention + MoE); a tp
+    that does not divide the heads is refused."""
     debug = build_model_config("deepseek_v2", "debug")
-    with pytest.raises(LayoutError, match="MoE models support only tp=1"):
-        check_layout(debug, ParallelConfig(tp=2))
+    check_layout(debug, ParallelConfig(tp=2, cp=2))
+    with pytest.raises(LayoutError, match="latent attention splits its heads"):
+        check_layout(debug, ParallelConfig(tp=3))
     with pytest.raises(ConfigError, match="expert_group_score"):
         dataclasses.replace(debug, expert_group_score="mean")
     with pytest.raises(ConfigError, match="num_nextn_predict_layers=1 cannot be written"):

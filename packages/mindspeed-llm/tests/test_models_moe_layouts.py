@@ -203,10 +203,12 @@ def test_cp2_ring_matches_one_process():
 
 
 def _latent_layouts():
-    """DeepSeek-V3 (multi-head latent attention, MoE with shared experts): tp=2 with
+    """DeepSeek-V3 and V2 (multi-head latent attention, MoE with shared experts; V3 with
+    low-rank queries and sigmoid group routing, V2's debug softmax routing): tp=2 with
     sequence parallel (heads split, low-rank parts replicated), then cp=2 ring."""
-    _tp_cases([("deepseek_v3", {"tp": 2}, {"sequence_parallel": True}, {})])
-    _cp_run("deepseek_v3", {"cp": 2})
+    for family in ("deepseek_v3", "deepseek_v2"):
+        _tp_cases([(family, {"tp": 2}, {"sequence_parallel": True}, {})])
+        _cp_run(family, {"cp": 2})
 
 
 def test_latent_attention_tp2_and_cp2_match_one_process():
