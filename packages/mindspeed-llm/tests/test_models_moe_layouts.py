@@ -143,6 +143,7 @@ def test_tp2_by_ep2_matches_one_process():
     cases = [
         ("mixtral", {"tp": 2, "dp_shard": 2, "ep": 2}, {"sequence_parallel": True}, {}),
         ("qwen2_moe", {"tp": 2, "dp_shard": 2, "ep": 2}, {"ep_dispatcher": "allgather"}, {}),
+        ("deepseek_v3", {"tp": 2, "dp_shard": 2, "ep": 2}, {"sequence_parallel": True}, {}),
     ]
     run_distributed(_tp_cases, 4, cases, timeout=600)
 
