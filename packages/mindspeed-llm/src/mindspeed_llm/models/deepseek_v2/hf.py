@@ -20,7 +20,6 @@ from mindspeed_core.errors import ConfigError
 from mindspeed_llm.models.common.hf_config import HFKeys, decoder_format
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_llm.models.deepseek_v3 import hf as v3
-from mindspeed_llm.models.hf_format import HFFormat
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -91,15 +90,5 @@ _BASE = decoder_format(
 )
 
 
-def _write(config: TransformerConfig) -> dict[str, Any]:
-    out = _BASE.write(config)
-    # transformers derives head_dim (= qk_rope_head_dim) itself; ours is the q/k width.
-    for key in ("head_dim", "sliding_window"):
-        out.pop(key)
-    return out
-
-
-FORMAT = HFFormat(
-    model_type=_BASE.model_type, architecture=_BASE.architecture, read=_BASE.read, write=_write
-)
+FORMAT = v3.latent_format(_BASE)
 ADAPTER = v3.ADAPTER

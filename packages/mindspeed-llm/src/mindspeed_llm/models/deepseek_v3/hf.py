@@ -154,17 +154,22 @@ _BASE = decoder_format(
 )
 
 
-def _write(config: TransformerConfig) -> dict[str, Any]:
-    out = _BASE.write(config)
-    # transformers derives head_dim (= qk_rope_head_dim) itself; ours is the q/k width.
-    for key in ("head_dim", "sliding_window"):
-        out.pop(key)
-    return out
+def latent_format(base: HFFormat) -> HFFormat:
+    """`base` (a decoder format with latent-attention keys) writing no head_dim or
+    sliding_window: transformers derives head_dim (= qk_rope_head_dim) itself; ours is the
+    q/k width."""
+
+    def write(config: TransformerConfig) -> dict[str, Any]:
+        out = base.write(config)
+        for key in ("head_dim", "sliding_window"):
+            out.pop(key)
+        return out
+
+    return HFFormat(model_type=base.model_type, architecture=base.architecture, read=base.read,
+                    write=write)  # fmt: skip
 
 
-FORMAT = HFFormat(
-    model_type=_BASE.model_type, architecture=_BASE.architecture, read=_BASE.read, write=_write
-)
+FORMAT = latent_format(_BASE)
 
 # -- weights ------------------------------------------------------------------------------
 
