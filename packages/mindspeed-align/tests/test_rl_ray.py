@@ -94,3 +94,15 @@ def test_ray_reward_that_cannot_load_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "grpo.reward_model: no folder" in err and "\n" not in err, err
     assert not (tmp_path / "bad").exists()
+
+
+def test_several_processes_need_a_running_cluster(monkeypatch):
+    """A torchrun job does not start a Ray cluster per rank: it asks for RAY_ADDRESS."""
+    from mindspeed_align.rl.placement import RayRoles
+    from mindspeed_core.errors import ConfigError
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    with pytest.raises(ConfigError, match="ppo.placement=ray with 2 training processes needs a "
+                                          "running Ray cluster"):  # fmt: skip
+        RayRoles("ppo", 2)

@@ -112,3 +112,13 @@ def test_math_verify_reward_judges_equal_math():
     completions = ["so the answer is $\\frac{1}{2}$", "we get \\boxed{12}", "it is 13", "x = 0.5"]
     assert math_verify([""] * 4, completions, answer=["0.5", "12", "12", "1/2"]) == [1.0, 1.0, 0.0, 1.0]
     assert load_reward("math_verify") is math_verify
+
+
+def test_math_verify_without_its_package_is_named(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "math_verify" else real(name, *a))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"math_verify needs the math-verify package"):
+        load_reward("math_verify")

@@ -19,12 +19,10 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from mindspeed_align.rl import advantages as adv_fns
 from mindspeed_align.rl.config import GROUP_ADVANTAGES, GRPOConfig
@@ -32,6 +30,7 @@ from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, 
 from mindspeed_align.rl.placement import LocalReference
 from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
+from mindspeed_align.rl.weights import load_weights
 from mindspeed_core.errors import ConfigError
 from mindspeed_llm.train.build import build_model
 from mindspeed_llm.train.step import StepResult, TrainStep
@@ -39,7 +38,7 @@ from mindspeed_llm.train.trainer import Trainer
 
 logger = logging.getLogger("mindspeed.grpo")
 
-__all__ = ["GRPOStep", "compute_advantages", "evaluate_reward", "load_weights"]
+__all__ = ["GRPOStep", "compute_advantages", "evaluate_reward"]
 
 
 def compute_advantages(kind: str, rewards: list[float], group: list[int], lengths: list[int],
@@ -254,33 +253,6 @@ def evaluate_reward(rollout: LocalRollout, records, tokenizer, rewards: Rewards,
                             {k: [r.get(k) for r in rows] for k in names})  # fmt: skip
         total += scores
     return sum(total) / len(total)
-
-
-def load_weights(built, path: Path, *, what: str = "grpo.init_from", head: bool = True) -> None:
-    """Replace a built model's weights (whole or sharded) with those at `path`; `head=False`
-    keeps the model's own output layer (a critic's value head on a language model's body)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from mindspeed_llm.models.loading import load_model
-
-    source, _ = load_model(path, device=built.device)
-    full = source.state_dict()
-    if not head:
-        full.pop("output.weight", None)
-    model = built.model
-    try:
-        if any(isinstance(p, DTensor) for p in model.parameters()):
-            options = StateDictOptions(full_state_dict=True, strict=head)
-            set_model_state_dict(model, full, options=options)
-        else:
-            missing, unexpected = model.load_state_dict(full, strict=False)
-            if unexpected or (head and missing) or set(missing) - {"output.weight"}:
-                raise RuntimeError(f"missing {missing}, unexpected {unexpected}")
-    except (RuntimeError, KeyError) as err:
-        first = str(err).strip().splitlines()[0]
-        raise ConfigError(
-            f"{what}={path}: its model does not fit the model section ({first})"
-        ) from None
 
 
 def build_reference(trainer: Trainer):

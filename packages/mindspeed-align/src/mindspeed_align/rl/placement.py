@@ -54,7 +54,7 @@ class _ReferenceWorker:
     def __init__(self, config, *, seed: int, seq_len: int, precision: str, hf_path, init_from):
         import torch
 
-        from mindspeed_align.rl.grpo import load_weights
+        from mindspeed_align.rl.weights import load_weights
         from mindspeed_core.parallel import ParallelConfig
         from mindspeed_llm.train.build import build_model
 

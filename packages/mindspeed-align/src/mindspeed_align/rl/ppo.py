@@ -30,8 +30,9 @@ from torch import Tensor
 
 from mindspeed_align.reward import add_score_head
 from mindspeed_align.rl import advantages as adv_fns
-from mindspeed_align.rl.grpo import GRPOStep, attach, load_weights
+from mindspeed_align.rl.grpo import GRPOStep, attach
 from mindspeed_align.rl.losses import kl_estimate, value_loss
+from mindspeed_align.rl.weights import load_weights
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch

@@ -1,0 +1,38 @@
+"""Loading a run's starting weights into a built (whole or sharded) model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch.distributed.tensor import DTensor
+
+from mindspeed_core.errors import ConfigError
+
+__all__ = ["load_weights"]
+
+
+def load_weights(built, path: Path, *, what: str = "grpo.init_from", head: bool = True) -> None:
+    """Replace a built model's weights (whole or sharded) with those at `path`; `head=False`
+    keeps the model's own output layer (a critic's value head on a language model's body)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from mindspeed_llm.models.loading import load_model
+
+    source, _ = load_model(path, device=built.device)
+    full = source.state_dict()
+    if not head:
+        full.pop("output.weight", None)
+    model = built.model
+    try:
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            options = StateDictOptions(full_state_dict=True, strict=head)
+            set_model_state_dict(model, full, options=options)
+        else:
+            missing, unexpected = model.load_state_dict(full, strict=False)
+            if unexpected or (head and missing) or set(missing) - {"output.weight"}:
+                raise RuntimeError(f"missing {missing}, unexpected {unexpected}")
+    except (RuntimeError, KeyError) as err:
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(
+            f"{what}={path}: its model does not fit the model section ({first})"
+        ) from None
