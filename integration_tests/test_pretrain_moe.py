@@ -57,6 +57,7 @@ def _assert_same_moe_run(run, reference):
         assert [v for row in got for v in row] == pytest.approx(flat, abs=2e-4)
 
 
+@pytest.mark.slow  # the layout itself: test_models_moe_layouts.py (not slow)
 def test_tp2_with_sequence_parallel_gives_the_losses_of_one_process(torchrun, tmp_path, one):
     """Routed experts whole on both tp ranks, attention split, the sequence gathered."""
     tp2 = torchrun(

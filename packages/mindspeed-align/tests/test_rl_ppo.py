@@ -211,6 +211,7 @@ def test_ppo_metrics_and_exact_resume(task):
     assert policy.output.weight.shape[0] == policy.config.vocab_size > 1
 
 
+@pytest.mark.slow  # the scores: test_rl_rewards.py; the Ray test runs one in a ppo-style run
 def test_ppo_with_a_reward_model(task):
     """`ppo.reward_model`: an exported classifier's score joins the rule reward in the run."""
 
