@@ -125,7 +125,9 @@ def _run(cfg: RLConfig, attach, command: str) -> dict[str, float]:
             roles = RayRoles(g.section, info.world_size)
             rewards = roles.rewards(g, tokenizer_path)
         else:
-            rewards = _local_rewards(g, tokenizer, info.device)
+            from mindspeed_align.rl.reward_model import section_rewards
+
+            rewards = section_rewards(g, tokenizer, info.device)
 
         def data(cfg_, model_cfg):
             return PromptSource(records, tokenizer, max_prompt_len=cfg.data.seq_len - g.max_new_tokens,
@@ -152,20 +154,6 @@ def _run(cfg: RLConfig, attach, command: str) -> dict[str, float]:
             roles.close()
         if owns_group:
             destroy_distributed()
-
-
-def _local_rewards(g, tokenizer, device):
-    """The colocated rewards: rule functions in worker processes, and the reward model."""
-    from mindspeed_align.rl.rewards import Rewards
-
-    model = None
-    if g.reward_model is not None:
-        from mindspeed_align.rl.reward_model import RewardModel
-
-        model = RewardModel(g.reward_model, tokenizer, device, what=f"{g.section}.reward_model")
-    return Rewards(g.rewards, g.reward_weights, workers=g.reward_workers,
-                   timeout_s=g.reward_timeout_s, model=model,
-                   model_weight=g.reward_model_weight)  # fmt: skip
 
 
 def _evaluate(step, held_out, tokenizer, rewards, cfg: GRPOConfig) -> tuple[float, float]:

@@ -74,18 +74,10 @@ class _RewardWorker:
     """A Ray actor: the rule rewards (in its own worker pool) and the reward model."""
 
     def __init__(self, rl, tokenizer_path):
-        from mindspeed_align.rl.rewards import Rewards
+        from mindspeed_align.rl.reward_model import section_rewards
+        from mindspeed_llm.tokenizer import load_tokenizer
 
-        model = None
-        if rl.reward_model is not None:
-            from mindspeed_align.rl.reward_model import RewardModel
-            from mindspeed_llm.tokenizer import load_tokenizer
-
-            model = RewardModel(rl.reward_model, load_tokenizer(tokenizer_path),
-                                what=f"{rl.section}.reward_model")  # fmt: skip
-        self.rewards = Rewards(rl.rewards, rl.reward_weights, workers=rl.reward_workers,
-                               timeout_s=rl.reward_timeout_s, model=model,
-                               model_weight=rl.reward_model_weight)  # fmt: skip
+        self.rewards = section_rewards(rl, load_tokenizer(tokenizer_path))
 
     def score(self, prompts, completions, columns):
         return self.rewards(prompts, completions, columns)

@@ -19,7 +19,7 @@ import torch
 from mindspeed_align.reward import load_classifier
 from mindspeed_core.errors import ConfigError
 
-__all__ = ["RewardModel"]
+__all__ = ["RewardModel", "section_rewards"]
 
 
 class RewardModel:
@@ -66,3 +66,17 @@ class RewardModel:
                               dtype=torch.int32, device=self.device)  # fmt: skip
         out = self.model(ids, position_ids=positions, cu_seqlens=bounds)  # (1, tokens, 1)
         return out[0, bounds[1:].long() - 1, 0].float().tolist()
+
+
+def section_rewards(rl, tokenizer, device="cpu"):
+    """The rewards an RL section names: its rule functions (`rewards.Rewards`, in worker
+    processes) and its reward model, weighted; used in the training process (colocated)
+    and inside a Ray reward actor alike."""
+    from mindspeed_align.rl.rewards import Rewards
+
+    model = None
+    if rl.reward_model is not None:
+        model = RewardModel(rl.reward_model, tokenizer, device, what=f"{rl.section}.reward_model")
+    return Rewards(rl.rewards, rl.reward_weights, workers=rl.reward_workers,
+                   timeout_s=rl.reward_timeout_s, model=model,
+                   model_weight=rl.reward_model_weight)  # fmt: skip
