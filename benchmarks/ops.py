@@ -5,7 +5,8 @@
 Prints one JSON line per op and dtype: our kernel (impl=<device>) against the reference in
 eager mode and against torch.compile of the reference, all in this process. Shapes are those
 of a 1B-class decoder (Llama-3.2-1B: hidden 2048, ffn 8192, 32 heads / 8 kv heads of 64, vocab
-cut to 32k) with the token count cut to fit a small CPU.
+cut to 32k) with the token count cut to fit a small CPU. The `linear_decode*` cases are forward-only
+inference products of one or 32 token rows, as in a decode step (the few-row CPU kernel).
 
 Time: the fastest of several runs (at least 5, up to 2 s) of one forward+backward (the input gradients and, for losses, the
 backward of the scalar loss), after warm-up. Peak memory: the largest amount of memory the
@@ -120,6 +121,32 @@ def _cases(device: str, tokens: int) -> list[Case]:
             lambda x, w: mo.grouped_matmul_reference(x, w, group_sizes),
         ),
         Case(
+            "linear_decode", f"x(1,{HIDDEN}) W({FFN},{HIDDEN}), no grad",
+            lambda dt, d: {"x": torch.randn(1, HIDDEN, device=d).to(dt),
+                           "w": torch.randn(FFN, HIDDEN, device=d).to(dt)},
+            lambda x, w: mo.linear(x, w, impl=device),
+            lambda x, w: mo.linear_reference(x, w),
+            backward=False,
+        ),
+        Case(
+            "linear_decode_32rows", f"x(32,{HIDDEN}) W({FFN},{HIDDEN}), no grad",
+            lambda dt, d: {"x": torch.randn(32, HIDDEN, device=d).to(dt),
+                           "w": torch.randn(FFN, HIDDEN, device=d).to(dt)},
+            lambda x, w: mo.linear(x, w, impl=device),
+            lambda x, w: mo.linear_reference(x, w),
+            backward=False,
+        ),
+        Case(
+            "linear_decode_int8",
+            f"x(1,{HIDDEN}) int8 W({FFN},{HIDDEN}) + scale; reference: PyTorch's int8 kernel",
+            lambda dt, d: {"x": torch.randn(1, HIDDEN, device=d).to(dt),
+                           "w": torch.randint(-127, 128, (FFN, HIDDEN), device=d).to(torch.int8),
+                           "scale": torch.rand(FFN, device=d) / 127},
+            lambda x, w, scale: mo.linear(x, w, scale=scale, impl=device),
+            _int8_reference,
+            backward=False,
+        ),
+        Case(
             "matmul_add", f"dy({tokens},{HIDDEN}) x({tokens},{HIDDEN}) -> fp32 ({HIDDEN},{HIDDEN})",
             lambda dt, d: {"dy": torch.randn(tokens, HIDDEN, device=d).to(dt),
                            "x": torch.randn(tokens, HIDDEN, device=d).to(dt),
@@ -129,6 +156,13 @@ def _cases(device: str, tokens: int) -> list[Case]:
             backward=False,
         ),
     ]  # fmt: skip
+
+
+def _int8_reference(x, w, scale):
+    """PyTorch's weight-only int8 kernel where it runs (CPU), the dequantised GEMM elsewhere."""
+    if x.device.type == "cpu":
+        return torch._weight_int8pack_mm(x, w, scale.to(x.dtype))
+    return mo.linear_reference(x, w, scale=scale)
 
 
 def _sum_lse(pair):

@@ -22,7 +22,11 @@ from mindspeed_llm.models import (
 models_hf = import_sibling(__file__, "models_hf")
 SEQ, TINY = models_hf.SEQ, models_hf.TINY
 make_hf, ours_from, tokens = models_hf.make_hf, models_hf.ours_from, models_hf.tokens
-ATOL = 1e-5
+# Inference forwards of up to 64 tokens run our few-row CPU GEMM (mindspeed_ops.linear), whose
+# fp32 sums run in another order than oneDNN's in transformers. Both are fp32-accurate, not
+# bit-equal: on gemma3 (logits up to ~5) ours is within 1.1e-5 and transformers within 0.9e-5
+# of transformers run in fp64, and they differ from each other by up to 1.8e-5.
+ATOL = 2e-5
 
 
 @pytest.mark.parametrize("case", list(models_hf.FAMILY_CASES))

@@ -12,6 +12,7 @@ from mindspeed_ops.cross_entropy import (
     linear_cross_entropy_reference,
 )
 from mindspeed_ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from mindspeed_ops.linear import linear, linear_reference
 from mindspeed_ops.matmul_add import matmul_add, matmul_add_reference
 from mindspeed_ops.nf4 import (
     NF4_LEVELS,
@@ -41,8 +42,10 @@ __all__ = [
     "cross_entropy_reference",
     "grouped_matmul",
     "grouped_matmul_reference",
+    "linear",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "linear_reference",
     "matmul_add",
     "matmul_add_reference",
     "nf4_dequantize",

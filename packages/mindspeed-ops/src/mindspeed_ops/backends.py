@@ -84,3 +84,15 @@ def warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def eager_inference(*tensors: torch.Tensor | None) -> bool:
+    """True in eager code where none of `tensors` needs a gradient. An op may then call its
+    kernel's Python body directly instead of through its torch.library custom op, whose
+    dispatch (~10 us a call) only autograd and torch.compile need: in a CPU decode step that
+    dispatch was a tenth of the time."""
+    if torch.compiler.is_compiling():
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    return not any(t is not None and t.requires_grad for t in tensors)

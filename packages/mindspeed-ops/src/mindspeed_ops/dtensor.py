@@ -16,11 +16,16 @@ from torch import Tensor
 
 
 def is_dtensor(t: object) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
+    if not _DTENSOR:
+        if not torch.distributed.is_available():
+            return False
+        from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+        _DTENSOR.append(DTensor)
+    return isinstance(t, _DTENSOR[0])
+
+
+_DTENSOR: list[type] = []  # the DTensor class, imported on the first call (called per op)
 
 
 def run_rowwise(

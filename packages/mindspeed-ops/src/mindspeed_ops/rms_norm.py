@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from mindspeed_ops import cpu_ext
-from mindspeed_ops.backends import has_module, resolve_impl, warn_once
+from mindspeed_ops.backends import eager_inference, has_module, resolve_impl, warn_once
 from mindspeed_ops.dtensor import is_dtensor, run_rowwise
 from mindspeed_ops.validate import check_float, check_same_device
 
@@ -56,8 +56,7 @@ def _use_cpp(x: Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _CPP_DTYPES and cpu_ext.load() is not None
 
 
-@torch.library.custom_op("mindspeed::rms_norm_fwd", mutates_args=())
-def _rms_norm_fwd(
+def _rms_norm_fwd_body(
     x: Tensor, weight: Tensor | None, eps: float, offset: bool
 ) -> tuple[Tensor, Tensor]:
     """x: (rows, hidden) contiguous -> (y, rstd fp32 (rows,))."""
@@ -66,6 +65,11 @@ def _rms_norm_fwd(
         y, rstd = cpu_ext.load().rms_norm_fwd(x, w, eps)
         return y, rstd
     return _fwd_torch(x, w, eps)
+
+
+_rms_norm_fwd = torch.library.custom_op("mindspeed::rms_norm_fwd", mutates_args=())(
+    _rms_norm_fwd_body
+)
 
 
 @_rms_norm_fwd.register_fake
@@ -152,7 +156,8 @@ def rms_norm(
                 "rms_norm: liger-kernel not installed, impl='cuda' runs "
                 "the composed PyTorch kernel",
             )
-    y, _ = _rms_norm_fwd(x.reshape(-1, hidden).contiguous(), weight, float(eps), offset)
+    fwd = _rms_norm_fwd_body if eager_inference(x, weight) else _rms_norm_fwd
+    y, _ = fwd(x.reshape(-1, hidden).contiguous(), weight, float(eps), offset)
     return y.view(x.shape)
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from mindspeed_ops import cpu_ext
-from mindspeed_ops.backends import resolve_impl
+from mindspeed_ops.backends import eager_inference, resolve_impl
 from mindspeed_ops.validate import check_float, check_index, check_same_device, eager
 
 _CPP_DTYPES = (torch.float32, torch.bfloat16)
@@ -61,14 +61,16 @@ def rotary_reference(
     return torch.cat([out, xf[..., 2 * half :]], dim=-1).to(x.dtype)
 
 
-@torch.library.custom_op("mindspeed::rotary", mutates_args=())
-def _rotary(
+def _rotary_body(
     x: Tensor, position_ids: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, inverse: bool
 ) -> Tensor:
     """x (tokens, heads, head_dim) contiguous; position_ids (tokens,) int64; fp32 tables."""
     if x.device.type == "cpu" and x.dtype in _CPP_DTYPES and cpu_ext.load() is not None:
         return cpu_ext.load().rotary(x, position_ids, cos, sin, interleaved, inverse)
     return rotary_reference(x, cos, -sin if inverse else sin, position_ids, interleaved)
+
+
+_rotary = torch.library.custom_op("mindspeed::rotary", mutates_args=())(_rotary_body)
 
 
 @_rotary.register_fake
@@ -165,7 +167,8 @@ def rotary_embedding(
     if backend == "npu":
         return _rotary_npu(x, cos, sin, positions, interleaved)
     flat = x.reshape(-1, x.shape[-2], x.shape[-1]).contiguous()
-    out = _rotary(
+    op = _rotary_body if eager_inference(x) else _rotary
+    out = op(
         flat,
         positions.reshape(-1).contiguous(),
         cos.float().contiguous(),

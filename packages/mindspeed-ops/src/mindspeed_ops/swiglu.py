@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mindspeed_ops import cpu_ext
-from mindspeed_ops.backends import has_module, resolve_impl, warn_once
+from mindspeed_ops.backends import eager_inference, has_module, resolve_impl, warn_once
 from mindspeed_ops.dtensor import is_dtensor, run_rowwise
 from mindspeed_ops.validate import check_float, check_same_device, check_same_dtype
 
@@ -41,9 +41,7 @@ def _bwd_into(dy: Tensor, a: Tensor, b: Tensor, da: Tensor, db: Tensor) -> None:
 
 
 # Two tensors: a, b are (rows, hidden) with a unit inner stride.
-@torch.library.custom_op("mindspeed::swiglu_fwd", mutates_args=())
-def _swiglu_fwd(a: Tensor, b: Tensor) -> Tensor:
-    return _fwd(a, b)
+_swiglu_fwd = torch.library.custom_op("mindspeed::swiglu_fwd", mutates_args=())(_fwd)
 
 
 @_swiglu_fwd.register_fake
@@ -76,10 +74,14 @@ _swiglu_fwd.register_autograd(_backward_two, setup_context=_setup_two)
 
 
 # One tensor: x is (rows, 2 * hidden) contiguous, a = x[:, :hidden], b = x[:, hidden:].
-@torch.library.custom_op("mindspeed::swiglu_fused_fwd", mutates_args=())
-def _swiglu_fused_fwd(x: Tensor) -> Tensor:
+def _fused_fwd(x: Tensor) -> Tensor:
     a, b = x.chunk(2, dim=-1)
     return _fwd(a, b)
+
+
+_swiglu_fused_fwd = torch.library.custom_op("mindspeed::swiglu_fused_fwd", mutates_args=())(
+    _fused_fwd
+)
 
 
 @_swiglu_fused_fwd.register_fake
@@ -158,10 +160,13 @@ def swiglu(x: Tensor, y: Tensor | None = None, *, impl: str = "auto") -> Tensor:
                 "swiglu_cuda",
                 "swiglu: liger-kernel not installed, impl='cuda' runs the composed PyTorch kernel",
             )
+    direct = eager_inference(x, y)  # the kernel without its custom op's dispatch
     if y is None:
         hidden2 = x.shape[-1]
-        out = _swiglu_fused_fwd(x.reshape(-1, hidden2).contiguous())
+        fused = _fused_fwd if direct else _swiglu_fused_fwd
+        out = fused(x.reshape(-1, hidden2).contiguous())
         return out.view(*x.shape[:-1], hidden2 // 2)
     hidden = x.shape[-1]
-    out = _swiglu_fwd(x.reshape(-1, hidden).contiguous(), y.reshape(-1, hidden).contiguous())
+    two = _fwd if direct else _swiglu_fwd
+    out = two(x.reshape(-1, hidden).contiguous(), y.reshape(-1, hidden).contiguous())
     return out.view(x.shape)

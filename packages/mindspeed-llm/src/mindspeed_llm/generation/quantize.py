@@ -2,10 +2,11 @@
 
 At batch 1 a decode step reads every weight once, so its time is the bytes of the weights
 over the memory's read bandwidth: int8 weights are a quarter of fp32's bytes (half of
-bf16's). `Int8Linear` keeps `weight` as int8 (out, in) and `scale` (out,) with
-`weight * scale[:, None]` ~ the original; its matmul is PyTorch's weight-only int8 kernel
-(`torch._weight_int8pack_mm`, the kernel torchao's int8 weight-only layout uses on CPU),
-which reads the int8 weights directly. Activations stay in the model's dtype.
+bf16's). `Int8Linear` keeps `weight` as int8 (out, in) and `scale` (out,) fp32 with
+`weight * scale[:, None]` ~ the original; its matmul is `mindspeed_ops.linear`: on CPU, for
+the few rows of a decode step, a C++ kernel that reads the int8 weights directly (7-40x
+PyTorch's `torch._weight_int8pack_mm` here, see `benchmarks/ops.py`), otherwise the
+dequantised GEMM. Activations stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+import mindspeed_ops as ops
 from mindspeed_core.errors import ConfigError
 
 __all__ = ["Int8Linear", "quantize_int8", "quantize_weights"]
@@ -37,17 +39,10 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scale = quantize_int8(linear.weight)
         self.register_buffer("weight", q)
-        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        self.register_buffer("scale", scale)
 
     def forward(self, x: Tensor) -> Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])  # the kernel takes (tokens, in)
-        scale = self.scale.to(x.dtype)
-        if x.device.type == "cpu":
-            out = torch._weight_int8pack_mm(flat, self.weight, scale)
-        else:
-            out = (flat @ self.weight.to(x.dtype).t()) * scale
-        return out.reshape(*shape[:-1], self.out_features)
+        return ops.linear(x, self.weight, scale=self.scale)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

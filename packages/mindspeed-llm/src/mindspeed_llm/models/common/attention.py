@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.common.softcap_attention import softcapped_attention
 from mindspeed_llm.models.config import TransformerConfig
@@ -38,10 +39,10 @@ class Attention(nn.Module):
         # Set by mindspeed_core's `apply_cp`: inputs are this rank's zig-zag sequence shards.
         self.context_parallel = None
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.wq = nn.Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
-        self.wk = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
-        self.wv = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
-        self.wo = nn.Linear(q_dim, config.hidden_size, bias=False)
+        self.wq = Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
+        self.wk = Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.wv = Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
+        self.wo = Linear(q_dim, config.hidden_size, bias=False)
         if config.qk_norm:
             offset = config.norm_unit_offset
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl, offset=offset)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mindspeed_llm.models.common.linear import Linear
 from mindspeed_ops import swiglu
 
 
@@ -20,9 +21,9 @@ class FeedForward(nn.Module):
         super().__init__()
         self.impl = impl
         self.act = act  # "silu" (the fused swiglu op) or "gelu_tanh" (plain PyTorch)
-        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w1 = Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = Linear(intermediate_size, hidden_size, bias=False)
+        self.w3 = Linear(hidden_size, intermediate_size, bias=False)
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1.weight, std=std)

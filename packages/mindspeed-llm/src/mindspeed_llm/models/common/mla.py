@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
 
 from mindspeed_core.parallel import dtensor
+from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import attention, rotary_embedding
@@ -86,19 +87,19 @@ class MultiLatentAttention(nn.Module):
         self.context_parallel = None
         hidden, heads = config.hidden_size, config.num_heads
         if config.q_lora_rank is None:
-            self.wq = nn.Linear(hidden, heads * self.head_dim, bias=False)
+            self.wq = Linear(hidden, heads * self.head_dim, bias=False)
             self.wq_a = self.q_norm = self.wq_b = None
         else:
             self.wq = None
-            self.wq_a = nn.Linear(hidden, config.q_lora_rank, bias=False)
+            self.wq_a = Linear(hidden, config.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, impl=self.impl)
-            self.wq_b = nn.Linear(config.q_lora_rank, heads * self.head_dim, bias=False)
-        self.wkv_a = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=False)
+            self.wq_b = Linear(config.q_lora_rank, heads * self.head_dim, bias=False)
+        self.wkv_a = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_norm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, impl=self.impl)
-        self.wkv_b = nn.Linear(
+        self.wkv_b = Linear(
             self.kv_lora_rank, heads * (self.nope_dim + self.v_head_dim), bias=False
         )
-        self.wo = nn.Linear(heads * self.v_head_dim, hidden, bias=False)
+        self.wo = Linear(heads * self.v_head_dim, hidden, bias=False)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from mindspeed_core.parallel import dtensor
 from mindspeed_core.training import dense_params, moe_active_params
 from mindspeed_llm.models.common.feed_forward import FeedForward
+from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import grouped_matmul, swiglu
 
@@ -195,7 +196,7 @@ class MoE(nn.Module):
                 config.hidden_size, config.shared_expert_intermediate_size, impl=config.ops_impl
             )
             if config.shared_expert_gated:
-                self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+                self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.last_stats: RouterStats | None = None
 
     def init_weights(self, std: float, out_std: float) -> None:

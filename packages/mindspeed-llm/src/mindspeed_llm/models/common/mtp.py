@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.config import TransformerConfig
 
 IGNORE_INDEX = -100
@@ -39,7 +40,7 @@ class MTPLayer(nn.Module):
     def __init__(self, layer_id: int, config: TransformerConfig, block: nn.Module, norm):
         super().__init__()
         self.enorm, self.hnorm, self.norm = norm(), norm(), norm()
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.block = block
 
     def init_weights(self, std: float) -> None:

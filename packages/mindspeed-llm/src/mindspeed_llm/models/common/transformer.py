@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from mindspeed_core.checkpoint.saved import SavedParam
 from mindspeed_llm.models.common.attention import Attention, RopeTables
 from mindspeed_llm.models.common.feed_forward import FeedForward
+from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.common.mla import MultiLatentAttention
 from mindspeed_llm.models.common.moe import MoE
 from mindspeed_llm.models.common.mtp import MultiTokenPrediction, mtp_loss
@@ -123,7 +124,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(config.num_rows, config.hidden_size)
         self.layers = nn.ModuleDict({str(i): Block(i, config) for i in range(config.num_layers)})
         self.norm = _norm(config)
-        self.output = nn.Linear(config.hidden_size, config.num_rows, bias=False)
+        self.output = Linear(config.hidden_size, config.num_rows, bias=False)
         if config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.mtp = None  # DeepSeek-V3's multi-token prediction (`common.mtp`)
