@@ -123,3 +123,17 @@ def test_bf16_forward_and_backward_run():
     assert logits.dtype == torch.bfloat16
     logits.float().logsumexp(-1).mean().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("rows", [1, SEQ], ids=["one-token", "full"])
+def test_bf16_autocast_matches_transformers(rows):
+    # fp32 weights under bf16 autocast: one-process mixed-precision training and its eval.
+    # One row is the decode shape, where inference linears may take mindspeed-ops' CPU kernel
+    # outside autocast; under it the product's dtype is autocast's (bf16), as transformers'.
+    hf = make_hf("qwen2")
+    ours = ours_from(hf)
+    ids = tokens()[:, :rows]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = ours(ids), hf(ids).logits
+    assert got.dtype == torch.bfloat16 and want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

@@ -60,6 +60,10 @@ def _skinny_applies(x: Tensor, weight: Tensor, bias: Tensor | None, rows: int) -
         return False
     if rows > limit or x.dtype not in (torch.float32, torch.bfloat16):
         return False
+    if weight.dtype != torch.int8 and weight.dtype != x.dtype:
+        return False  # F.linear's own error, or autocast's casts
+    if torch.is_autocast_enabled(x.device.type):
+        return False  # autocast decides the dtype of the product: F.linear
     if torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, weight, bias)
     ):
@@ -93,8 +97,6 @@ def _validate(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor | No
     if weight.dtype == torch.int8:
         if scale is None:
             raise ValueError("an int8 weight needs scale (one per output channel)")
-    elif weight.dtype != x.dtype:
-        raise TypeError(f"weight has dtype {weight.dtype} but x has {x.dtype}")
     elif scale is not None:
         raise ValueError("scale goes with an int8 weight only")
     if scale is not None:
@@ -123,7 +125,8 @@ def linear(
 
     Args:
         x: (..., in_features), fp32 or bf16 for the CPU kernel (any float dtype otherwise).
-        weight: (out_features, in_features): x's dtype, or int8 with `scale`.
+        weight: (out_features, in_features): x's dtype (or any, under autocast), or int8
+            with `scale`.
         bias: (out_features,) or None.
         scale: (out_features,) float, with an int8 weight only: the weight is weight * scale.
         impl: "auto", "reference", "cpu", "cuda" or "npu". "cpu" runs the few-row kernel

@@ -577,6 +577,11 @@ inline float skinny_hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+// The four horizontal sums of a, b, c, d.
+inline __m128 skinny_hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
 #endif
 
 // out[r][m] = dot(x row m, w row r) for an R x MB tile; x rows and w rows are K long.
@@ -595,8 +600,13 @@ inline void skinny_tile(const float* x, const W* w, int64_t K, float out[R][MB])
       for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(xv, wv[r], acc[r][m]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) out[r][m] = skinny_hsum(acc[r][m]);
+  for (int r = 0; r < R; ++r) {
+    if constexpr (MB == 4) {  // four sums with three hadds instead of four reductions
+      _mm_storeu_ps(out[r], skinny_hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    } else {
+      for (int m = 0; m < MB; ++m) out[r][m] = skinny_hsum(acc[r][m]);
+    }
+  }
 #else
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) out[r][m] = 0.f;
