@@ -589,22 +589,39 @@ template <int R, int MB, typename W>
 inline void skinny_tile(const float* x, const W* w, int64_t K, float out[R][MB]) {
   int64_t k = 0;
 #ifdef MINDSPEED_SKINNY_AVX2
-  __m256 acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  // A small tile has too few accumulators to hide the FMA latency (one chain per output at
+  // one row: a third of the bandwidth for int8 weights): it keeps U chains per output.
+  constexpr int U = R * MB >= 4 ? 1 : 4;
+  __m256 acc[U][R][MB];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[u][r][m] = _mm256_setzero_ps();
+  for (; k + 8 * U <= K; k += 8 * U) {
+    for (int u = 0; u < U; ++u) {
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = skinny_load8(w + r * K + k + 8 * u);
+      for (int m = 0; m < MB; ++m) {
+        __m256 xv = _mm256_loadu_ps(x + m * K + k + 8 * u);
+        for (int r = 0; r < R; ++r) acc[u][r][m] = _mm256_fmadd_ps(xv, wv[r], acc[u][r][m]);
+      }
+    }
+  }
   for (; k + 8 <= K; k += 8) {
     __m256 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = skinny_load8(w + r * K + k);
     for (int m = 0; m < MB; ++m) {
       __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm256_fmadd_ps(xv, wv[r], acc[r][m]);
+      for (int r = 0; r < R; ++r) acc[0][r][m] = _mm256_fmadd_ps(xv, wv[r], acc[0][r][m]);
     }
   }
+  for (int u = 1; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[0][r][m] = _mm256_add_ps(acc[0][r][m], acc[u][r][m]);
   for (int r = 0; r < R; ++r) {
     if constexpr (MB == 4) {  // four sums with three hadds instead of four reductions
-      _mm_storeu_ps(out[r], skinny_hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+      _mm_storeu_ps(out[r], skinny_hsum4(acc[0][r][0], acc[0][r][1], acc[0][r][2], acc[0][r][3]));
     } else {
-      for (int m = 0; m < MB; ++m) out[r][m] = skinny_hsum(acc[r][m]);
+      for (int m = 0; m < MB; ++m) out[r][m] = skinny_hsum(acc[0][r][m]);
     }
   }
 #else
