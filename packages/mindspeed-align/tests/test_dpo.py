@@ -90,7 +90,10 @@ def test_first_step_is_the_pure_loss_of_separate_forwards(tmp_path):
     assert abs(float(margins.mean())) > 1e-3  # the check below is not about zeros
     for key, value in [("rewards/chosen", pure.chosen_rewards.mean()), ("rewards/margins", margins.mean()),
                        ("rewards/accuracies", (margins > 0).float().mean()), ("logps/rejected", logps[1::2].mean())]:  # fmt: skip
-        assert result.metrics[key] == pytest.approx(float(value), rel=1e-5, abs=1e-6), key
+        # abs 1e-5: the separate forwards run under no_grad, where sequences of <= 64 tokens take
+        # mindspeed-ops' few-row CPU GEMM (fp32, another summation order than the training
+        # step's oneDNN GEMM); the margins, differences of log-prob sums, show it at ~1e-5 rel.
+        assert result.metrics[key] == pytest.approx(float(value), rel=1e-5, abs=1e-5), key
 
 
 # TRL 1.16's DPOTrainer on the same folder and 8 pairs (bf16=False, beta=0.1): the first batch's

@@ -36,12 +36,12 @@ def _batch(seed: int) -> dict:
     return lm_batch(samples, EOD)
 
 
-def _train(parallel: ParallelConfig, *, compile: bool, ac="none", world_size=None):
+def _train(parallel: ParallelConfig, *, compile: bool, ac="none", world_size=None, family="llama"):
     """Losses of STEPS steps and the parameters after them."""
     import torch.distributed as dist
 
     dims = parallel.dims(world_size).build("cpu")
-    config = build_model_config("llama", flavor="debug", ops_impl="auto")
+    config = build_model_config(family, flavor="debug", ops_impl="auto")
     model = build_model(config, dims, torch.device("cpu"), parallel=parallel, seq_len=SEQ,
                         ac=ac, compile=compile)  # fmt: skip
     assert all(is_compiled(b) == compile for p in model.parts for b in p.layers.values())
@@ -63,11 +63,11 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _compare(parallel: ParallelConfig, ac="none", world_size=None):
+def _compare(parallel: ParallelConfig, ac="none", world_size=None, family="llama"):
     counters.clear()
-    eager = _train(parallel, compile=False, ac=ac, world_size=world_size)
+    eager = _train(parallel, compile=False, ac=ac, world_size=world_size, family=family)
     assert not counters["stats"]  # eager never entered Dynamo
-    compiled = _train(parallel, compile=True, ac=ac, world_size=world_size)
+    compiled = _train(parallel, compile=True, ac=ac, world_size=world_size, family=family)
     return eager, compiled, dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
 
 
@@ -131,3 +131,11 @@ def test_compiled_training_is_eager_training_cp2_ring_and_ulysses():
         for *_, breaks, _ in results:
             assert all("compiler.disable()" in b and "ContextParallel" in b for b in breaks), breaks
         _assert_same(results, allowed_breaks=10**6)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_training_is_eager_training_moe_ep2():
+    """Mixtral debug, experts split over 2 ranks (ep=2 over dp_shard=2)."""
+    parallel = ParallelConfig(dp_shard=2, ep=2)
+    _assert_same(run_distributed(_compare, 2, parallel, family="mixtral", timeout=600))

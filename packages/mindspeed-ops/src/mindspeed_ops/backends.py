@@ -93,6 +93,18 @@ def eager_inference(*tensors: torch.Tensor | None) -> bool:
     dispatch was a tenth of the time."""
     if torch.compiler.is_compiling():
         return False
+    if not plain_tensors(*tensors):
+        return False
     if not torch.is_grad_enabled():
         return True
     return not any(t is not None and t.requires_grad for t in tensors)
+
+
+def plain_tensors(*tensors: torch.Tensor | None) -> bool:
+    """Whether each of `tensors` is a plain tensor or parameter, not a subclass: a kernel called
+    without the dispatcher would read a subclass's storage directly, and some have none yet
+    (tensor parallel's AsyncCollectiveTensor before its wait)."""
+    return all(t is None or type(t) in _PLAIN for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mindspeed_ops import cpu_ext
-from mindspeed_ops.backends import resolve_impl
+from mindspeed_ops.backends import plain_tensors, resolve_impl
 from mindspeed_ops.dtensor import is_dtensor
 from mindspeed_ops.validate import check_float, check_same_device, check_tensor
 
@@ -60,6 +60,8 @@ def _skinny_applies(x: Tensor, weight: Tensor, bias: Tensor | None, rows: int) -
         return False
     if rows > limit or x.dtype not in (torch.float32, torch.bfloat16):
         return False
+    if not plain_tensors(x, weight, bias):
+        return False  # subclasses need the dispatcher (see backends.plain_tensors)
     if weight.dtype != torch.int8 and weight.dtype != x.dtype:
         return False  # F.linear's own error, or autocast's casts
     if torch.is_autocast_enabled(x.device.type):

@@ -167,7 +167,7 @@ def rotary_embedding(
     if backend == "npu":
         return _rotary_npu(x, cos, sin, positions, interleaved)
     flat = x.reshape(-1, x.shape[-2], x.shape[-1]).contiguous()
-    op = _rotary_body if eager_inference(x) else _rotary
+    op = _rotary_body if eager_inference(x, positions, cos, sin) else _rotary
     out = op(
         flat,
         positions.reshape(-1).contiguous(),

@@ -211,7 +211,7 @@ def build_critic(trainer, cfg, init_from) -> TrainStep:
         trainer.model_cfg, trainer.dims, trainer.device, parallel=parallel,
         precision=cfg.train.precision, ac=cfg.train.ac, seed=cfg.train.seed,
         seq_len=cfg.data.seq_len, hf_path=cfg.model.hf_path, before_tp=add_score_head,
-        compile=cfg.train.compile,
+        compile=cfg.train.compile, fp8=cfg.train.fp8,
     )  # fmt: skip
     if init_from is not None:
         load_weights(model, init_from, what=f"{cfg.rl.section}.init_from", head=False)

@@ -88,6 +88,7 @@ def build_model(
     after_tp: ModelHook | None = None,
     frozen: bool = False,
     compile: bool = False,
+    fp8: bool = False,
 ) -> BuiltModel:
     """Build `config` on `device`, load `hf_path`'s weights, parallelise it on `dims`.
 
@@ -104,6 +105,7 @@ def build_model(
         after_tp: inject adapters after TP, before CP/recompute/FSDP (LoRA).
         frozen: no gradients, eval mode, no recompute: a reference model.
         compile: torch.compile each block (after TP and recompute, before FSDP).
+        fp8: torchao's float8 linear layers (not the head; not for a frozen model).
     """
     _check_offload(parallel, torch.device(device), "none" if frozen else ac)
     set_seed(seed, dims, vary_along=())
@@ -121,6 +123,8 @@ def build_model(
     options.update({k: v for k, v in (("before_tp", before_tp), ("after_tp", after_tp)) if v})
     if compile:  # only when asked: a family's own parallelize may not know the option
         options.update(compile=True)
+    if fp8 and not frozen:
+        options.update(fp8=True)
     if dims.pp > 1:
         pipeline = _pipeline(spec, model, dims, device, parallel, options)
         whole, parts = None, pipeline.model_parts

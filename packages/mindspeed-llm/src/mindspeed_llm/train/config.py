@@ -91,6 +91,11 @@ class TrainSection:
     compile: bool = False
     """torch.compile each transformer block (after tensor parallel and recompute, before
     FSDP; parameter names unchanged). The first steps pay the compilation."""
+    fp8: bool = False
+    """fp8 linear layers (torchao's float8 training: e4m3 inputs and weights, e5m2 output
+    gradients, one dynamic scale per tensor) for every linear but the output head whose
+    features are multiples of 16; needs torchao (`pip install 'mindspeed-core[fp8]'`) and
+    an fp8 GEMM (H100-class GPUs, recent PyTorch on CPU); not with tensor parallel."""
     eval_interval: int = 100
     """Validation loss every N steps (0: never)."""
     eval_batches: int = 2

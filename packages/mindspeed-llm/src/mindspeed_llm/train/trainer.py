@@ -98,6 +98,7 @@ class Trainer:
             before_tp=before_tp,
             after_tp=after_tp,
             compile=cfg.train.compile,
+            fp8=cfg.train.fp8,
         )
         return build_train_parts(
             model,

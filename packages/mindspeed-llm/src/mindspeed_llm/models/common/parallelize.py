@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
-from mindspeed_core.errors import ParallelError
+from mindspeed_core.errors import ConfigError, ParallelError
+from mindspeed_core.fp8 import convert_fp8
 from mindspeed_core.memory import offload_activations
 from mindspeed_core.parallel import (
     ParallelDims,
@@ -65,6 +66,7 @@ def parallelize_decoder(
     activation_offload: bool = False,
     cpu_offload: bool = False,
     compile: bool = False,
+    fp8: bool = False,
     ep_dispatcher: str = "alltoall",
     before_tp: ModelHook | None = None,
     after_tp: ModelHook | None = None,
@@ -88,6 +90,8 @@ def parallelize_decoder(
             (`mindspeed_core.memory.offload_activations`; accelerators, no recompute).
         cpu_offload: FSDP2's CPU offload of sharded parameters, gradients and optimizer
             states (accelerators, with FSDP).
+        fp8: torchao's float8 training for the linear layers but the output head
+            (`mindspeed_core.fp8.convert_fp8`), after `before_tp`; not with tensor parallel.
         ep_dispatcher: how expert parallel (ep > 1) moves tokens: "alltoall" or
             "allgather" (see `mindspeed_core.parallel.apply_ep`).
         before_tp: called on the whole, still plain model first: the place to swap the
@@ -108,6 +112,11 @@ def parallelize_decoder(
         ParallelError: a whole model under pp > 1 (see `pipeline_decoder`), or options
             that need tensor parallel without it.
     """
+    if fp8 and dims.tp > 1:
+        raise ConfigError(
+            f"train.fp8 with parallel.tp={dims.tp}: fp8 linear layers under tensor "
+            "parallel are not supported yet (set parallel.tp=1)"
+        )
     if dims.pp > 1 and None not in (model.tok_embeddings, model.output):
         raise ParallelError(
             f"pp={dims.pp}: split the model into stages with pipeline_decoder, not parallelize_decoder"
@@ -117,6 +126,8 @@ def parallelize_decoder(
         check_layout(model.config, layout, flag="{}")
     if before_tp is not None:
         before_tp(model, dims)
+    if fp8:
+        convert_fp8(model)
     if dims.tp == 1 and (sequence_parallel or loss_parallel):
         raise ParallelError("sequence_parallel and loss_parallel need tp > 1")
     if dims.tp > 1:
