@@ -120,22 +120,8 @@ def _cases(device: str, tokens: int) -> list[Case]:
             lambda x, w: mo.grouped_matmul(x, w, group_sizes, impl=device),
             lambda x, w: mo.grouped_matmul_reference(x, w, group_sizes),
         ),
-        Case(
-            "linear_decode", f"x(1,{HIDDEN}) W({FFN},{HIDDEN}), no grad",
-            lambda dt, d: {"x": torch.randn(1, HIDDEN, device=d).to(dt),
-                           "w": torch.randn(FFN, HIDDEN, device=d).to(dt)},
-            lambda x, w: mo.linear(x, w, impl=device),
-            lambda x, w: mo.linear_reference(x, w),
-            backward=False,
-        ),
-        Case(
-            "linear_decode_32rows", f"x(32,{HIDDEN}) W({FFN},{HIDDEN}), no grad",
-            lambda dt, d: {"x": torch.randn(32, HIDDEN, device=d).to(dt),
-                           "w": torch.randn(FFN, HIDDEN, device=d).to(dt)},
-            lambda x, w: mo.linear(x, w, impl=device),
-            lambda x, w: mo.linear_reference(x, w),
-            backward=False,
-        ),
+        *(_decode_case(name, rows, device) for name, rows in (("linear_decode", 1),
+                                                               ("linear_decode_32rows", 32))),
         Case(
             "linear_decode_int8",
             f"x(1,{HIDDEN}) int8 W({FFN},{HIDDEN}) + scale; reference: PyTorch's int8 kernel",
@@ -156,6 +142,18 @@ def _cases(device: str, tokens: int) -> list[Case]:
             backward=False,
         ),
     ]  # fmt: skip
+
+
+def _decode_case(name: str, rows: int, device: str) -> Case:
+    """x (rows, HIDDEN) @ W (FFN, HIDDEN)^T with no gradient: a decode step's product."""
+    return Case(
+        name, f"x({rows},{HIDDEN}) W({FFN},{HIDDEN}), no grad",
+        lambda dt, d: {"x": torch.randn(rows, HIDDEN, device=d).to(dt),
+                       "w": torch.randn(FFN, HIDDEN, device=d).to(dt)},
+        lambda x, w: mo.linear(x, w, impl=device),
+        lambda x, w: mo.linear_reference(x, w),
+        backward=False,
+    )  # fmt: skip
 
 
 def _int8_reference(x, w, scale):
