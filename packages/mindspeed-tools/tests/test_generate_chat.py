@@ -93,6 +93,20 @@ def test_generate_from_a_converted_checkpoint(model_dir, capsys, tmp_path):
     assert outputs[0] == outputs[1] and len(outputs[0][0]["token_ids"]) == 10
 
 
+def test_generate_int8_equals_the_engine_on_int8_weights(model_dir, capsys):
+    from mindspeed_llm.generation.quantize import Int8Linear, quantize_weights
+
+    prompts = ["w10 w20 w30", "w7"]
+    assert cli(["generate", "--model", str(model_dir), *prompts, "--quantize", "int8"]) == 0
+    printed = _jsonl(capsys.readouterr().out)
+    model, _ = load_model(model_dir)
+    quantize_weights(model)
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 7 + 1  # and the head
+    quantized = Generator(model, load_tokenizer(model_dir), GenerationConfig.from_file(model_dir))
+    expected = generate(model, [quantized.encode(p) for p in prompts], quantized.resolved_config())
+    assert [r["token_ids"] for r in printed] == expected
+
+
 def test_generate_plain_input_file_and_sampling(model_dir, capsys, tmp_path):
     (tmp_path / "prompts.txt").write_text("w10 w20\n\nw30\n")
     argv = ["generate", "--model", str(model_dir), "--input", str(tmp_path / "prompts.txt")]
@@ -153,6 +167,7 @@ def test_chat_system_message_and_end_of_input(model_dir, monkeypatch, capsys):
         (["generate", "--model", "{model}", "--input", "{bad_jsonl}"], "bad.jsonl:2: expected"),
         (["generate", "--model", "{model}", "hi", "--temperature", "-1"], "temperature"),
         (["generate", "--model", "{model}", "hi", "--top-k", "many"], "invalid int value"),
+        (["generate", "--model", "{model}", "hi", "--quantize", "int4"], "invalid choice: 'int4'"),
         (["generate", "--model", "{model}", "hi", "--output", "{empty}"], "is a folder"),
     ],
 )
