@@ -93,11 +93,12 @@ def eager_inference(*tensors: torch.Tensor | None) -> bool:
     dispatch was a tenth of the time."""
     if torch.compiler.is_compiling():
         return False
-    if not plain_tensors(*tensors):
-        return False
-    if not torch.is_grad_enabled():
-        return True
-    return not any(t is not None and t.requires_grad for t in tensors)
+    return plain_tensors(*tensors) and not needs_grad(*tensors)
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will want a gradient through an op on `tensors`."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def plain_tensors(*tensors: torch.Tensor | None) -> bool:

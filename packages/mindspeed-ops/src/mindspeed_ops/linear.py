@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mindspeed_ops import cpu_ext
-from mindspeed_ops.backends import plain_tensors, resolve_impl
+from mindspeed_ops.backends import needs_grad, plain_tensors, resolve_impl
 from mindspeed_ops.dtensor import is_dtensor
 from mindspeed_ops.validate import check_float, check_same_device, check_tensor
 
@@ -66,9 +66,7 @@ def _skinny_applies(x: Tensor, weight: Tensor, bias: Tensor | None, rows: int) -
         return False  # F.linear's own error, or autocast's casts
     if torch.is_autocast_enabled(x.device.type):
         return False  # autocast decides the dtype of the product: F.linear
-    if torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, weight, bias)
-    ):
+    if needs_grad(x, weight, bias):
         return False  # training: the kernel has no backward
     return weight.is_contiguous() and _kernel_built()
 
