@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from mindspeed_align.rl.rewards import Rewards, exact_match, final_number, load_reward
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.testing.processes import alive, descendants, gone_within
 
 FIXTURES = "rl_reward_fixtures"
 
@@ -75,7 +80,9 @@ def test_a_reward_model_scores_as_transformers_and_joins_the_sum(tmp_path):
     completions = [" 5.", " 2", " 7 and", " nothing"]
     scores = model(prompts, completions)
     transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder), dtype=torch.float32)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+        str(folder), dtype=torch.float32
+    )
     with torch.no_grad():
         want = [hf(input_ids=torch.tensor([tokenizer.encode(p + c)])).logits[0, 0].item()
                 for p, c in zip(prompts, completions, strict=True)]  # fmt: skip
@@ -110,7 +117,12 @@ def test_math_verify_reward_judges_equal_math():
     from mindspeed_align.rl.rewards import math_verify
 
     completions = ["so the answer is $\\frac{1}{2}$", "we get \\boxed{12}", "it is 13", "x = 0.5"]
-    assert math_verify([""] * 4, completions, answer=["0.5", "12", "12", "1/2"]) == [1.0, 1.0, 0.0, 1.0]
+    assert math_verify([""] * 4, completions, answer=["0.5", "12", "12", "1/2"]) == [
+        1.0,
+        1.0,
+        0.0,
+        1.0,
+    ]
     assert load_reward("math_verify") is math_verify
 
 
@@ -122,3 +134,28 @@ def test_math_verify_without_its_package_is_named(monkeypatch):
                         lambda name, *a: None if name == "math_verify" else real(name, *a))  # fmt: skip
     with pytest.raises(ConfigError, match=r"math_verify needs the math-verify package"):
         load_reward("math_verify")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_reward_workers_die_with_a_killed_trainer(how):
+    # The trainer's process holds a reward pool (workers + multiprocessing's resource tracker);
+    # killed without any cleanup, it must leave nothing running (mindspeed_core.lifeline).
+    script = (
+        "import time; from mindspeed_align.rl.rewards import Rewards\n"
+        "r = Rewards(['exact_match'], workers=2)\n"
+        "assert r(['p', 'q'], ['1', '2'], {'answer': [1, 3]})[0] == [1.0, 0.0]\n"
+        "print('ready', flush=True); time.sleep(600)\n"
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "ready"
+        helpers = descendants(trainer.pid)
+        assert len(helpers) >= 2, helpers
+        os.kill(trainer.pid, getattr(signal, how))
+        trainer.wait(timeout=30)
+        assert gone_within(helpers, 5.0) is not None, alive(helpers)
+    finally:
+        trainer.kill()
+        for pid, _ in alive(helpers if "helpers" in locals() else []):
+            os.kill(pid, signal.SIGKILL)

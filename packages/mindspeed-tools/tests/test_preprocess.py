@@ -673,8 +673,9 @@ def _state(pid):
         return "gone"
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_workers_die_with_a_killed_parent_and_its_temporaries_go_next_time(sp_model, tmp_path):
+def _kill_preprocess_and_rerun(sp_model, tmp_path):
+    """Kill a 2-worker preprocess with SIGKILL while its workers start or work: they must be
+    gone within 5 s, and the rerun sweeps the killed run's temporaries."""
     import signal
     import time
 
@@ -694,7 +695,9 @@ def test_workers_die_with_a_killed_parent_and_its_temporaries_go_next_time(sp_mo
     assert len(workers) >= 3 and parent.poll() is None, "preprocess ended before the kill"
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
-    assert _gone(workers, 10), [(p, _state(p)) for p in workers]
+    # The workers were still importing their module (torch: 5-15 s) when the parent died:
+    # mindspeed_core.lifeline arms before that import, so they go within a second or two.
+    assert _gone(workers, 5), [(p, _state(p)) for p in workers]
     left = [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
     assert left, "the killed run should have left its temporaries"
     assert run("--input", corpus, "--tokenizer", sp_model, "--output-prefix", out).documents > 0
@@ -703,6 +706,24 @@ def test_workers_die_with_a_killed_parent_and_its_temporaries_go_next_time(sp_mo
         "c_text_document.bin",
         "c_text_document.idx",
     ]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_die_with_a_killed_parent_and_its_temporaries_go_next_time(sp_model, tmp_path):
+    _kill_preprocess_and_rerun(sp_model, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_die_with_their_parent_ten_times_under_load(sp_model, tmp_path):
+    # Two busy processes beside it, as on a loaded CI machine (Q3's reproduction).
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for attempt in range(10):
+            _kill_preprocess_and_rerun(sp_model, tmp_path / str(attempt))
+    finally:
+        for burner in burners:
+            burner.kill()
 
 
 def test_a_full_disk_is_one_line_and_leaves_nothing(sp_model, tmp_path, capsys, monkeypatch):

@@ -19,12 +19,14 @@ import importlib.util
 import logging
 import math
 import multiprocessing
+import os
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.lifeline import pool_initializer
 
 __all__ = ["RewardFn", "Rewards", "exact_match", "final_number", "load_reward", "math_verify"]
 
@@ -66,7 +68,9 @@ def math_verify(prompts: list[str], completions: list[str], answer: list, **_) -
     (`pip install 'mindspeed-align[math]'`), as TRL's and verl's math rewards do."""
     from math_verify import parse, verify
 
-    return [float(verify(parse(str(a)), parse(c))) for c, a in zip(completions, answer, strict=True)]
+    return [
+        float(verify(parse(str(a)), parse(c))) for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 def _number_score(found: list[str], answer) -> float:
@@ -176,7 +180,10 @@ class Rewards:
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
             context = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=context)
+            self._pool = ProcessPoolExecutor(  # workers die with this process, even SIGKILLed
+                self.workers, mp_context=context, initializer=pool_initializer,
+                initargs=(os.getpid(),),
+            )  # fmt: skip
         return self._pool
 
     def close(self) -> None:

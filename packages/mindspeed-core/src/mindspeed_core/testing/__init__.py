@@ -3,6 +3,7 @@
 - `run_distributed(fn, world_size, *args)`: run `fn` on several CPU ranks (gloo).
 - `requires_device(type)`: a pytest skip marker for cuda/npu-only tests.
 - `import_sibling(__file__, "helpers")`: import a helper module next to a test file.
+- `processes.descendants(pid)` / `gone_within(pids, s)`: what a killed parent left running.
 """
 
 import importlib.util

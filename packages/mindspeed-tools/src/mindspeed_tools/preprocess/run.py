@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import numpy as np
 
 from mindspeed_core.errors import ConfigError, DataError, disk_full_error, is_disk_full
 from mindspeed_core.files import owned_temp_prefix, remove_stale_temps
+from mindspeed_core.lifeline import pool_initializer
 from mindspeed_tools.preprocess.handlers import output_keys
 from mindspeed_tools.preprocess.sources import count_records, find_inputs, read_items
 from mindspeed_tools.preprocess.worker import (
@@ -212,13 +213,14 @@ def _results(cfg, handler, items, stack: contextlib.ExitStack) -> Iterator[Resul
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
-    # spawn: workers start clean (no forked tokenizer threads) and import no torch.
+    # spawn: workers start clean (no forked tokenizer threads). They die with this process,
+    # armed before they import the worker module (mindspeed_core.lifeline says why).
     # A worker that dies (e.g. killed for memory) fails the run instead of hanging it.
     pool = ProcessPoolExecutor(
         cfg.workers,
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=init_worker,
-        initargs=(cfg.handler, os.getpid()),  # workers die with this process
+        initializer=pool_initializer,
+        initargs=(os.getpid(), f"{init_worker.__module__}:init_worker", asdict(cfg.handler)),
     )
     stack.callback(pool.shutdown, wait=True, cancel_futures=True)
     pending: collections.deque = collections.deque()

@@ -1,21 +1,15 @@
 """The per-process side of preprocessing: parse and tokenize chunks of records.
 
-Worker processes import only this module, the tokenizer and the chat template (no
-torch), build one `Handler` in `init_worker`, and answer `process_chunk` calls. With
+Worker processes build one `Handler` in `init_worker` and answer `process_chunk` calls
+(importing this module pulls in torch through mindspeed_llm.data, which is why the pool arms
+`mindspeed_core.lifeline` before it imports us). With
 `--workers 1` the same two functions run in the main process, so the output does not
 depend on the number of workers.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
-import os
-import signal
-import sys
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +25,6 @@ Result = tuple[str, str, Any]
 or ("bad", where, reason)."""
 
 _HANDLER: Handler | None = None
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass(frozen=True)
@@ -64,31 +57,12 @@ class HandlerSpec:
         )
 
 
-def init_worker(spec: HandlerSpec, parent_pid: int | None = None) -> None:
-    """Build this process's handler (the Pool initializer); with `parent_pid`, first tie
-    this process's life to it."""
+def init_worker(spec: dict[str, Any]) -> None:
+    """Build this process's handler from a `HandlerSpec`'s fields (plain data: a child
+    unpickles its pool's arguments before the initializer runs, and unpickling a HandlerSpec
+    would import this module before `mindspeed_core.lifeline` tied the child to its parent)."""
     global _HANDLER
-    if parent_pid is not None:
-        die_with_parent(parent_pid)
-    _HANDLER = spec.build()
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Exit as soon as `parent_pid` (our parent) dies, even by SIGKILL, which runs no
-    cleanup there: a kernel parent-death signal on Linux, and a thread watching our parent
-    process id everywhere (also covers the parent dying before the signal was armed)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
-
-
-def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    os._exit(1)
+    _HANDLER = HandlerSpec(**spec).build()
 
 
 def process_chunk(items: list[Item]) -> list[Result]:

@@ -1,0 +1,107 @@
+"""Helper processes that die with the process that started them, even when it is SIGKILLed.
+
+A SIGKILLed parent runs no cleanup, so its workers must notice by themselves. Two mechanisms,
+armed by `die_with_parent` as the first thing a child does:
+- Linux: the kernel's parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGKILL)`), immediate;
+- everywhere: a daemon thread that polls the parent's pid every `POLL_S` seconds (a process
+  whose parent died is re-parented, so `os.getppid()` changes).
+
+Why arming *first* matters: a `spawn`ed multiprocessing child unpickles its initializer by
+importing the initializer's module, and a worker module that pulls in torch takes 5-15 s to
+import on a 2-core machine. A worker that armed the signal only after those imports outlived a
+parent killed during them (the preprocess workers on a loaded Intel machine). So pools name
+their real initializer as a string, and `pool_initializer` (in this module, which imports only
+the standard library) arms the lifeline before importing it:
+
+    ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn"),
+                        initializer=pool_initializer,
+                        initargs=(os.getpid(), "pkg.worker:init", arg1, arg2))
+
+Works for the fork, forkserver and spawn start methods: the parent is named by pid, not taken
+from `os.getppid()` (a forkserver child's parent is the fork server, which itself exits when
+the parent does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["POLL_S", "die_with_parent", "parent_alive", "pool_initializer"]
+
+POLL_S = 0.2
+"""How often the watch thread looks at the parent: a dead parent is noticed within this."""
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def parent_alive(parent_pid: int, direct_parent: int | None = None) -> bool:
+    """Whether `parent_pid` still runs. `direct_parent`: this process's parent when the watch
+    began (`parent_pid` itself, or a fork server between the two); a change means one died."""
+    direct_parent = parent_pid if direct_parent is None else direct_parent
+    if os.getppid() != direct_parent:  # re-parented: our parent died (zombies included)
+        return False
+    if direct_parent == parent_pid:
+        return True
+    try:  # a forkserver child: the server is our parent, `parent_pid` is further up
+        os.kill(parent_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # the pid now belongs to someone else
+        return False
+    return True
+
+
+def die_with_parent(parent_pid: int, *, poll_s: float = POLL_S) -> None:
+    """Exit (status 1, no cleanup: in-flight work stops) as soon as `parent_pid` dies.
+
+    Call it first in a child; safe to call more than once. A parent that already died makes
+    this call exit at once.
+    """
+    direct_parent = os.getppid()
+    if direct_parent == parent_pid and sys.platform.startswith("linux"):
+        # Only for a direct child: the signal follows the thread that forked us, which for a
+        # forkserver child is the server, not `parent_pid`.
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if not parent_alive(parent_pid, direct_parent):
+        os._exit(1)
+    if not any(t.name == _THREAD_NAME for t in threading.enumerate()):
+        threading.Thread(
+            target=_watch,
+            args=(parent_pid, direct_parent, poll_s),
+            name=_THREAD_NAME,
+            daemon=True,
+        ).start()
+
+
+_THREAD_NAME = "mindspeed-lifeline"
+
+
+def _watch(parent_pid: int, direct_parent: int, poll_s: float) -> None:
+    while parent_alive(parent_pid, direct_parent):
+        time.sleep(poll_s)
+    os._exit(1)
+
+
+def pool_initializer(parent_pid: int, target: str | None = None, *args: Any) -> None:
+    """A process pool's initializer: arm `die_with_parent(parent_pid)`, then import and call
+    `target` ("module:function") with `args`. Pickles as a reference to this light module, so
+    nothing heavy is imported before the lifeline is armed."""
+    die_with_parent(parent_pid)
+    if target is not None:
+        resolve(target)(*args)
+
+
+def resolve(target: str) -> Callable[..., Any]:
+    """The function named by "module:function"."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
