@@ -50,22 +50,27 @@ def test_attention_batched_parity(parity, backend, dtype, case):
 
 
 PACKED = [
-    # (cu_seqlens, heads_q, heads_kv, head_dim, causal, window)
-    ([0, 3, 4, 11, 11, 20], 4, 1, 8, True, None),  # uneven, a length-1 and an empty sequence
-    ([0, 7, 19], 8, 2, 6, True, 4),
-    ([0, 5, 10], 4, 4, 16, False, None),
+    # (cu_seqlens, heads_q, heads_kv, head_dim, causal, window, softcap, v_head_dim)
+    ([0, 3, 4, 11, 11, 20], 4, 1, 8, True, None, None, 8),  # uneven, length 1, an empty one
+    ([0, 7, 19], 8, 2, 6, True, 4, None, 6),
+    ([0, 5, 10], 4, 4, 16, False, None, None, 16),
+    ([0, 9, 30], 4, 2, 8, True, 6, 20.0, 8),  # Gemma 2: window and soft cap
+    ([0, 12, 25], 4, 4, 12, True, None, None, 8),  # latent attention: narrower values
 ]
 
 
 @pytest.mark.parametrize("case", PACKED, ids=str)
 def test_attention_packed_parity(parity, backend, dtype, case):
-    cu, hq, hkv, dim, causal, window = case
+    # Through the custom op and its autograd, gradients through lse included.
+    cu, hq, hkv, dim, causal, window, softcap, dv = case
     cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=backend)
-    kwargs = dict(causal=causal, window=window, cu_seqlens=cu_seqlens)
+    kwargs = dict(causal=causal, window=window, cu_seqlens=cu_seqlens, softcap=softcap)
+    inputs = _qkv((cu[-1],), hq, hkv, dim)
+    inputs["v"] = inputs["v"][..., :dv].contiguous()
     parity(
         lambda q, k, v: mo.attention(q, k, v, **kwargs, return_lse=True, impl=backend),
         lambda q, k, v: mo.attention_reference(q, k, v, **kwargs),
-        _qkv((cu[-1],), hq, hkv, dim), dtype, backend, ATTN_TOL[dtype],
+        inputs, dtype, backend, ATTN_TOL[dtype],
     )  # fmt: skip
 
 

@@ -70,6 +70,12 @@ def test_attention_errors():
         mo.attention(q[None], k[None], k[None], window=0)
     with pytest.raises(ValueError, match="must agree on all dims but heads"):
         mo.attention(q[None], k[None, :5], k[None, :5])  # causal needs equal lengths
+    with pytest.raises(ValueError, match="softcap must be a positive number or None, got -1"):
+        mo.attention(q[None], k[None], k[None], softcap=-1.0)
+    with pytest.raises(ValueError, match=r"offsets must have one entry per sequence \(2\)"):
+        mo.attention(q, k, k, cu_seqlens=torch.tensor([0, 4, 10]), offsets=torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"k shape \(10, 2, 8\) and v shape \(9, 2, 8\)"):
+        mo.attention(q, k, k[:9], cu_seqlens=torch.tensor([0, 10]))
 
 
 def test_loss_and_gemm_errors():

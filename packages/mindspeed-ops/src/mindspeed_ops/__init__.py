@@ -3,7 +3,7 @@
 Every op takes `impl="auto" | "reference" | "cpu" | "cuda" | "npu"`; see README.md.
 """
 
-from mindspeed_ops.attention import attention, attention_reference
+from mindspeed_ops.attention import attention, attention_backward, attention_reference
 from mindspeed_ops.backends import IMPLS, available_impls, resolve_impl
 from mindspeed_ops.cross_entropy import (
     cross_entropy,
@@ -36,6 +36,7 @@ __all__ = [
     "IMPLS",
     "NF4_LEVELS",
     "attention",
+    "attention_backward",
     "attention_reference",
     "available_impls",
     "cross_entropy",

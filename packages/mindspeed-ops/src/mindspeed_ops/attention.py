@@ -1,127 +1,77 @@
-"""Scaled dot-product attention: causal, GQA/MQA, sliding window, packed sequences, and the
-log-sum-exp of every query row so that context parallel can merge partial results.
+"""Scaled dot-product attention: causal, GQA/MQA, sliding window, logit soft-capping, packed
+documents, a value head size of its own, and the log-sum-exp of every query row so that context
+parallel can merge partial results. O(tokens) memory on every backend but the reference.
 
-Layouts: batched q (batch, seq, heads_q, head_dim), k/v (batch, seq, heads_kv, head_dim); or
-packed q (tokens, heads_q, head_dim) with `cu_seqlens` (num_seqs + 1,) cumulative lengths
-starting at 0. Query head h reads key/value head h // (heads_q // heads_kv).
-A `window` of w lets query i see keys i - w < j <= i (causal) or |i - j| < w (not causal).
+Layouts: batched q (batch, seq, heads_q, head_dim), k (batch, seq, heads_kv, head_dim), v
+(batch, seq, heads_kv, v_head_dim); or packed q (tokens, heads_q, head_dim), ... with
+`cu_seqlens` (num_seqs + 1,) cumulative lengths starting at 0. Query head h reads key/value
+head h // (heads_q // heads_kv). With d = i + offset - j (offset 0 unless `offsets` is given),
+query i may see key j when d >= 0 (causal) and |d| < window (if a window is set). A soft cap c
+turns the scores s into c * tanh(s / c) before the mask (Gemma 2).
 lse is fp32, (batch, heads_q, seq) or (heads_q, tokens), and it is differentiable.
 """
 
 from __future__ import annotations
 
-import math
-from itertools import pairwise
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mindspeed_ops.backends import resolve_impl
-from mindspeed_ops.validate import check_cu_seqlens, check_float, check_same_device
+from mindspeed_ops import attention_kernels as kernels
+from mindspeed_ops.attention_kernels import NO_WINDOW, default_scale
+from mindspeed_ops.backends import eager_inference, resolve_impl
+from mindspeed_ops.validate import check_cu_seqlens, check_float, check_index, check_same_device
 
-NO_WINDOW = -1
-
-
-def _allowed(nq: int, nk: int, causal: bool, window: int, device: torch.device) -> Tensor:
-    """(nq, nk) bool: may query i see key j (nq == nk whenever causal or windowed)."""
-    i = torch.arange(nq, device=device)[:, None]
-    j = torch.arange(nk, device=device)[None, :]
-    allowed = j <= i if causal else torch.ones(nq, nk, dtype=torch.bool, device=device)
-    if window != NO_WINDOW:
-        allowed = allowed & ((i - j).abs() < window)
-    return allowed
+# -- the oracle ----------------------------------------------------------------------------
 
 
-def _segment_reference(q, k, v, causal, window, scale):
-    """q (s, hq, d), k/v (s, hkv, d) -> out (s, hq, d), lse (hq, s); autograd all the way."""
+def _segment_reference(q, k, v, causal, window, softcap, scale, offset):
+    """q (sq, hq, d), k (sk, hkv, d), v (sk, hkv, dv) -> out (sq, hq, dv), lse (hq, sq)."""
     group = q.shape[1] // k.shape[1]
-    kf = k.float().repeat_interleave(group, dim=1)
-    vf = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("shd,thd->hst", q.float(), kf) * scale
-    mask = _allowed(q.shape[0], k.shape[0], causal, window, q.device)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math, fp64 for fp64 inputs
+    kf = k.to(acc).repeat_interleave(group, dim=1)
+    vf = v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.einsum("shd,thd->hst", q.to(acc), kf) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    mask = kernels.allowed(q.shape[0], k.shape[0], causal, window, offset, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     lse = scores.logsumexp(-1)
-    out = torch.einsum("hst,thd->shd", torch.softmax(scores, -1), vf)
-    return out.to(q.dtype), lse
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row that sees no key: zeros
+    out = torch.einsum("hst,thd->shd", probs, vf)
+    return out.to(q.dtype), lse.float()
 
 
-def _segments(cu_seqlens: Tensor) -> list[tuple[int, int]]:
-    bounds = cu_seqlens.tolist()
-    return [(a, b) for a, b in pairwise(bounds) if b > a]
-
-
-def _segment_pairs(cu_q: Tensor, cu_k: Tensor) -> list[tuple[slice, slice]]:
-    """(query rows, key rows) of every sequence with at least one query."""
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    return [
-        (slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1]))
-        for i in range(len(bq) - 1)
-        if bq[i + 1] > bq[i]
-    ]
-
-
-def attention_reference(q, k, v, *, causal=True, window=None, cu_seqlens=None, scale=None):
-    """The oracle: -> (out, lse), plain PyTorch math in fp32."""
+def attention_reference(
+    q, k, v, *, causal=True, window=None, cu_seqlens=None, scale=None, softcap=None, offsets=None
+):
+    """The oracle: -> (out, lse), plain PyTorch math in fp32 (fp64 for fp64 inputs; lse is
+    returned in fp32), autograd all the way."""
     window = NO_WINDOW if window is None else window
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    softcap = softcap or 0.0
     if cu_seqlens is None:
+        offs = [0] * len(q) if offsets is None else offsets.tolist()
         pieces = [
-            _segment_reference(q[b], k[b], v[b], causal, window, scale) for b in range(len(q))
+            _segment_reference(q[b], k[b], v[b], causal, window, softcap, scale, offs[b])
+            for b in range(len(q))
         ]
         return torch.stack([o for o, _ in pieces]), torch.stack([s for _, s in pieces])
-    out = torch.zeros_like(q)
+    bounds = cu_seqlens.tolist()
+    offs = [0] * (len(bounds) - 1) if offsets is None else offsets.tolist()
+    out = q.new_zeros(*q.shape[:2], v.shape[-1])
     lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     pieces = [
-        (a, b, _segment_reference(q[a:b], k[a:b], v[a:b], causal, window, scale))
-        for a, b in _segments(cu_seqlens)
+        _segment_reference(q[a:b], k[a:b], v[a:b], causal, window, softcap, scale, offs[i])
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
+        if b > a
     ]
-    out = torch.cat([o for _, _, (o, _) in pieces]) if pieces else out
-    lse = torch.cat([s for _, _, (_, s) in pieces], dim=1) if pieces else lse
+    out = torch.cat([o for o, _ in pieces]) if pieces else out
+    lse = torch.cat([s for _, s in pieces], dim=1) if pieces else lse
     return out, lse
 
 
-def _grouped(t: Tensor, num_kv: int) -> Tensor:
-    """(s, hq, d) -> fp32 (hkv, group, s, d)."""
-    s, hq, d = t.shape
-    return t.float().view(s, num_kv, hq // num_kv, d).permute(1, 2, 0, 3)
-
-
-def _ungrouped(t: Tensor) -> Tensor:
-    """(hkv, group, s, d) -> (s, hq, d)."""
-    hkv, group, s, d = t.shape
-    return t.permute(2, 0, 1, 3).reshape(s, hkv * group, d)
-
-
-def _scores(q, k, causal, window, scale):
-    """fp32 masked scores (hkv, group, s, s) for one segment."""
-    kk = k.float().permute(1, 0, 2).unsqueeze(1)
-    scores = (_grouped(q, k.shape[1]) @ kk.transpose(-1, -2)) * scale
-    mask = _allowed(q.shape[0], k.shape[0], causal, window, q.device)
-    return scores.masked_fill_(~mask, float("-inf"))
-
-
-def _segment_fwd(q, k, v, causal, window, scale):
-    scores = _scores(q, k, causal, window, scale)
-    lse = scores.logsumexp(-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
-    out = probs @ v.float().permute(1, 0, 2).unsqueeze(1)
-    return _ungrouped(out).to(q.dtype), lse.flatten(0, 1)
-
-
-def _segment_bwd(dout, dlse, q, k, v, out, lse, causal, window, scale):
-    """Flash-attention style backward from the saved lse; dlse adds P * dlse to dS."""
-    num_kv, group = k.shape[1], q.shape[1] // k.shape[1]
-    probs = torch.exp(_scores(q, k, causal, window, scale) - lse.view(num_kv, group, -1, 1))
-    dout_g = _grouped(dout, num_kv)
-    kk = k.float().permute(1, 0, 2).unsqueeze(1)
-    vv = v.float().permute(1, 0, 2).unsqueeze(1)
-    dv = (probs.transpose(-1, -2) @ dout_g).sum(1)
-    delta = (dout_g * _grouped(out, num_kv)).sum(-1, keepdim=True)
-    dscores = probs * (dout_g @ vv.transpose(-1, -2) - delta + dlse.view(num_kv, group, -1, 1))
-    dq = _ungrouped(dscores @ kk) * scale
-    dk = (dscores.transpose(-1, -2) @ _grouped(q, num_kv)).sum(1) * scale
-    return dq, dk.permute(1, 0, 2), dv.permute(1, 0, 2)
+# -- the custom ops (what autograd and torch.compile see) -----------------------------------
 
 
 @torch.library.custom_op("mindspeed::attention_fwd", mutates_args=())
@@ -131,27 +81,28 @@ def _attention_fwd(
     v: Tensor,
     cu_q: Tensor,
     cu_k: Tensor,
+    offsets: Tensor | None,
     causal: bool,
     window: int,
+    softcap: float,
     scale: float,
+    kernel: str,
 ) -> tuple[Tensor, Tensor]:
-    """Packed q (tokens_q, hq, d), k/v (tokens_k, hkv, d) -> (out, lse (hq, tokens_q) fp32)."""
-    out = torch.zeros_like(q)
-    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
-    for sq, sk in _segment_pairs(cu_q, cu_k):
-        out[sq], lse[:, sq] = _segment_fwd(q[sq], k[sk], v[sk], causal, window, scale)
-    return out, lse
+    """Packed q (tokens_q, hq, d), k (tokens_k, hkv, d), v (tokens_k, hkv, dv) ->
+    (out (tokens_q, hq, dv), lse (hq, tokens_q) fp32)."""
+    return kernels.forward(kernel, q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale)
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, cu_q, cu_k, causal, window, scale):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+def _(q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale, kernel):
+    out = q.new_empty(*q.shape[:2], v.shape[-1])
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("mindspeed::attention_bwd", mutates_args=())
 def _attention_bwd(
     dout: Tensor,
-    dlse: Tensor,
+    dlse: Tensor | None,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -159,68 +110,66 @@ def _attention_bwd(
     lse: Tensor,
     cu_q: Tensor,
     cu_k: Tensor,
+    offsets: Tensor | None,
     causal: bool,
     window: int,
+    softcap: float,
     scale: float,
+    kernel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for sq, sk in _segment_pairs(cu_q, cu_k):
-        grads = _segment_bwd(
-            dout[sq], dlse[:, sq], q[sq], k[sk], v[sk], out[sq], lse[:, sq],
-            causal, window, scale,
-        )  # fmt: skip
-        dq[sq], dk[sk], dv[sk] = grads
-    return dq, dk, dv
+    return kernels.backward(
+        kernel, dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal, window, softcap,
+        scale,
+    )  # fmt: skip
 
 
 @_attention_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, cu_q, cu_k, causal, window, scale):
+def _(dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal, window, softcap, scale, kernel):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, causal, window, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k)
-    ctx.causal, ctx.window, ctx.scale = causal, window, scale
+    q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale, kernel = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, offsets)
+    ctx.options = causal, window, softcap, scale, kernel
+    ctx.set_materialize_grads(False)  # an unused lse has no gradient (the common case)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, offsets = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
-    dlse = torch.zeros_like(lse) if dlse is None else dlse.contiguous()
-    dq, dk, dv = _attention_bwd(
-        dout, dlse, q, k, v, out, lse, cu_q, cu_k, ctx.causal, ctx.window, ctx.scale
-    )
-    return dq, dk, dv, None, None, None, None, None
+    dlse = None if dlse is None else dlse.contiguous()
+    dq, dk, dv = _attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _validate(q, k, v, cu_seqlens, causal, window):
+# -- validation ----------------------------------------------------------------------------
+
+
+def _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(name, t)
         check_same_device(name, t, q)
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}")
     dims = 3 if cu_seqlens is not None else 4
-    layout = (
-        "(tokens, heads, head_dim) with cu_seqlens"
-        if dims == 3
-        else "(batch, seq, heads, head_dim)"
+    layout = "(tokens, heads, head_dim) with cu_seqlens" if dims == 3 else (
+        "(batch, seq, heads, head_dim)"
     )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != dims:
             raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k shape {tuple(k.shape)} and v shape {tuple(v.shape)} must agree on "
+                         "all dims but head_dim")  # fmt: skip
     # Batched q and k may differ in length only for full bidirectional attention (a context
     # parallel block against another rank's keys); everything else is self-attention.
     cross_ok = cu_seqlens is None and not causal and window is None
-    lead_q, lead_k = (
-        q.shape[:1] if cross_ok else q.shape[:-2],
-        k.shape[:1] if cross_ok else k.shape[:-2],
-    )
+    lead_q = q.shape[:1] if cross_ok else q.shape[:-2]
+    lead_k = k.shape[:1] if cross_ok else k.shape[:-2]
     if lead_q != lead_k or q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on all dims but heads"
@@ -230,9 +179,30 @@ def _validate(q, k, v, cu_seqlens, causal, window):
         raise ValueError(f"heads_q={q.shape[-2]} is not a multiple of heads_kv={k.shape[-2]}")
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
     if cu_seqlens is not None:
         check_same_device("cu_seqlens", cu_seqlens, q)
         check_cu_seqlens(cu_seqlens, q.shape[0])
+    if offsets is not None:
+        check_index("offsets", offsets)
+        count = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        if offsets.shape != (count,):
+            raise ValueError(f"offsets must have one entry per sequence ({count}), got shape "
+                             f"{tuple(offsets.shape)}")  # fmt: skip
+
+
+def _packed(q, k, v, cu_seqlens):
+    """Packed views and (cu_q, cu_k) of batched or packed inputs."""
+    if cu_seqlens is not None:
+        return q, k, v, cu_seqlens, cu_seqlens
+    batch, seq, seq_k = q.shape[0], q.shape[1], k.shape[1]
+    cu_q = torch.arange(0, (batch + 1) * seq, seq, device=q.device)
+    cu_k = torch.arange(0, (batch + 1) * seq_k, seq_k, device=q.device)
+    return q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k
+
+
+# -- the public functions ------------------------------------------------------------------
 
 
 def attention(
@@ -244,6 +214,8 @@ def attention(
     window: int | None = None,
     cu_seqlens: Tensor | None = None,
     scale: float | None = None,
+    softcap: float | None = None,
+    offsets: Tensor | None = None,
     return_lse: bool = False,
     impl: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -255,45 +227,78 @@ def attention(
         window: sliding window length (None: unlimited).
         cu_seqlens: packed sequence boundaries, int32/int64, summing to the token count.
         scale: defaults to 1 / sqrt(head_dim).
+        softcap: cap the scores at +-softcap with tanh (None: no cap).
+        offsets: int (num_seqs,): query i of a sequence sits at i + offset relative to its keys
+            (context parallel's ring chunks); None: 0.
         return_lse: also return the fp32 log-sum-exp per query row and head.
         impl: "auto", "reference", "cpu", "cuda" or "npu".
     """
-    _validate(q, k, v, cu_seqlens, causal, window)
+    _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets)
     backend = resolve_impl(impl, q)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if backend == "reference":
         out, lse = attention_reference(
-            q, k, v, causal=causal, window=window, cu_seqlens=cu_seqlens, scale=scale
-        )
+            q, k, v, causal=causal, window=window, cu_seqlens=cu_seqlens, scale=scale,
+            softcap=softcap, offsets=offsets,
+        )  # fmt: skip
         return (out, lse) if return_lse else out
-    if cu_seqlens is None and window is None and not return_lse:
+    plain = window is None and softcap is None and offsets is None
+    if cu_seqlens is None and plain and not return_lse and q.shape[-1] == v.shape[-1]:
         # Plain batched attention: torch's fused SDPA kernels (flash/efficient/CPU flash).
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=causal,
-            scale=scale,
-            enable_gqa=q.shape[2] != k.shape[2],
-        )
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+            scale=scale, enable_gqa=q.shape[2] != k.shape[2],
+        )  # fmt: skip
         return out.transpose(1, 2)
-    return _attention_packed(q, k, v, causal, window, cu_seqlens, scale, return_lse)
-
-
-def _attention_packed(q, k, v, causal, window, cu_seqlens, scale, return_lse):
     batched = cu_seqlens is None
-    if batched:
-        batch, seq, seq_k = q.shape[0], q.shape[1], k.shape[1]
-        cu_q = torch.arange(0, (batch + 1) * seq, seq, device=q.device)
-        cu_k = torch.arange(0, (batch + 1) * seq_k, seq_k, device=q.device)
-        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+    qp, kp, vp, cu_q, cu_k = _packed(q, k, v, cu_seqlens)
+    window_arg = NO_WINDOW if window is None else window
+    cap = float(softcap or 0.0)
+    kernel = kernels.choose(backend, qp, vp, window_arg, cap, offsets)
+    args = (qp.contiguous(), kp.contiguous(), vp.contiguous(), cu_q, cu_k, offsets, causal,
+            window_arg, cap, scale, kernel)  # fmt: skip
+    if eager_inference(q, k, v):  # no autograd wanted: skip the custom op's dispatch
+        out, lse = kernels.forward(kernel, *args[:-1])
     else:
-        cu_q = cu_k = cu_seqlens
-    window = NO_WINDOW if window is None else window
-    out, lse = _attention_fwd(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, causal, window, scale
-    )
+        out, lse = _attention_fwd(*args)
     if batched:
-        out = out.view(batch, seq, *out.shape[1:])
-        lse = lse.view(-1, batch, seq).transpose(0, 1)
+        out = out.view(*q.shape[:2], *out.shape[1:])
+        lse = lse.view(-1, q.shape[0], q.shape[1]).transpose(0, 1)
     return (out, lse) if return_lse else out
+
+
+def attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    cu_seqlens: Tensor,
+    scale: float | None = None,
+    softcap: float | None = None,
+    offsets: Tensor | None = None,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of packed attention from given `out` and `lse` (no autograd).
+
+    Context parallel's ring uses it with the *merged* out and lse of all key blocks: then each
+    block's gradients are exact parts of the whole (flash-attention's backward), with no
+    recompute of the block's forward and no gradient through the block's own lse.
+    """
+    _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets)
+    backend = resolve_impl(impl, q)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
+    window_arg = NO_WINDOW if window is None else window
+    cap = float(softcap or 0.0)
+    kernel = "composed" if backend == "reference" else (
+        kernels.choose(backend, q, v, window_arg, cap, offsets)
+    )
+    return kernels.backward(
+        kernel, dout.contiguous(), None, q.contiguous(), k.contiguous(), v.contiguous(),
+        out.contiguous(), lse.contiguous(), cu_seqlens, cu_seqlens, offsets, causal,
+        window_arg, cap, scale,
+    )  # fmt: skip

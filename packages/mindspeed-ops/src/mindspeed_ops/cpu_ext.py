@@ -26,7 +26,8 @@ import torch
 CACHE_ENV_VAR = "MINDSPEED_OPS_CACHE"
 DISABLE_ENV_VAR = "MINDSPEED_OPS_NO_CPP"  # "1": never build, always the reference
 _NAME = "mindspeed_ops_cpu"
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("fused_ops.cpp", "skinny_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("fused_ops.cpp", "skinny_linear.cpp", "flash_attention.cpp")
+]
 
 _state: dict[str, object] = {"loaded": False, "module": None, "why": "not built yet"}
 

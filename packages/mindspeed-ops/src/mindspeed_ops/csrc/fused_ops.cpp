@@ -1,5 +1,6 @@
 // CPU kernels of mindspeed-ops: rms_norm, swiglu and rotary embedding, forward and backward;
-// NF4 quantise/dequantise; the few-row linear layer of decoding (skinny_linear).
+// NF4 quantise/dequantise; the few-row linear layer of decoding (skinny_linear); flash
+// attention (flash_attention.cpp).
 //
 // Inputs are fp32 or bf16; every sum and every product is taken in fp32. Rows are spread over
 // OpenMP threads with at::parallel_for and each row is walked with at::vec::Vectorized<float>.
@@ -22,6 +23,17 @@
 namespace mindspeed_ops_cpu {
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale);
 bool skinny_linear_simd();
+// flash_attention.cpp
+std::vector<at::Tensor> flash_attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& cu_q,
+                                            const at::Tensor& cu_k, const at::Tensor& offsets,
+                                            bool causal, int64_t window, double softcap,
+                                            double scale);
+std::vector<at::Tensor> flash_attention_bwd(
+    const at::Tensor& dout, const c10::optional<at::Tensor>& dlse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& cu_q, const at::Tensor& cu_k, const at::Tensor& offsets, bool causal,
+    int64_t window, double softcap, double scale);
 }  // namespace mindspeed_ops_cpu
 
 namespace {
@@ -554,4 +566,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nf4_dequantize", &nf4_dequantize, "NF4 dequantise -> flat values");
   m.def("skinny_linear", &mindspeed_ops_cpu::skinny_linear, "x @ w^T (* scale), few rows");
   m.def("skinny_linear_simd", &mindspeed_ops_cpu::skinny_linear_simd, "AVX2 skinny_linear?");
+  m.def("flash_attention_fwd", &mindspeed_ops_cpu::flash_attention_fwd,
+        "packed flash attention -> (out, lse)");
+  m.def("flash_attention_bwd", &mindspeed_ops_cpu::flash_attention_bwd,
+        "packed flash attention backward from the lse -> (dq, dk, dv)");
 }
