@@ -1,6 +1,7 @@
 """Context parallel attention equals full attention on one process (fp32, gloo ranks):
 outputs and dq/dk/dv for ring, Ulysses and hybrid, causal rows and packed documents, GQA
-(including fewer kv heads than Ulysses ranks) and a sliding window under Ulysses."""
+(including fewer kv heads than Ulysses ranks) and sliding windows in every mode, with the
+ring's backward from merged statistics and by recompute."""
 
 import pytest
 import torch
@@ -84,23 +85,29 @@ def _modes(world):
             _check_batched(context, rank, world, heads, kv_heads, group)
             _check_packed(context, rank, world, heads, kv_heads)
             checked.append((mode, heads, kv_heads))
-    _check_packed(contexts["ulysses"], rank, world, 4, 2, window=3)
-    with pytest.raises(ParallelError, match="window=3"):
-        _check_packed(contexts["ring"], rank, world, 4, 2, window=3)
+    for mode, context in contexts.items():  # windows across chunk boundaries, every mode
+        for window in (3, 6):
+            _check_packed(context, rank, world, 4, 2, window=window)
+            checked.append((mode, "window", window))
+    # The ring without a backward kernel recomputes each block and differentiates the merge.
+    recompute = ContextParallel(ring_group=group, attention_fn=reference_attention,
+                                attention_bwd_fn=None)  # fmt: skip
+    _check_packed(recompute, rank, world, 8, 1)
+    _check_packed(recompute, rank, world, 4, 2, window=3)
     return checked
 
 
 @pytest.mark.distributed
 def test_ring_and_ulysses_match_full_attention_on_two_ranks():
     for checked in run_distributed(_modes, 2, 2, timeout=300):
-        assert len(checked) == 4
+        assert len(checked) == 8
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_ring_ulysses_and_hybrid_match_full_attention_on_four_ranks():
     for checked in run_distributed(_modes, 4, 4, timeout=600):
-        assert len(checked) == 6
+        assert len(checked) == 12
 
 
 def test_packed_shard_index_pads_each_document_and_zigzags_it():

@@ -1,5 +1,6 @@
 """Context parallel dense models give one process's loss and gradients (fp32, gloo): ring
-and Ulysses at cp=2 (Ulysses with a binding sliding window), hybrid 2 x 2 at cp=4,
+and Ulysses at cp=2 (both with a binding sliding window; the ring also with Gemma 2's soft
+caps), hybrid 2 x 2 at cp=4,
 dp_shard=2 x cp=2 and tp=2 x cp=2; rows sharded zig-zag with `shard_sequence` and packed
 documents with `packed_shard_index`, RoPE at global positions.
 
@@ -37,7 +38,8 @@ def _batch():
 def _model(family):
     torch.manual_seed(0)
     spec = get_model_spec(family)
-    overrides = {"sliding_window": 6} if family == "mistral" else {}  # binding at seq 16
+    # windows binding at seq 16 (and crossing the zig-zag chunks of 4 tokens at cp=2)
+    overrides = {"sliding_window": 6} if family in ("mistral", "gemma2") else {}
     return spec, spec.build(build_model_config(family, flavor="debug", **overrides))
 
 
@@ -100,6 +102,9 @@ CASES_2 = {
     "ring_packed_full_ac": ("llama", {"cp": 2}, {"cp_mode": "ring", "ac_mode": "full"}, True),
     "ulysses_packed_qwen3": ("qwen3", {"cp": 2}, {"cp_mode": "ulysses"}, True),
     "ulysses_mistral_window": ("mistral", {"cp": 2}, {"cp_mode": "ulysses"}, False),
+    "ring_mistral_window_packed": ("mistral", {"cp": 2}, {"cp_mode": "ring"}, True),
+    # Gemma 2: its own score scale, soft-capped scores, windows on alternate blocks
+    "ring_gemma2_softcap": ("gemma2", {"cp": 2}, {"cp_mode": "ring"}, False),
 }
 CASES_4 = {
     "hybrid_2x2_packed": ("llama", {"cp": 4}, {"cp_mode": "hybrid", "ulysses_degree": 2}, True),

@@ -166,3 +166,33 @@ def test_the_tp_plan_needs_tp_to_divide_the_heads():
         llama_tp_plan(num_heads=8, num_kv_heads=2, tp=4)
     plan = llama_tp_plan(num_heads=4, num_kv_heads=2, tp=2, sequence_parallel=True)
     assert {"tok_embeddings", "norm", "layers.*.attention.wq", "layers.*.ffn_norm"} <= set(plan)
+
+
+def test_selective_recompute_keeps_the_attention_output(monkeypatch):
+    # Packed documents take mindspeed-ops' attention op: selective recompute must keep its
+    # output (one kernel forward per block), full recompute runs it again in backward.
+    from mindspeed_ops import attention_kernels
+
+    calls = []
+    forward = attention_kernels.forward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernels, "forward", counted)
+    spec = get_model_spec("llama")
+    config = build_model_config("llama", flavor="debug")
+    tokens = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 12, 32], dtype=torch.int32)
+    counts, losses = {}, {}
+    for mode in ("none", "selective", "full"):
+        torch.manual_seed(0)
+        model = spec.parallelize(spec.build(config), ParallelDims().build(), ac_mode=mode)
+        calls.clear()
+        loss = model(tokens, cu_seqlens=cu).float().logsumexp(-1).mean()
+        loss.backward()
+        counts[mode], losses[mode] = len(calls), loss.detach()
+    assert counts == {"none": config.num_layers, "selective": config.num_layers,
+                      "full": 2 * config.num_layers}, counts  # fmt: skip
+    torch.testing.assert_close(losses["selective"], losses["none"])

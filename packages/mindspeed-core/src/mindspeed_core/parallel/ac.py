@@ -11,6 +11,7 @@ without recompute and checkpoints move freely between the two.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from functools import partial
 
@@ -23,6 +24,8 @@ from mindspeed_core.errors import ParallelError
 from mindspeed_core.parallel.blocks import find_blocks
 
 AC_MODES = ("none", "full", "selective")
+EXTRA_SAVED_OPS = ["mindspeed::attention_fwd"]
+"""Custom ops that selective recompute keeps (by name: found when their library is loaded)."""
 
 
 def _save_list() -> set:
@@ -40,6 +43,12 @@ def _save_list() -> set:
     cudnn = getattr(aten, "_scaled_dot_product_cudnn_attention", None)
     if cudnn is not None:
         ops.add(cudnn.default)
+    # mindspeed-ops' attention (packed, windowed, with lse), when that package is loaded: core
+    # names it without importing it.
+    for name in EXTRA_SAVED_OPS:
+        namespace, _, op = name.partition("::")
+        with contextlib.suppress(AttributeError, RuntimeError):
+            ops.add(getattr(getattr(torch.ops, namespace), op).default)
     return ops
 
 

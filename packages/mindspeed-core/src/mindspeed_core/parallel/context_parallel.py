@@ -15,10 +15,13 @@ Modes, with cp = ring x ulysses (ulysses ranks are neighbours on the cp axis):
   skipped after) and merges the partial results with their log-sum-exp.
 - ``hybrid``: Ulysses inside groups of neighbours, then ring across the groups.
 
-The attention kernel is injected (`attention_fn`, the mindspeed_ops.attention signature
-with ``return_lse=True``), so mindspeed-core needs no kernels of its own. Backward: the
-Ulysses all-to-alls are differentiable (`cp_comm`); the ring is one autograd Function
-(`ring_attention`) that keeps only local tensors and sends dK/dV round the ring.
+The attention kernels are injected (`attention_fn`, the mindspeed_ops.attention signature
+with ``return_lse=True``, and optionally `attention_bwd_fn`, mindspeed_ops.attention_backward's:
+block gradients from merged out/lse), so mindspeed-core needs no kernels of its own; the
+defaults are plain PyTorch. Backward: the Ulysses all-to-alls are differentiable (`cp_comm`);
+the ring is one autograd Function (`ring_attention`) that keeps only local tensors and sends
+dK/dV round the ring. Windows work in every mode (the ring passes each chunk pair's offset) and
+so do soft-capped scores.
 """
 
 from __future__ import annotations
@@ -154,26 +157,77 @@ def unshard_packed(local: Tensor, index: Tensor, num_tokens: int, group: Process
 # -- attention ---------------------------------------------------------------------------
 
 
+def _reference_scores(q, k, causal, window, scale, softcap, offset):
+    """fp32 masked scores (heads, sq, sk) of one document, and tanh of the capped scores."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.float().repeat_interleave(group, 1)
+    scores = torch.einsum("shd,thd->hst", q.float(), keys) * scale
+    capped = None
+    if softcap:
+        capped = torch.tanh(scores / softcap)
+        scores = capped * softcap
+    i = torch.arange(q.shape[0], device=q.device)[:, None]
+    j = torch.arange(k.shape[0], device=q.device)[None, :]
+    d = i + offset - j
+    allowed = d >= 0 if causal else torch.ones_like(d, dtype=torch.bool)
+    if window is not None:
+        allowed = allowed & (d.abs() < window)
+    return scores.masked_fill(~allowed, float("-inf")), capped
+
+
+def _documents(cu_seqlens: Tensor, offsets: Tensor | None):
+    bounds = cu_seqlens.tolist()
+    offs = [0] * (len(bounds) - 1) if offsets is None else offsets.tolist()
+    return [(a, b, o) for (a, b), o in zip(pairwise(bounds), offs, strict=True) if b > a]
+
+
 def reference_attention(
-    q, k, v, *, causal=True, window=None, cu_seqlens, scale=None, return_lse=True
-):
-    """Plain PyTorch packed attention -> (out, lse (heads, tokens)): the default kernel."""
+    q, k, v, *, causal=True, window=None, cu_seqlens, scale=None, softcap=None, offsets=None,
+    return_lse=True,
+):  # fmt: skip
+    """Plain PyTorch packed attention -> (out, lse (heads, tokens)): the default kernel.
+    `offsets` (per document) places its queries that far after its keys (ring chunks)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     group = q.shape[1] // k.shape[1]
+    out = q.new_zeros(*q.shape[:2], v.shape[-1])
+    lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     outs, lses = [], []
-    for a, b in pairwise(cu_seqlens.tolist()):
-        keys = k[a:b].float().repeat_interleave(group, 1)
+    for a, b, offset in _documents(cu_seqlens, offsets):
+        scores, _ = _reference_scores(q[a:b], k[a:b], causal, window, scale, softcap, offset)
         values = v[a:b].float().repeat_interleave(group, 1)
-        scores = torch.einsum("shd,thd->hst", q[a:b].float(), keys) * scale
-        i = torch.arange(b - a, device=q.device)[:, None]
-        j = torch.arange(b - a, device=q.device)[None, :]
-        allowed = j <= i if causal else torch.ones_like(i - j, dtype=torch.bool)
-        if window is not None:
-            allowed = allowed & ((i - j).abs() < window)
-        scores = scores.masked_fill(~allowed, float("-inf"))
         lses.append(scores.logsumexp(-1))
-        outs.append(torch.einsum("hst,thd->shd", scores.softmax(-1), values).to(q.dtype))
-    return torch.cat(outs), torch.cat(lses, 1)
+        probs = scores.softmax(-1).nan_to_num(0.0)
+        outs.append(torch.einsum("hst,thd->shd", probs, values).to(q.dtype))
+    if outs:
+        out, lse = torch.cat(outs), torch.cat(lses, 1)
+    return out, lse
+
+
+def reference_attention_backward(
+    dout, q, k, v, out, lse, *, causal=True, window=None, cu_seqlens, scale=None, softcap=None,
+    offsets=None,
+):  # fmt: skip
+    """(dq, dk, dv) of a block from the merged `out` and `lse` of all blocks (flash-attention's
+    backward, no recompute of the block's forward): the default ring backward."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+    for a, b, offset in _documents(cu_seqlens, offsets):
+        scores, capped = _reference_scores(q[a:b], k[a:b], causal, window, scale, softcap, offset)
+        probs = torch.exp(scores - lse[:, a:b, None]).nan_to_num(0.0)  # (heads, sq, sk)
+        do = dout[a:b].float()
+        values = v[a:b].float().repeat_interleave(group, 1)
+        delta = (do * out[a:b].float()).sum(-1).T[..., None]  # (heads, sq, 1)
+        dscores = probs * (torch.einsum("shd,thd->hst", do, values) - delta)
+        if capped is not None:
+            dscores = dscores * (1 - capped * capped)
+        keys = k[a:b].float().repeat_interleave(group, 1)
+        dq[a:b] = torch.einsum("hst,thd->shd", dscores, keys) * scale
+        dk_rep = torch.einsum("hst,shd->thd", dscores, q[a:b].float()) * scale
+        dv_rep = torch.einsum("hst,shd->thd", probs, do)
+        dk[a:b] = dk_rep.unflatten(1, (k.shape[1], group)).sum(2)
+        dv[a:b] = dv_rep.unflatten(1, (k.shape[1], group)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _ulysses_order(cu: list[int], size: int, device) -> Tensor:
@@ -194,13 +248,20 @@ class ContextParallel:
     Args:
         ring_group: ranks K/V travel round (None: no ring).
         ulysses_group: ranks heads are traded with (None: no Ulysses).
-        attention_fn: ``fn(q, k, v, *, causal, window, cu_seqlens, scale, return_lse)``
-            on packed (tokens, heads, head_dim) inputs -> (out, lse (heads, tokens)).
+        attention_fn: ``fn(q, k, v, *, causal, cu_seqlens, scale, return_lse[, window, offsets,
+            softcap])`` on packed (tokens, heads, head_dim) inputs -> (out, lse (heads, tokens)).
+        attention_bwd_fn: ``fn(dout, q, k, v, out, lse, *, causal, cu_seqlens, scale[, window,
+            offsets, softcap])`` -> (dq, dk, dv) from merged statistics; None: the ring
+            recomputes each block with `attention_fn` and differentiates it (needs a
+            differentiable lse).
     """
 
     ring_group: ProcessGroup | None = None
     ulysses_group: ProcessGroup | None = None
     attention_fn: AttentionFn = reference_attention
+    attention_bwd_fn: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = (
+        reference_attention_backward
+    )
 
     # Under torch.compile the attention runs eagerly between the block's two graphs: its
     # ring loop reads the document boundaries as Python ints and talks to other ranks.
@@ -214,6 +275,7 @@ class ContextParallel:
         window: int | None = None,
         cu_seqlens: Tensor | None = None,
         scale: float | None = None,
+        softcap: float | None = None,
     ) -> Tensor:
         """Causal attention of this rank's queries over the whole sequence.
 
@@ -221,7 +283,8 @@ class ContextParallel:
             q, k, v: (batch, local_seq, heads, head_dim), each row sharded by
                 `shard_sequence`; or (local_tokens, heads, head_dim) with `cu_seqlens`
                 from `packed_shard_index`.
-            window: sliding window (ulysses only: a ring would need global masks).
+            window: sliding window.
+            softcap: cap the scores at +-softcap with tanh (Gemma 2).
         """
         batched = cu_seqlens is None
         if batched:
@@ -235,10 +298,10 @@ class ContextParallel:
                 "context parallel needs every local sequence/document to hold two zig-zag "
                 "chunks (an even token count); shard with shard_sequence or packed_shard_index"
             )
-        out = self._attend(q, k, v, cu, window, scale)
+        out = self._attend(q, k, v, cu, window, scale, softcap)
         return out.view(batch, seq, *out.shape[1:]) if batched else out
 
-    def _attend(self, q, k, v, cu, window, scale):
+    def _attend(self, q, k, v, cu, window, scale, softcap):
         ulysses = 1 if self.ulysses_group is None else dist.get_world_size(self.ulysses_group)
         if ulysses > 1:
             check_cp_heads(q.shape[1], k.shape[1], ulysses)
@@ -248,17 +311,17 @@ class ContextParallel:
             q, k, v = (SeqToHeads.apply(t, self.ulysses_group)[order] for t in (q, k, v))
             cu = [c * ulysses for c in cu]
         if self.ring_group is not None and dist.get_world_size(self.ring_group) > 1:
-            if window is not None:
-                raise ParallelError(
-                    f"sliding window={window} is not supported by ring context parallel; "
-                    "use cp_mode=ulysses"
-                )
-            out = RingAttention.apply(q, k, v, cu, self.ring_group, self.attention_fn, scale)
+            kernels = (self.attention_fn, self.attention_bwd_fn)
+            out = RingAttention.apply(
+                q, k, v, cu, self.ring_group, kernels, scale, window, softcap
+            )
         else:
             cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+            extra = {} if softcap is None else {"softcap": softcap}
             out, _ = self.attention_fn(
-                q, k, v, causal=True, window=window, cu_seqlens=cu_t, scale=scale, return_lse=True
-            )
+                q, k, v, causal=True, window=window, cu_seqlens=cu_t, scale=scale,
+                return_lse=True, **extra,
+            )  # fmt: skip
         if ulysses > 1:
             out = HeadsToSeq.apply(out[torch.argsort(order)], self.ulysses_group)
         return out
@@ -270,21 +333,27 @@ class ContextParallel:
         mode: str = "ring",
         ulysses_degree: int | None = None,
         attention_fn: AttentionFn | None = None,
+        attention_bwd_fn: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> ContextParallel:
-        """Split the 1-D `cp_mesh` into ring x ulysses sub-groups (collective)."""
+        """Split the 1-D `cp_mesh` into ring x ulysses sub-groups (collective). Without
+        `attention_fn` both kernels are the plain PyTorch defaults; with one and no
+        `attention_bwd_fn`, the ring recomputes blocks in backward."""
         if cp_mesh.ndim != 1:
             raise ParallelError(f"context parallel needs a 1-D cp mesh, got {cp_mesh.ndim}-D")
         ring, ulysses = cp_degrees(cp_mesh.size(), mode, ulysses_degree)
-        fn = attention_fn or reference_attention
+        kernels = {"attention_fn": attention_fn or reference_attention}
+        kernels["attention_bwd_fn"] = (
+            attention_bwd_fn if attention_fn is not None else reference_attention_backward
+        )
         if ulysses == 1:
-            return cls(ring_group=cp_mesh.get_group(), attention_fn=fn)
+            return cls(ring_group=cp_mesh.get_group(), **kernels)
         if ring == 1:
-            return cls(ulysses_group=cp_mesh.get_group(), attention_fn=fn)
+            return cls(ulysses_group=cp_mesh.get_group(), **kernels)
         view = cp_mesh._unflatten(0, (ring, ulysses), ("cp_ring", "cp_ulysses"))
         return cls(
             ring_group=view["cp_ring"].get_group(),
             ulysses_group=view["cp_ulysses"].get_group(),
-            attention_fn=fn,
+            **kernels,
         )
 
 
@@ -295,6 +364,7 @@ def apply_cp(
     mode: str = "ring",
     ulysses_degree: int | None = None,
     attention_fn: AttentionFn | None = None,
+    attention_bwd_fn: Callable[..., tuple[Tensor, Tensor, Tensor]] | None = None,
 ) -> nn.Module:
     """Make every module of `model` that declares a `context_parallel` attribute (None
     when off) attend over `cp_mesh`; None is a no-op. Inputs must be zig-zag sharded
@@ -310,7 +380,9 @@ def apply_cp(
         raise ParallelError(
             f"{type(model).__name__} has no module with a `context_parallel` attribute"
         )
-    context = ContextParallel.from_mesh(cp_mesh, mode, ulysses_degree, attention_fn)
+    context = ContextParallel.from_mesh(
+        cp_mesh, mode, ulysses_degree, attention_fn, attention_bwd_fn
+    )
     for module in targets:
         module.context_parallel = context
     return model

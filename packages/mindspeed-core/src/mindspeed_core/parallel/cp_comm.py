@@ -59,21 +59,31 @@ class HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad.contiguous(), ctx.group), None
 
 
-def start_shift(x: Tensor, group: ProcessGroup, step: int = 1) -> tuple[Tensor, list]:
-    """Start sending x to the rank `step` places on and receiving from the rank `step`
-    places back; returns the receive buffer and the requests to wait on."""
+def start_shift_many(
+    tensors: tuple[Tensor, ...], group: ProcessGroup, step: int = 1
+) -> tuple[tuple[Tensor, ...], list]:
+    """Start sending each tensor to the rank `step` places on and receiving its counterpart
+    from the rank `step` places back (one batch of p2p ops); returns the receive buffers and
+    the requests to wait on (`wait_many`)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    x, recv = x.contiguous(), torch.empty_like(x)
-    ops = [
-        dist.P2POp(dist.isend, x, dist.get_global_rank(group, (rank + step) % size), group),
-        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - step) % size), group),
-    ]
-    return recv, dist.batch_isend_irecv(ops)
+    to = dist.get_global_rank(group, (rank + step) % size)
+    source = dist.get_global_rank(group, (rank - step) % size)
+    ops, received = [], []
+    for t in tensors:
+        t, recv = t.contiguous(), torch.empty_like(t)
+        ops += [dist.P2POp(dist.isend, t, to, group), dist.P2POp(dist.irecv, recv, source, group)]
+        received.append(recv)
+    return tuple(received), dist.batch_isend_irecv(ops)
 
 
-def shift(x: Tensor, group: ProcessGroup, step: int = 1) -> Tensor:
-    """`start_shift` and wait for it."""
-    recv, requests = start_shift(x, group, step)
+def wait_many(pending: tuple[tuple[Tensor, ...], list]) -> tuple[Tensor, ...]:
+    """The buffers of a `start_shift_many`, once they arrived."""
+    received, requests = pending
     for request in requests:
         request.wait()
-    return recv
+    return received
+
+
+def shift_many(tensors: tuple[Tensor, ...], group: ProcessGroup, step: int = 1):
+    """`start_shift_many` and wait for it."""
+    return wait_many(start_shift_many(tensors, group, step))

@@ -233,8 +233,8 @@ void forward_item(const T* q, const float* kf, const float* vf, T* out, float* l
 }
 
 template <typename T>
-void backward_item(const T* dout, const float* dlse, const T* q, const float* kf,
-                   const float* vf, const T* out, const float* lse, T* dq, float* dk,
+void backward_item(const float* dout, const float* dlse, const T* q, const float* kf,
+                   const float* vf, const float* out, const float* lse, T* dq, float* dk,
                    float* dv, std::mutex& lock, const Doc& doc, const Shape& sh, int64_t g,
                    int64_t h0, int64_t heads, int64_t total_q, const Mask& mask, float softcap,
                    float scale) {
@@ -391,8 +391,10 @@ std::vector<at::Tensor> flash_attention_bwd(
     const at::Tensor& cu_q, const at::Tensor& cu_k, const at::Tensor& offsets, bool causal,
     int64_t window, double softcap, double scale) {
   check_inputs(q_in, k, v);
-  const at::Tensor q = q_in.contiguous(), out = out_in.to(q.scalar_type()).contiguous();
-  const at::Tensor dout = dout_in.to(q.scalar_type()).contiguous();
+  // out and dout in fp32: the row term <dout, out> is taken from them, and context parallel's
+  // ring hands over its merged fp32 output.
+  const at::Tensor q = q_in.contiguous(), out = out_in.to(at::kFloat).contiguous();
+  const at::Tensor dout = dout_in.to(at::kFloat).contiguous();
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
   at::Tensor dlse;
   if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(at::kFloat).contiguous();
@@ -425,8 +427,8 @@ std::vector<at::Tensor> flash_attention_bwd(
                    [](const Item& a, const Item& b) { return a.cost > b.cost; });
   std::mutex lock;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "flash_bwd", [&] {
-    const scalar_t *dop = dout.data_ptr<scalar_t>(), *qp = q.data_ptr<scalar_t>();
-    const scalar_t* op = out.data_ptr<scalar_t>();
+    const float *dop = dout.data_ptr<float>(), *op = out.data_ptr<float>();
+    const scalar_t* qp = q.data_ptr<scalar_t>();
     const float *kp = kf.data_ptr<float>(), *vp = vf.data_ptr<float>();
     const float* lp = lse.data_ptr<float>();
     const float* dlp = dlse.defined() ? dlse.data_ptr<float>() : nullptr;

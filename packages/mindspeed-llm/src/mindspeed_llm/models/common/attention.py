@@ -1,5 +1,5 @@
 """Causal self-attention: GQA, optional q/k/v biases, per-head qk RMSNorm, sliding window,
-packed documents.
+soft-capped scores, packed documents, context parallel.
 
 The forward uses local head counts (``view(batch, seq, -1, head_dim)``), so the same module
 runs whole or with wq/wk/wv split by column and wo by row under tensor parallel.
@@ -11,10 +11,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
-from mindspeed_core.errors import ConfigError
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.common.norm import RMSNorm
-from mindspeed_llm.models.common.softcap_attention import softcapped_attention
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import attention, rotary_embedding
 
@@ -93,47 +91,13 @@ class Attention(nn.Module):
             out = kv_cache.attend(
                 q, k, v, window=self.sliding_window, scale=self.scale, softcap=self.softcap
             )
-        elif self.scale is not None or self.softcap is not None:
-            out = self._scaled_or_capped(q, k, v, cu_seqlens)
-        elif self.context_parallel is not None:
-            if cu_seqlens is not None:  # packed local documents: (tokens, heads, head_dim)
-                q, k, v = (t.flatten(0, 1) for t in (q, k, v))
-            out = self.context_parallel(q, k, v, window=self.sliding_window, cu_seqlens=cu_seqlens)
-        elif cu_seqlens is None:
-            out = attention(q, k, v, window=self.sliding_window, impl=self.impl)
-        else:  # packed layout: (batch * seq, heads, head_dim)
-            q, k, v = (t.flatten(0, 1) for t in (q, k, v))
-            out = attention(
-                q, k, v, window=self.sliding_window, cu_seqlens=cu_seqlens, impl=self.impl
-            )
-        return self.wo(out.reshape(batch, seq, -1))
-
-    def _scaled_or_capped(self, q, k, v, cu_seqlens) -> Tensor:
-        """Gemma 2's attention: its own score scale, optionally soft-capped scores."""
-        if self.context_parallel is not None:
-            raise ConfigError(
-                "query_pre_attn_scalar / attn_logit_softcapping are not supported under "
-                "context parallel"
-            )
-        scale = self.scale if self.scale is not None else self.head_dim**-0.5
+            return self.wo(out.reshape(batch, seq, -1))
         if cu_seqlens is not None:  # packed layout: (batch * seq, heads, head_dim)
             q, k, v = (t.flatten(0, 1) for t in (q, k, v))
-        if self.softcap is None:
-            return attention(
-                q,
-                k,
-                v,
-                window=self.sliding_window,
-                cu_seqlens=cu_seqlens,
-                scale=scale,
-                impl=self.impl,
-            )
-        return softcapped_attention(
-            q,
-            k,
-            v,
-            softcap=self.softcap,
-            scale=scale,
-            window=self.sliding_window,
-            cu_seqlens=cu_seqlens,
-        )
+        # Gemma 2's own score scale and soft cap (None: 1/sqrt(head_dim), no cap).
+        options = dict(window=self.sliding_window, scale=self.scale, softcap=self.softcap)
+        if self.context_parallel is not None:
+            out = self.context_parallel(q, k, v, cu_seqlens=cu_seqlens, **options)
+        else:
+            out = attention(q, k, v, cu_seqlens=cu_seqlens, impl=self.impl, **options)
+        return self.wo(out.reshape(batch, seq, -1))

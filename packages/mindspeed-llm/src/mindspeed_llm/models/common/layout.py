@@ -144,18 +144,13 @@ def _check_context_parallel(model_cfg, p: ParallelConfig, seq_len: int | None, n
             "context parallel cuts every sequence into 2 x cp zig-zag chunks"
         )
     try:
-        ring, ulysses = cp_degrees(p.cp, p.cp_mode, p.ulysses_degree)
+        _, ulysses = cp_degrees(p.cp, p.cp_mode, p.ulysses_degree)
         heads, kv_heads = model_cfg.num_heads // p.tp, max(model_cfg.num_kv_heads // p.tp, 1)
         check_cp_heads(heads, kv_heads, ulysses)
     except ParallelError as err:
         raise LayoutError(
             f"{name('cp_mode')}={p.cp_mode} with {name('cp')}={p.cp}: {err}"
         ) from None
-    if ring > 1 and model_cfg.sliding_window is not None:
-        raise LayoutError(
-            f"the model's sliding_window={model_cfg.sliding_window} needs "
-            f"{name('cp_mode')}=ulysses (ring attention has no windows), got {p.cp_mode}"
-        )
 
 
 def _check_pipeline(model_cfg, p: ParallelConfig, recompute: bool, name):

@@ -11,13 +11,11 @@ Per token (h: hidden state):
 - scores use head_dim = qk_nope + qk_rope channels, scaled by head_dim ** -0.5 (times
   YaRN's mscale(factor, mscale_all_dim) ** 2 when RoPE is YaRN with mscale_all_dim).
 
-The fused attention op and the KV cache want keys and values of one width, so values are
-padded with zeros to head_dim and the padding is cut from the output: the scores and the
-result are exact, and it costs (head_dim - v_head_dim) / v_head_dim more work in the
-probability-times-value product and the value cache (half as much again for DeepSeek-V3:
-192 vs 128), while every backend (SDPA/flash, npu_fusion_attention, our CPU kernel) and
-the cache work unchanged. Caching the latent instead (the memory win of MLA at inference)
-is left for later.
+The attention op takes values narrower than keys (v_head_dim < head_dim: 128 vs 192 for
+DeepSeek-V3), so training runs no padding on CPU (our flash kernel) and pads inside the kernel
+only where a fused kernel needs one width (CUDA flash). The KV cache keeps one width: values are
+zero-padded there and the padding is cut from the output (exact). Caching the latent instead
+(the memory win of MLA at inference) is left for later.
 
 The latent norms use epsilon 1e-6 whatever `norm_eps` is, as DeepSeek's checkpoints were
 trained with (transformers builds them with the default too).
@@ -129,9 +127,10 @@ class MultiLatentAttention(nn.Module):
         """Same arguments as `Attention.forward`; x (batch, seq, hidden) -> same shape."""
         batch, seq, _ = x.shape
         q = self._queries(x, rope, position_ids)  # (batch, seq, heads, head_dim)
-        k, v = self._keys_values(x, rope, position_ids)  # each (batch, seq, heads, head_dim)
-        if kv_cache is not None:
-            out = kv_cache.attend(q, k, v, scale=self.scale)
+        k, v = self._keys_values(x, rope, position_ids)  # v: (batch, seq, heads, v_head_dim)
+        if kv_cache is not None:  # the cache holds values zero-padded to the keys' width
+            v = F.pad(v, (0, self.head_dim - self.v_head_dim))
+            out = kv_cache.attend(q, k, v, scale=self.scale)[..., : self.v_head_dim]
         elif self.context_parallel is not None:
             if cu_seqlens is not None:  # packed local documents: (tokens, heads, head_dim)
                 q, k, v = (t.flatten(0, 1) for t in (q, k, v))
@@ -141,7 +140,6 @@ class MultiLatentAttention(nn.Module):
         else:  # packed layout: (batch * seq, heads, head_dim)
             q, k, v = (t.flatten(0, 1) for t in (q, k, v))
             out = attention(q, k, v, cu_seqlens=cu_seqlens, scale=self.scale, impl=self.impl)
-        out = out[..., : self.v_head_dim]  # drop the values' zero padding
         return self.wo(out.reshape(batch, seq, -1))
 
     def _rotate(self, t: Tensor, rope: RopeTables, position_ids: Tensor | None) -> Tensor:
@@ -167,5 +165,4 @@ class MultiLatentAttention(nn.Module):
         kv = self.wkv_b(self.kv_norm(latent)).view(batch, seq, -1, self.nope_dim + self.v_head_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # per local head
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
-        v = F.pad(v, (0, self.head_dim - self.v_head_dim))  # (batch, seq, heads, head_dim)
-        return k, v
+        return k, v  # the attention op takes values narrower than keys: no padding

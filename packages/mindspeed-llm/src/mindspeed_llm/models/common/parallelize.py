@@ -46,7 +46,7 @@ from mindspeed_llm.models.common.tp_plan import (
     with_latent_attention,
     with_moe_layers,
 )
-from mindspeed_ops import attention
+from mindspeed_ops import attention, attention_backward
 
 ModelHook = Callable[[nn.Module, ParallelDims], None]
 """`hook(model, dims)`: changes `model` in place at a fixed point of the parallelize order."""
@@ -138,9 +138,10 @@ def parallelize_decoder(
         model, dims, param_dtype, reduce_dtype, ep_dispatcher
     )
     _route_over_cp(model, dims)
-    attention_fn = functools.partial(attention, impl=model.config.ops_impl)
+    impl = model.config.ops_impl
     apply_cp(model, dims.mesh("cp"), mode=cp_mode, ulysses_degree=ulysses_degree,
-             attention_fn=attention_fn)  # fmt: skip
+             attention_fn=functools.partial(attention, impl=impl),
+             attention_bwd_fn=functools.partial(attention_backward, impl=impl))  # fmt: skip
     apply_ac(model, ac_mode)
     if compile:  # under cp the attention runs eagerly between a block's two graphs
         apply_compile(model, fullgraph=dims.cp == 1)
