@@ -1,10 +1,20 @@
 """Our training step against Hugging Face transformers' LlamaForCausalLM, same config and data.
 
-    python benchmarks/train_throughput.py [--dtypes fp32,bf16] [--steps 3] [--device cpu] [--compile]
+    python benchmarks/train_throughput.py [--shape headline|smollm-135m|llama-1b] [--seq N]
+        [--docs N] [--dtypes fp32,bf16] [--steps 3] [--device cpu] [--compile]
 
-Both sides build the same Llama (headline: vocab 32000, hidden 512, intermediate 1376,
-4 layers, 8 heads, 4 kv heads, seq 512, micro-batch 4), train it with AdamW on the same
-random tokens, and are timed over `--steps` steps after one warm-up step. Ours is
+Both sides build the same Llama, train it with AdamW on the same random tokens, and are timed
+over `--steps` steps after one warm-up step. Shapes (random weights):
+- headline: vocab 32000, hidden 512, intermediate 1376, 4 layers, 8 heads / 4 kv heads,
+  seq 512, micro-batch 4, one document per row;
+- smollm-135m: SmolLM-135M (vocab 49152, hidden 576, intermediate 1536, 30 layers, 9 heads /
+  3 kv heads, tied embeddings), seq 4096, micro-batch 1, 8 packed documents per row;
+- llama-1b: Llama-3.2-1B (vocab 128256, hidden 2048, intermediate 8192, 16 layers, 32 heads /
+  8 kv heads of 64, tied embeddings), seq 4096, micro-batch 1, 8 packed documents per row.
+Packed documents are what pretraining trains on (attention reset at each EOD): ours passes
+their `cu_seqlens` (our flash kernel skips the attention across documents), transformers gets
+position ids that restart at each document, from which it builds its block-diagonal mask for
+SDPA (its documented padding-free path). Ours is
 what `mindspeed pretrain` runs in one process: mindspeed_llm's Transformer on
 mindspeed_ops, the chunked cross entropy, core's AdamW container. Theirs is the
 documented way to train transformers: `model(input_ids, labels=...)`, `loss.backward()`,
@@ -40,7 +50,28 @@ HEADLINE = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False,
 }
-SEQ, MICRO_BATCH = 512, 4
+SHAPES = {
+    "headline": (HEADLINE, 512, 4, 1),
+    "smollm-135m": (
+        {
+            "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
+            "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+            "num_key_value_heads": 3, "max_position_embeddings": 8192, "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        },  # fmt: skip
+        4096, 1, 8,
+    ),
+    "llama-1b": (
+        {
+            "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "max_position_embeddings": 8192, "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        },  # fmt: skip
+        4096, 1, 8,
+    ),
+}
+"""name -> (HF config, seq, micro-batch, documents per row)."""
 
 
 def _rss_mb() -> float:
@@ -57,21 +88,21 @@ def _peak_mb(device) -> float:
     return torch.get_device_module(device.type).max_memory_allocated(device) / 2**20
 
 
-def _ours(device, dtype, compile=False):
+def _ours(device, dtype, hf_config, compile=False):
     import mindspeed_ops
     from mindspeed_core.optim import build_optimizers
     from mindspeed_core.parallel import apply_compile
     from mindspeed_llm.models import build_model_config, get_model_spec
 
-    config = build_model_config("llama", hf_config=HEADLINE)
+    config = build_model_config("llama", hf_config=hf_config)
     model = get_model_spec("llama").build(config).to(device)
     if compile:
         apply_compile(model)
     optimizer = build_optimizers(model, lr=1e-4, weight_decay=0.1)
 
-    def step(tokens, labels):
+    def step(tokens, labels, cu_seqlens, position_ids):
         with torch_autocast(device, dtype):
-            logits = model(tokens)
+            logits = model(tokens, position_ids=position_ids, cu_seqlens=cu_seqlens)
             loss = mindspeed_ops.cross_entropy(logits.flatten(0, 1), labels.flatten())
         loss.backward()
         optimizer.step()
@@ -81,12 +112,12 @@ def _ours(device, dtype, compile=False):
     return model, step
 
 
-def _theirs(device, dtype, compile=False):
+def _theirs(device, dtype, hf_config, compile=False):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**{k: v for k, v in HEADLINE.items() if k != "model_type"})
-    model = LlamaForCausalLM(config).to(device)
+    config = LlamaConfig(**{k: v for k, v in hf_config.items() if k != "model_type"})
+    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
     model.train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -96,10 +127,10 @@ def _theirs(device, dtype, compile=False):
         betas=(0.9, 0.95),
     )
 
-    def step(tokens, labels):
+    def step(tokens, labels, cu_seqlens, position_ids):
         with torch_autocast(device, dtype):
             # transformers shifts labels itself: the usual call passes the inputs as labels.
-            loss = model(input_ids=tokens, labels=tokens).loss
+            loss = model(input_ids=tokens, labels=tokens, position_ids=position_ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -118,32 +149,50 @@ def torch_autocast(device, dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
-def run_side(side: str, dtype_name: str, steps: int, device_name: str, compile: bool = False) -> dict:
+def _documents(micro_batch: int, seq: int, docs: int, device):
+    """cu_seqlens over the flattened rows and per-row position ids restarting at each document
+    (None, None for one document per row)."""
+    import torch
+
+    if docs == 1:
+        return None, None
+    doc = seq // docs
+    cu = torch.arange(0, micro_batch * seq + 1, doc, dtype=torch.int32, device=device)
+    positions = (torch.arange(seq, device=device) % doc).expand(micro_batch, seq)
+    return cu, positions
+
+
+def run_side(side: str, dtype_name: str, steps: int, device_name: str, shape: str, seq: int,
+             docs: int, compile: bool = False) -> dict:  # fmt: skip
     import torch
 
     from mindspeed_core import device as dev
     from mindspeed_core.training import dense_params, flops_per_token
 
+    hf_config, _, micro_batch, _ = SHAPES[shape]
     device = torch.device(device_name)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     torch.manual_seed(0)
-    data = torch.randint(0, HEADLINE["vocab_size"], (steps + 1, MICRO_BATCH, SEQ + 1))
+    data = torch.randint(0, hf_config["vocab_size"], (steps + 1, micro_batch, seq + 1))
+    cu_seqlens, position_ids = _documents(micro_batch, seq, docs, device)
     baseline = _rss_mb() if device.type == "cpu" else 0.0
-    model, step = (_ours if side == "ours" else _theirs)(device, dtype, compile)
+    model, step = (_ours if side == "ours" else _theirs)(device, dtype, hf_config, compile)
     n = dense_params(model)
-    flops = flops_per_token(n, HEADLINE["num_hidden_layers"], HEADLINE["hidden_size"], SEQ)
+    # Attention FLOPs of one document's length (what both sides compute with packing).
+    flops = flops_per_token(n, hf_config["num_hidden_layers"], hf_config["hidden_size"],
+                            seq // docs)  # fmt: skip
     losses, times = [], []
     for i in range(steps + 1):  # the first step warms up (allocator, kernels)
         batch = data[i].to(device)
         dev.synchronize(device)
         start = time.perf_counter()
-        loss = step(batch[:, :-1], batch[:, 1:])
+        loss = step(batch[:, :-1], batch[:, 1:], cu_seqlens, position_ids)
         dev.synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(float(loss))
     seconds = sum(times[1:]) / steps
     return {
-        "tokens_per_s": round(MICRO_BATCH * SEQ / seconds, 1),
+        "tokens_per_s": round(micro_batch * seq / seconds, 1),
         "flops_per_token": flops,
         "peak_mem_mb": round(_peak_mb(device) - baseline, 1),
         "step_s": round(seconds, 3),
@@ -162,32 +211,58 @@ def _peak_flops(device_name: str, dtype_name: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--shape", default="headline", choices=sorted(SHAPES))
+    parser.add_argument("--seq", type=int, help="tokens per row (default: the shape's)")
+    parser.add_argument("--docs", type=int, help="packed documents per row (default: the shape's)")
+    parser.add_argument("--dtypes", "--dtype", default="fp32,bf16")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compile", action="store_true", help="compile our blocks")
+    parser.add_argument("--sides", default="ours,transformers")
     parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side
-    parser.add_argument("--dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    hf_config, default_seq, micro_batch, default_docs = SHAPES[args.shape]
+    seq, docs = args.seq or default_seq, args.docs or default_docs
     if args.side:
-        print(json.dumps(run_side(args.side, args.dtype, args.steps, args.device, args.compile)))
+        result = run_side(args.side, args.dtypes, args.steps, args.device, args.shape, seq, docs,
+                          args.compile)  # fmt: skip
+        print(json.dumps(result))
         return
     for dtype in args.dtypes.split(","):
-        result = {"bench": "train_step", "config": "llama 4x512, vocab 32000, seq 512, mb 4"}
-        result.update(dtype=dtype, device=args.device, compile=args.compile)
-        for side in ("ours", "transformers"):
-            cmd = [sys.executable, __file__, "--side", side, "--dtype", dtype]
-            cmd += ["--steps", str(args.steps), "--device", args.device]
+        result = {"bench": "train_step", "shape": args.shape, "seq": seq, "micro_batch":
+                  micro_batch, "docs_per_row": docs}  # fmt: skip
+        result.update(dtype=dtype, device=args.device, compile=args.compile, cpu=_cpu_model())
+        sides = args.sides.split(",")
+        for side in sides:
+            cmd = [sys.executable, __file__, "--side", side, "--dtypes", dtype]
+            cmd += ["--steps", str(args.steps), "--device", args.device, "--shape", args.shape]
+            cmd += ["--seq", str(seq), "--docs", str(docs)]
             cmd += ["--compile"] if args.compile and side == "ours" else []
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            result[side] = json.loads(out.strip().splitlines()[-1])
-        ours, theirs = result["ours"], result["transformers"]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                result[side] = {"failed": out.stderr.strip().splitlines()[-1][:300]}
+                continue
+            result[side] = json.loads(out.stdout.strip().splitlines()[-1])
         peak = _peak_flops(args.device, dtype)  # one measurement for both sides
-        for side in (ours, theirs):
+        measured = [result[s] for s in sides if "tokens_per_s" in result[s]]
+        for side in measured:
             side["mfu"] = round(side["tokens_per_s"] * side.pop("flops_per_token") / peak, 4)
-        result["speedup"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
-        result["memory_ratio"] = round(ours["peak_mem_mb"] / theirs["peak_mem_mb"], 3)
+        if len(measured) == 2 and set(sides) == {"ours", "transformers"}:
+            ours, theirs = result["ours"], result["transformers"]
+            result["speedup"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
+            result["memory_ratio"] = round(ours["peak_mem_mb"] / theirs["peak_mem_mb"], 3)
         print(json.dumps(result), flush=True)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 if __name__ == "__main__":

@@ -192,3 +192,50 @@ def test_converted_checkpoint_scores_like_its_hf_folder(model_dir, tmp_path):
     hf = Scorer(load_for_eval(model_dir)).loglikelihood(pairs)
     ours = Scorer(load_for_eval(converted)).loglikelihood(pairs)
     assert ours == hf
+
+
+def test_needle_haystacks_hold_the_fact_at_its_depth_and_fit_their_length():
+    from mindspeed_eval.runner import summarise
+    from mindspeed_eval.tasks.needle import QUESTION, NeedleTask
+
+    task = NeedleTask([64, 200], [0, 50, 100], per_cell=2)  # lengths counted in words here
+    items = task.load(None, shots=0, fewshot=None)
+    assert len(items) == 2 * 3 * 2
+    for item in items:
+        words = len(item.prompt.split())
+        assert item.meta["length"] - 12 <= words <= item.meta["length"], (words, item.meta)
+        assert item.prompt.endswith(QUESTION) and item.prompt.count(item.target) == 1
+        filler = item.prompt[: -len(QUESTION)]
+        where = filler.index(f"The secret number is {item.target}.") / len(filler)
+        sentences = filler.count(".") - 1
+        assert abs(where - item.meta["depth"] / 100) <= 1 / sentences + 0.05, (where, item.meta)
+    # a reader that finds the number gets every cell right; one that guesses, none
+    found = [task.answer(i, f" {i.target}. The rest") for i in items]
+    grades = task.grade(items, found)
+    for grade, item in zip(grades, items, strict=True):
+        grade["subject"] = item.subject
+    result = summarise(task, "direct", grades)
+    assert result.metrics["accuracy"] == 1.0 and len(result.subjects) == 6
+    assert result.metrics["accuracy@depth=50"] == 1.0 and result.metrics["accuracy@length=64"] == 1.0
+    wrong = task.grade(items, [task.answer(i, " 12") for i in items])
+    assert not any(g["correct"] for g in wrong)
+
+
+def test_needle_through_the_cli_measures_the_models_tokens(model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["eval", "--model", str(model_dir), "--task", "needle", "--output", str(out)]
+    argv += ["--context-lengths", "96,192", "--depths", "0,100", "--no-progress"]
+    assert cli(argv) == 0
+    printed = capsys.readouterr().out
+    assert "192 tokens, depth 100%" in printed and "accuracy@length=96" in printed
+    result = _results(out, "needle")
+    assert len(result["items"]) == 2 * 2 * 2
+    # within the shortest filler sentence of the asked length (this tokenizer: ~20 tokens)
+    assert all(i["length"] - 24 <= i["tokens"] <= i["length"] for i in result["items"])
+    err = _one_line_error(capsys, [*argv[:5], "--depths", "0,150"])
+    assert "--depths must be percentages in [0, 100], got [0, 150]" in err
+    err = _one_line_error(capsys, [*argv[:5], "--context-lengths", "100000"])
+    assert "does not fit the model's context" in err
+    err = _one_line_error(capsys, ["eval", "--model", str(model_dir), "--task", "mmlu",
+                                   "--data", str(tmp_path), "--depths", "50"])  # fmt: skip
+    assert "options of --task needle" in err

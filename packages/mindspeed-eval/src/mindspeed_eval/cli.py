@@ -4,6 +4,7 @@
     mindspeed eval --model DIR --task mmlu --data mmlu/ [--mode ppl|direct|chat] [--shots 5]
     mindspeed eval --model DIR --task humaneval --data he/ --allow-code-execution
     mindspeed eval --model DIR --task lm-eval:NAME --data yaml_dir/   # lm-eval's registry
+    mindspeed eval --model DIR --task needle [--context-lengths 4096,16384] [--depths 0,50,100]
     torchrun --nproc-per-node 4 -m mindspeed_eval.cli --model DIR --task mmlu --data d --tp 2
 
 Prints a per-subject table and writes `{task}_results.json` (every item's answer) and
@@ -49,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
         "--fewshot-template", help="MindSpeed-LLM few-shot template JSON ({subject: text})"
     )
     p.add_argument("--limit", type=int, help="at most this many items per task (quick runs)")
+    p.add_argument(
+        "--context-lengths",
+        help="needle: haystack lengths in tokens, comma-separated (default: 1/4, 1/2 and all "
+        "of the model's context)",
+    )
+    p.add_argument(
+        "--depths", help="needle: depths of the needle in percent (default: 0,25,50,75,100)"
+    )
     p.add_argument("--output", default="runs/eval", help="folder for the results JSON and summary")
     p.add_argument(
         "--allow-code-execution",
@@ -88,15 +97,22 @@ def main(argv: list[str]) -> int:
             "sandbox (subprocess without network, as an unprivileged user, with time, memory "
             "and process limits)"
         )
-    if args.data is None and args.task != "demo":
+    if (args.context_lengths or args.depths) and args.task != "needle":
+        raise ConfigError("--context-lengths and --depths are options of --task needle")
+    if args.data is None and args.task not in ("demo", "needle"):
         raise ConfigError(f"--task {args.task} needs --data DIR ({task.layout})")
     shots = task.default_shots if args.shots is None else args.shots
     fewshot = _fewshot(args.fewshot_template)
     data = Path(args.data) if args.data else None
     if data is not None and not data.exists():
         raise ConfigError(f"--data {data} does not exist")
-    items = task.load(data, shots=shots, fewshot=fewshot)[: args.limit]
-    scorer = _scorer(args)
+    if args.task == "needle":  # the haystacks are measured in the model's tokens
+        scorer = _scorer(args)
+        task = _needle(args, scorer)
+        items = task.load(None, shots=0, fewshot=None)[: args.limit]
+    else:
+        items = task.load(data, shots=shots, fewshot=fewshot)[: args.limit]
+        scorer = _scorer(args)
     from mindspeed_eval.runner import RunOptions, run_task
 
     started = time.perf_counter()
@@ -119,6 +135,32 @@ def _scorer(args):
         model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype, tp=args.tp
     )
     return Scorer(loaded, ScorerConfig(batch_size=args.batch_size, max_length=args.max_length))
+
+
+def _needle(args, scorer):
+    from mindspeed_eval.tasks.needle import NeedleTask
+
+    room = scorer.max_length - (args.max_gen_toks or NeedleTask.max_gen_toks)
+    lengths = _ints("--context-lengths", args.context_lengths) or sorted(
+        {max(32, room // 4), max(32, room // 2), room}
+    )
+    if max(lengths) > room:
+        raise ConfigError(
+            f"--context-lengths {max(lengths)} does not fit the model's context of "
+            f"{scorer.max_length} tokens with {scorer.max_length - room} to generate (longest: "
+            f"{room}; --max-length raises the context)"
+        )
+    depths = _ints("--depths", args.depths) or [0, 25, 50, 75, 100]
+    return NeedleTask(lengths, depths, count_tokens=lambda text: len(scorer.tok_encode(text)))
+
+
+def _ints(flag: str, text: str | None) -> list[int]:
+    if not text:
+        return []
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"{flag} must be comma-separated integers, got {text!r}") from None
 
 
 def _demo_checkpoints() -> Path:

@@ -8,9 +8,11 @@ from mindspeed_eval.tasks.choice import MMLU, AGIEval, BoolQ, CEval
 from mindspeed_eval.tasks.demo import DemoTask
 from mindspeed_eval.tasks.generative import BBH, GSM8K
 from mindspeed_eval.tasks.humaneval import HumanEval
+from mindspeed_eval.tasks.needle import NeedleTask
 
 TASKS: dict[str, type[Task]] = {
-    cls.name: cls for cls in (MMLU, CEval, BoolQ, BBH, AGIEval, GSM8K, HumanEval, DemoTask)
+    cls.name: cls
+    for cls in (MMLU, CEval, BoolQ, BBH, AGIEval, GSM8K, HumanEval, DemoTask, NeedleTask)
 }
 LM_EVAL_PREFIX = "lm-eval:"
 
