@@ -229,3 +229,23 @@ def test_flex_forward_equals_the_reference_on_cpu():
         want = mo.attention_reference(q, k, v, causal=causal, window=window, cu_seqlens=cu,
                                       scale=0.25, softcap=softcap or None, offsets=offsets)
         torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
+
+
+def test_split_heads_add_up_their_key_gradients():
+    # One document and one kv head for four threads: the backward splits the query heads over
+    # items that add their dk/dv under a lock; the result is the unsplit one.
+    if cpu_ext.load() is None:
+        pytest.skip("no C++ kernels here")
+    (q, k, v), cu = _inputs([333], 4, 1, 16, 16, torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    dout, dlse = torch.randn(333, 4, 16, generator=gen), torch.randn(4, 333, generator=gen)
+    want = _reference_grads(q, k, v, cu, True, 40, 0.0, None, dout, dlse)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 4):
+            torch.set_num_threads(count)
+            got = _kernel_run("cpu_flash", q, k, v, cu, True, 40, 0.0, None, dout, dlse)
+            for g, w in zip(got[2], want[2], strict=True):
+                torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)

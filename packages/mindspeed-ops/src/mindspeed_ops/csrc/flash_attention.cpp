@@ -232,10 +232,21 @@ void forward_item(const T* q, const float* kf, const float* vf, T* out, float* l
   }
 }
 
+// Where an item's dk/dv go: written straight into dk/dv (an item owns its document's kv
+// head), or added into fp32 sums under a lock (a document's query heads split over items).
 template <typename T>
-void backward_item(const float* dout, const float* dlse, const T* q, const float* kf,
-                   const float* vf, const float* out, const float* lse, T* dq, float* dk,
-                   float* dv, std::mutex& lock, const Doc& doc, const Shape& sh, int64_t g,
+struct KVGrads {
+  T* dk;
+  T* dv;
+  float* dk_sum;  // null: write straight
+  float* dv_sum;
+  std::mutex* lock;
+};
+
+template <typename T, typename O>
+void backward_item(const T* dout, const float* dlse, const T* q, const float* kf,
+                   const float* vf, const O* out, const float* lse, T* dq,
+                   const KVGrads<T>& grads, const Doc& doc, const Shape& sh, int64_t g,
                    int64_t h0, int64_t heads, int64_t total_q, const Mask& mask, float softcap,
                    float scale) {
   const int64_t block_tokens = std::max<int64_t>(1, kRows / heads);
@@ -308,14 +319,44 @@ void backward_item(const float* dout, const float* dlse, const T* q, const float
       from_float(dqb.data() + r * sh.d, dq + (t * sh.hq + h) * sh.d, sh.d, scale);
     }
   }
-  std::lock_guard<std::mutex> guard(lock);
   for (int64_t j = 0; j < doc.nk; ++j) {
-    float* dkr = dk + ((doc.k0 + j) * sh.hkv + g) * sh.d;
-    float* dvr = dv + ((doc.k0 + j) * sh.hkv + g) * sh.dv;
+    const int64_t row = (doc.k0 + j) * sh.hkv + g;
     const float* ka = dk_acc.data() + j * sh.d;
     const float* va = dv_acc.data() + j * sh.dv;
+    if (grads.dk_sum == nullptr) {
+      from_float(ka, grads.dk + row * sh.d, sh.d, scale);
+      from_float(va, grads.dv + row * sh.dv, sh.dv);
+      continue;
+    }
+    std::lock_guard<std::mutex> guard(*grads.lock);
+    float* dkr = grads.dk_sum + row * sh.d;
+    float* dvr = grads.dv_sum + row * sh.dv;
     for (int64_t c = 0; c < sh.d; ++c) dkr[c] += ka[c] * scale;
     for (int64_t c = 0; c < sh.dv; ++c) dvr[c] += va[c];
+  }
+}
+
+struct BwdItem {
+  int64_t doc, g, h0, heads, cost;
+};
+
+template <typename T, typename O>
+void backward_all(const at::Tensor& dout, const float* dlse, const at::Tensor& q,
+                  const at::Tensor& kf, const at::Tensor& vf, const O* out,
+                  const at::Tensor& lse, at::Tensor& dq, const KVGrads<T>& grads,
+                  const std::vector<Doc>& docs, const std::vector<BwdItem>& items,
+                  const Shape& sh, const Mask& mask, double softcap, double scale) {
+  const T *dop = dout.data_ptr<T>(), *qp = q.data_ptr<T>();
+  const float *kp = kf.data_ptr<float>(), *vp = vf.data_ptr<float>();
+  const float* lp = lse.data_ptr<float>();
+  T* dqp = dq.data_ptr<T>();
+  const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) {
+    const BwdItem& it = items[i];
+    backward_item<T, O>(dop, dlse, qp, kp, vp, out, lp, dqp, grads, docs[it.doc], sh, it.g,
+                        it.h0, it.heads, q.size(0), mask, static_cast<float>(softcap),
+                        static_cast<float>(scale));
   }
 }
 
@@ -391,10 +432,12 @@ std::vector<at::Tensor> flash_attention_bwd(
     const at::Tensor& cu_q, const at::Tensor& cu_k, const at::Tensor& offsets, bool causal,
     int64_t window, double softcap, double scale) {
   check_inputs(q_in, k, v);
-  // out and dout in fp32: the row term <dout, out> is taken from them, and context parallel's
-  // ring hands over its merged fp32 output.
-  const at::Tensor q = q_in.contiguous(), out = out_in.to(at::kFloat).contiguous();
-  const at::Tensor dout = dout_in.to(at::kFloat).contiguous();
+  // out in its own dtype if fp32 (context parallel's ring hands over its merged fp32 output),
+  // else in q's; dout in q's. Both are read block by block (no fp32 copies of them).
+  const at::Tensor q = q_in.contiguous();
+  const bool out_fp32 = out_in.scalar_type() == at::kFloat;
+  const at::Tensor out = (out_fp32 ? out_in : out_in.to(q.scalar_type())).contiguous();
+  const at::Tensor dout = dout_in.to(q.scalar_type()).contiguous();
   const at::Tensor lse = lse_in.to(at::kFloat).contiguous();
   at::Tensor dlse;
   if (dlse_in.has_value() && dlse_in->defined()) dlse = dlse_in->to(at::kFloat).contiguous();
@@ -402,19 +445,14 @@ std::vector<at::Tensor> flash_attention_bwd(
   TORCH_CHECK(out.sizes() == dout.sizes() && out.size(2) == sh.dv,
               "flash_attention_bwd: out/dout must be (tokens, heads, v_head_dim)");
   const at::Tensor kf = as_float(k), vf = as_float(v);
-  at::Tensor dq = at::zeros_like(q);
-  at::Tensor dk = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
-  at::Tensor dv = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
+  at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   const std::vector<Doc> docs = documents(cu_q, cu_k, offsets);
   const Mask mask{causal, window};
   // Split a document's query heads when there are fewer (document, kv head) pairs than threads.
   const int64_t threads = at::get_num_threads();
   const int64_t pairs = std::max<int64_t>(1, static_cast<int64_t>(docs.size()) * sh.hkv);
   const int64_t split = std::min<int64_t>(sh.group, (threads + pairs - 1) / pairs);
-  struct Item {
-    int64_t doc, g, h0, heads, cost;
-  };
-  std::vector<Item> items;
+  std::vector<BwdItem> items;
   for (int64_t d = 0; d < static_cast<int64_t>(docs.size()); ++d) {
     for (int64_t g = 0; g < sh.hkv; ++g) {
       for (int64_t s = 0; s < split; ++s) {
@@ -424,26 +462,31 @@ std::vector<at::Tensor> flash_attention_bwd(
     }
   }
   std::stable_sort(items.begin(), items.end(),
-                   [](const Item& a, const Item& b) { return a.cost > b.cost; });
+                   [](const BwdItem& a, const BwdItem& b) { return a.cost > b.cost; });
   std::mutex lock;
+  at::Tensor dk_sum, dv_sum;  // only when heads are split over items
+  if (split > 1) {
+    dk_sum = at::zeros(k.sizes(), k.options().dtype(at::kFloat));
+    dv_sum = at::zeros(v.sizes(), v.options().dtype(at::kFloat));
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "flash_bwd", [&] {
-    const float *dop = dout.data_ptr<float>(), *op = out.data_ptr<float>();
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const float *kp = kf.data_ptr<float>(), *vp = vf.data_ptr<float>();
-    const float* lp = lse.data_ptr<float>();
+    const KVGrads<scalar_t> grads{dk.data_ptr<scalar_t>(), dv.data_ptr<scalar_t>(),
+                                  split > 1 ? dk_sum.data_ptr<float>() : nullptr,
+                                  split > 1 ? dv_sum.data_ptr<float>() : nullptr, &lock};
     const float* dlp = dlse.defined() ? dlse.data_ptr<float>() : nullptr;
-    scalar_t* dqp = dq.data_ptr<scalar_t>();
-    float *dkp = dk.data_ptr<float>(), *dvp = dv.data_ptr<float>();
-    const int64_t n = static_cast<int64_t>(items.size());
-_Pragma("omp parallel for schedule(dynamic, 1)")
-    for (int64_t i = 0; i < n; ++i) {
-      const Item& it = items[i];
-      backward_item<scalar_t>(dop, dlp, qp, kp, vp, op, lp, dqp, dkp, dvp, lock,
-                              docs[it.doc], sh, it.g, it.h0, it.heads, q.size(0), mask,
-                              static_cast<float>(softcap), static_cast<float>(scale));
+    if (out_fp32) {
+      backward_all<scalar_t, float>(dout, dlp, q, kf, vf, out.data_ptr<float>(), lse, dq, grads,
+                                    docs, items, sh, mask, softcap, scale);
+    } else {
+      backward_all<scalar_t, scalar_t>(dout, dlp, q, kf, vf, out.data_ptr<scalar_t>(), lse, dq,
+                                       grads, docs, items, sh, mask, softcap, scale);
     }
   });
-  return {dq, dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+  if (split > 1) {
+    dk.copy_(dk_sum);
+    dv.copy_(dv_sum);
+  }
+  return {dq, dk, dv};
 }
 
 }  // namespace mindspeed_ops_cpu
