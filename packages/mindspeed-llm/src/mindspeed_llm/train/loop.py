@@ -111,6 +111,7 @@ class TrainLoop:
             profiler.close()
             metrics.close()
         self._finish()
+        summary["peak_gb_per_rank"] = _peak_per_rank(self.step.model.device)
         return summary
 
     def _loop(self, metrics: MetricsWriter, profiler) -> dict[str, float]:
@@ -179,3 +180,14 @@ class TrainLoop:
             self.checkpoints.save(self.state.step, force=True)
         self.checkpoints.close()
         self.run_dir.finish()
+
+
+def _peak_per_rank(device) -> list[float]:
+    """Every rank's peak memory in GiB (allocator peak on accelerators, peak resident set on
+    CPU), in rank order: a collective, so every rank calls it."""
+    peak = dev.memory_stats(device)["peak_gb"]
+    if not dist.is_initialized():
+        return [peak]
+    peaks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peaks, peak)
+    return peaks
