@@ -115,13 +115,19 @@ def _case(impl: str, seq: int, docs: int, dtype_name: str, device_name: str, rep
     return {"seconds": round(min(times), 4), "peak_growth_gib": round(peak / 2**30, 4)}
 
 
-def _fits(impl: str, seq: int, docs: int) -> bool:
+def _fits(impl: str, seq: int, docs: int, device: str) -> bool:
     """Whether the previous op's fp32 score matrices (scores, probabilities and their
-    gradient: three of them in backward) fit in the memory available now."""
+    gradient: three of them in backward) fit in the device's free memory."""
     if impl != "previous":
         return True
     doc = seq // docs
-    return 3 * HEADS * doc * doc * 4 < 0.8 * _available_bytes()
+    if device == "cpu":
+        free = _available_bytes()
+    else:
+        import torch
+
+        free = torch.get_device_module(device.split(":")[0]).mem_get_info()[0]
+    return 3 * HEADS * doc * doc * 4 < 0.8 * free
 
 
 def main(argv=None):
@@ -147,7 +153,7 @@ def main(argv=None):
                     continue  # SDPA takes no packed documents
                 row = {"impl": impl, "seq": seq, "docs": docs, "dtype": args.dtype,
                        "device": args.device}  # fmt: skip
-                if not _fits(impl, seq, docs):
+                if not _fits(impl, seq, docs, args.device):
                     row["result"] = "does not fit"
                 else:
                     command = [sys.executable, __file__, "--case", f"{impl}:{seq}:{docs}",

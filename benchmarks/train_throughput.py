@@ -9,8 +9,10 @@ over `--steps` steps after one warm-up step. Shapes (random weights):
   seq 512, micro-batch 4, one document per row;
 - smollm-135m: SmolLM-135M (vocab 49152, hidden 576, intermediate 1536, 30 layers, 9 heads /
   3 kv heads, tied embeddings), seq 4096, micro-batch 1, 8 packed documents per row;
+- tiny: 2 layers of width 64, vocab 512, seq 128 (a smoke test: the device suite's dry run);
 - llama-1b: Llama-3.2-1B (vocab 128256, hidden 2048, intermediate 8192, 16 layers, 32 heads /
   8 kv heads of 64, tied embeddings), seq 4096, micro-batch 1, 8 packed documents per row.
+`--sides ours,transformers,torchtitan` adds torchtitan's Llama 3 (where it is installed).
 Packed documents are what pretraining trains on (attention reset at each EOD): ours passes
 their `cu_seqlens` (our flash kernel skips the attention across documents), transformers gets
 position ids that restart at each document, from which it builds its block-diagonal mask for
@@ -52,6 +54,8 @@ HEADLINE = {
 }
 SHAPES = {
     "headline": (HEADLINE, 512, 4, 1),
+    "tiny": ({**HEADLINE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2}, 128, 2, 2),  # the device suite's dry run  # fmt: skip
     "smollm-135m": (
         {
             "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
@@ -139,6 +143,45 @@ def _theirs(device, dtype, hf_config, compile=False):
     return model, step
 
 
+def _torchtitan(device, dtype, hf_config, compile=False):
+    """torchtitan's Llama 3 model (pip install torchtitan) with the same shape, the same loop.
+    Differences it brings: no tied embeddings (a separate output matrix), and full causal
+    attention over the row (its document masks need FlexAttention)."""
+    import torch
+
+    try:  # the module layout moved between torchtitan releases
+        from torchtitan.models.llama3 import Transformer
+        from torchtitan.models.llama3 import TransformerModelArgs as Args
+    except ImportError:
+        from torchtitan.models.llama import ModelArgs as Args
+        from torchtitan.models.llama import Transformer
+
+    dim, ffn = hf_config["hidden_size"], hf_config["intermediate_size"]
+    base = int(2 * 4 * dim / 3)  # torchtitan's FFN width rule, steered onto `ffn`
+    args = Args(
+        dim=dim, n_layers=hf_config["num_hidden_layers"], n_heads=hf_config["num_attention_heads"],
+        n_kv_heads=hf_config["num_key_value_heads"], vocab_size=hf_config["vocab_size"],
+        multiple_of=ffn, ffn_dim_multiplier=ffn / base, norm_eps=hf_config["rms_norm_eps"],
+        rope_theta=hf_config["rope_theta"], max_seq_len=hf_config["max_position_embeddings"],
+    )  # fmt: skip
+    with torch.device(device):
+        model = Transformer(args)
+        model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
+
+    def step(tokens, labels, cu_seqlens, position_ids):
+        with torch_autocast(device, dtype):
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                     labels.flatten())  # fmt: skip
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return model, step
+
+
 def torch_autocast(device, dtype):
     import contextlib
 
@@ -176,7 +219,8 @@ def run_side(side: str, dtype_name: str, steps: int, device_name: str, shape: st
     data = torch.randint(0, hf_config["vocab_size"], (steps + 1, micro_batch, seq + 1))
     cu_seqlens, position_ids = _documents(micro_batch, seq, docs, device)
     baseline = _rss_mb() if device.type == "cpu" else 0.0
-    model, step = (_ours if side == "ours" else _theirs)(device, dtype, hf_config, compile)
+    builder = {"ours": _ours, "transformers": _theirs, "torchtitan": _torchtitan}[side]
+    model, step = builder(device, dtype, hf_config, compile)
     n = dense_params(model)
     # Attention FLOPs of one document's length (what both sides compute with packing).
     flops = flops_per_token(n, hf_config["num_hidden_layers"], hf_config["hidden_size"],
@@ -218,7 +262,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compile", action="store_true", help="compile our blocks")
-    parser.add_argument("--sides", default="ours,transformers")
+    parser.add_argument("--sides", default="ours,transformers",
+                        help="any of ours, transformers, torchtitan")  # fmt: skip
     parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side
     args = parser.parse_args()
     hf_config, default_seq, micro_batch, default_docs = SHAPES[args.shape]
@@ -247,10 +292,15 @@ def main() -> None:
         measured = [result[s] for s in sides if "tokens_per_s" in result[s]]
         for side in measured:
             side["mfu"] = round(side["tokens_per_s"] * side.pop("flops_per_token") / peak, 4)
-        if len(measured) == 2 and set(sides) == {"ours", "transformers"}:
-            ours, theirs = result["ours"], result["transformers"]
-            result["speedup"] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
-            result["memory_ratio"] = round(ours["peak_mem_mb"] / theirs["peak_mem_mb"], 3)
+        ours = result.get("ours", {})
+        for peer in ("transformers", "torchtitan"):
+            theirs = result.get(peer, {})
+            if "tokens_per_s" in ours and "tokens_per_s" in theirs:
+                suffix = "" if peer == "transformers" else "_vs_torchtitan"
+                result["speedup" + suffix] = round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3)
+                result["memory_ratio" + suffix] = round(
+                    ours["peak_mem_mb"] / theirs["peak_mem_mb"], 3
+                )
         print(json.dumps(result), flush=True)
 
 

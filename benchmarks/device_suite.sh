@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The accelerator checks in one script, for one GPU in under 8 minutes:
+#   1. the CUDA tests (pytest -m gpu);
+#   2. benchmarks/attention.py: packed attention at 4k/16k/32k tokens, ours vs the previous op
+#      vs SDPA (bf16, 8 query / 2 kv heads of 64);
+#   3. benchmarks/train_throughput.py --shape llama-1b: training tokens/s, MFU and peak memory of
+#      a Llama-3.2-1B shape at bf16, seq 4096, 8 packed documents a row: ours vs transformers
+#      vs torchtitan (where installed), same GPU, same run.
+#
+#   benchmarks/device_suite.sh [--dry-run] [--out DIR]
+#
+# --dry-run runs the same steps on the CPU with tiny shapes (CI does, so the script cannot
+# rot); the GPU tests are then only collected. Results: one JSON line per case in DIR
+# (default runs/device_suite): attention.jsonl, train.jsonl, plus pytest's log, and a summary
+# on stdout. Uses .venv/bin/python when there is one, else python3 with the packages' sources
+# on PYTHONPATH (a bare machine with torch and transformers needs nothing installed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dry=0
+out=runs/device_suite
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) dry=1 ;;
+        --out) out="$2"; shift ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        *) echo "device_suite.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+mkdir -p "$out"
+
+py=python3
+[ -x .venv/bin/python ] && py=.venv/bin/python
+for pkg in packages/*/src; do PYTHONPATH="$PWD/$pkg${PYTHONPATH:+:$PYTHONPATH}"; done
+export PYTHONPATH PYTHONUNBUFFERED=1
+
+if [ "$dry" = 1 ]; then
+    device=cpu
+    tests=(-m gpu --collect-only -q)
+    attention=(--seqs 512 --docs 1,8 --repeat 1 --device cpu --impls ours,sdpa)
+    train=(--shape tiny --steps 1 --device cpu)
+else
+    device=cuda
+    tests=(-m gpu -q -x)
+    attention=(--seqs 4096,16384,32768 --docs 1,8 --repeat 3 --device cuda)
+    train=(--shape llama-1b --steps 3 --device cuda)
+fi
+
+echo "== environment"
+"$py" -c "import torch, platform; print('torch', torch.__version__, '| python',
+platform.python_version(), '| device', torch.cuda.get_device_name() if torch.cuda.is_available()
+else 'cpu')"
+
+echo "== 1. accelerator tests (pytest ${tests[*]})"
+"$py" -m pytest "${tests[@]}" -p no:cacheprovider packages integration_tests \
+    2>&1 | tee "$out/pytest.log" | tail -n 5
+
+echo "== 2. attention (benchmarks/attention.py ${attention[*]})"
+"$py" benchmarks/attention.py "${attention[@]}" --dtype bf16 | tee "$out/attention.jsonl"
+
+echo "== 3. training throughput (benchmarks/train_throughput.py ${train[*]})"
+"$py" benchmarks/train_throughput.py "${train[@]}" --dtypes bf16 \
+    --sides ours,transformers,torchtitan | tee "$out/train.jsonl"
+
+echo "== done on $device: results in $out"
