@@ -284,7 +284,7 @@ class ContextParallel:
                 `shard_sequence`; or (local_tokens, heads, head_dim) with `cu_seqlens`
                 from `packed_shard_index`.
             window: sliding window.
-            softcap: cap the scores at +-softcap with tanh (Gemma 2).
+            softcap: cap the scores at +-softcap with tanh (soft-capped logits).
         """
         batched = cu_seqlens is None
         if batched:
