@@ -13,3 +13,11 @@ def hangs(prompts, completions, **_):
     if "hang" in completions[0]:
         time.sleep(60)
     return [0.5 for _ in completions]
+
+
+def nan_for_odd(prompts, completions, **_):
+    return [float("nan") if "odd" in c else 1.0 for c in completions]
+
+
+def one_score_too_many(prompts, completions, **_):
+    return [1.0 for _ in completions] + [1.0]

@@ -69,6 +69,8 @@ def test_bad_inputs_are_one_line(task, capsys):
                     + "".join(json.dumps(r) + "\n" for r in demo_records(20, seed=1)))  # fmt: skip
     broken = folder / "broken.jsonl"
     broken.write_text('{"prompt": "a", "answer": 1}\n{"answer": 2}\n')
+    no_answer = folder / "no_answer.jsonl"  # exact_match would score every completion 0
+    no_answer.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b", "label": 2}\n')
     cases = {
         "--grpo.n=1": "grpo.n=1",
         "--parallel.pp=2": "parallel.pp=2",
@@ -77,6 +79,8 @@ def test_bad_inputs_are_one_line(task, capsys):
         "--grpo.rewards=[nosuch.module:f]": "nosuch.module:f",
         f"--data.prompts={long}": "prompt 0 has",
         f"--data.prompts={broken}": "broken.jsonl:2",
+        f"--data.prompts={no_answer}": 'no_answer.jsonl:2: no "answer" field, which the reward '
+        "final_number needs",
     }
     for arg, expected in cases.items():
         assert guarded(main, [*_args(task, "bad"), arg]) == 2, arg

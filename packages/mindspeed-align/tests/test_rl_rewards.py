@@ -48,6 +48,27 @@ def test_raising_and_hanging_rewards_are_counted_and_the_run_goes_on(monkeypatch
     assert in_process(["p"], ["boom"], {}) == ([0.0], {"reward/raises": 0.0, "reward/failures": 1})
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_nan_and_wrong_counts_are_counted_failures_with_one_warning(workers, monkeypatch, caplog):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    rewards = Rewards([f"{FIXTURES}:nan_for_odd", f"{FIXTURES}:one_score_too_many"],
+                      workers=workers)  # fmt: skip
+    try:
+        with caplog.at_level("WARNING", logger="mindspeed.rl"):
+            total, metrics = rewards(["p"] * 4, ["even", "odd", "even", "odd"], {})
+    finally:
+        rewards.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines  # one per function and call, not one per completion
+    if workers:  # one completion at a time: the NaN ones fail, and every too-long answer
+        assert total == [1.0, 0.0, 1.0, 0.0] and metrics["reward/failures"] == 2 + 4
+        assert "2 of 4 completions failed (first: returned nan)" in lines[0]
+    else:  # the whole call is refused
+        assert total == [0.0] * 4 and metrics["reward/failures"] == 8
+        assert "4 of 4 completions failed (first: returned nan)" in lines[0]
+    assert ("returned 2 scores for 1 completions" if workers else "returned 5 scores for 4") in lines[1]
+
+
 def _reward_model_folder(folder: Path, tokenizer: Path) -> Path:
     """A random debug-Llama reward model exported as transformers' sequence classifier."""
     import torch

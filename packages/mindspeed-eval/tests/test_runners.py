@@ -159,6 +159,26 @@ def test_bad_input_is_one_line_and_exit_2(model_dir, tmp_path, capsys):
     assert "--allow-code-execution" in err
 
 
+def test_values_that_would_score_wrongly_are_refused_before_scoring(model_dir, tmp_path, capsys):
+    data = helpers.write_mmlu(tmp_path / "mmlu", subjects=("anatomy",))
+    argv = ["eval", "--model", str(model_dir), "--task", "mmlu", "--data", str(data)]
+    for extra, expected in (
+        (["--limit", "-1"], "--limit must be >= 1, got -1"),  # would score n-1 items
+        (["--shots", "-3"], "--shots must be >= 0, got -3"),  # would run "-3-shot"
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    ):
+        assert expected in _one_line_error(capsys, [*argv, *extra])
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    err = _one_line_error(capsys, [*argv, "--output", str(taken)])  # before the scoring, now
+    assert f"--output {taken} is a file, not a folder" in err
+    empty = tmp_path / "empty"
+    (empty / "test").mkdir(parents=True)
+    (empty / "test" / "anatomy_test.csv").write_text("")
+    err = _one_line_error(capsys, [*argv[:5], "--data", str(empty)])  # was accuracy 0.0 of 0
+    assert f"--data {empty}: no mmlu items in it" in err
+
+
 def test_lm_eval_passthrough_runs_a_local_task_yaml(model_dir, tmp_path, capsys):
     pytest.importorskip("lm_eval")
     docs = [{"question": "Is fire cold", "choices": ["yes", "no"], "answer": 1}] * 3

@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from mindspeed_core.cli import ArgumentParser, Command, debug_enabled, guarded
-from mindspeed_core.errors import CheckpointError, ConfigError
+from mindspeed_core.errors import CheckpointError, ConfigError, DataError
+from mindspeed_core.files import check_folder
 from mindspeed_eval.tasks import LM_EVAL_PREFIX, MODES, TASKS, get_task
 
 DEMO_RUN = Path("runs/pretrain")
@@ -88,6 +90,7 @@ def main(argv: list[str]) -> int:
         _parser().print_help()
         return 0
     args = _parser().parse_args(argv)
+    _check_args(args)
     if args.task.startswith(LM_EVAL_PREFIX):
         return _lm_eval(args)
     task = get_task(args.task)
@@ -112,6 +115,8 @@ def main(argv: list[str]) -> int:
         items = task.load(None, shots=0, fewshot=None)[: args.limit]
     else:
         items = task.load(data, shots=shots, fewshot=fewshot)[: args.limit]
+        if not items:
+            raise DataError(f"--data {data}: no {args.task} items in it ({task.layout})")
         scorer = _scorer(args)
     from mindspeed_eval.runner import RunOptions, run_task
 
@@ -124,6 +129,20 @@ def main(argv: list[str]) -> int:
     if scorer.mesh.is_main:
         _report(args, result, shots, time.perf_counter() - started)
     return 0
+
+
+def _check_args(args) -> None:
+    """Values argparse lets through that would run a wrong evaluation, refused before anything
+    is loaded or scored."""
+    for flag, value, least in (("--limit", args.limit, 1), ("--shots", args.shots, 0),
+                               ("--samples", args.samples, 1), ("--batch-size", args.batch_size, 1),
+                               ("--max-gen-toks", args.max_gen_toks, 1),
+                               ("--max-length", args.max_length, 1), ("--tp", args.tp, 1)):  # fmt: skip
+        if value is not None and value < least:
+            raise ConfigError(f"{flag} must be >= {least}, got {value}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    check_folder(args.output, "--output")  # before the evaluation, not after it
 
 
 def _scorer(args):

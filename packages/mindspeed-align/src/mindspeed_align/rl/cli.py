@@ -66,7 +66,9 @@ def _task(cfg: GRPOConfig, init_from: Path | None):
         records = demo_records(4096, seed=cfg.train.seed)
         held_out = demo_records(cfg.data.eval_prompts, seed=cfg.train.seed + 1)
     else:
-        records = read_prompts(cfg.data.prompts)
+        from mindspeed_align.rl.rewards import required_columns
+
+        records = read_prompts(cfg.data.prompts, required_columns(cfg.rl.rewards))
         k = cfg.data.eval_prompts
         if k >= len(records):
             raise ConfigError(

@@ -36,8 +36,9 @@ def demo_records(count: int, seed: int) -> list[dict[str, Any]]:
     return records
 
 
-def read_prompts(path: Path) -> list[dict[str, Any]]:
-    """The records of a JSONL file; a line without a "prompt" string is refused."""
+def read_prompts(path: Path, required: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The records of a JSONL file; a line without a "prompt" string is refused, and so is
+    one without a column a reward needs (`required`: {column: the reward that needs it})."""
     if not Path(path).is_file():
         raise DataError(f"data.prompts: no file {path}")
     records = []
@@ -51,6 +52,10 @@ def read_prompts(path: Path) -> list[dict[str, Any]]:
                 raise DataError(f"{path}:{number}: not JSON ({err.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
                 raise DataError(f'{path}:{number}: a record needs a "prompt" string')
+            for column, spec in (required or {}).items():
+                if column not in record:
+                    raise DataError(f'{path}:{number}: no "{column}" field, which the reward '
+                                    f"{spec} needs")  # fmt: skip
             records.append(record)
     if not records:
         raise DataError(f"{path}: no prompts")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
 import multiprocessing
@@ -28,7 +29,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.lifeline import pool_initializer
 
-__all__ = ["RewardFn", "Rewards", "exact_match", "final_number", "load_reward", "math_verify"]
+__all__ = ["RewardFn", "Rewards", "exact_match", "final_number", "load_reward", "math_verify",
+           "required_columns"]
 
 logger = logging.getLogger("mindspeed.rl")
 
@@ -99,10 +101,50 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+def required_columns(specs: Sequence[str]) -> dict[str, str]:
+    """{column: the first reward spec that needs it}: the parameters a reward function names
+    after (prompts, completions) without a default, which the prompt records must hold."""
+    needed: dict[str, str] = {}
+    for spec in specs:
+        params = list(inspect.signature(load_reward(spec)).parameters.values())[2:]
+        for param in params:
+            plain = param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+            if plain and param.default is param.empty:
+                needed.setdefault(param.name, spec)
+    return needed
+
+
 def _score_one(spec: str, prompt: str, completion: str, columns: dict) -> float:
     """Runs in a worker: one function on one completion."""
-    value = load_reward(spec)([prompt], [completion], **{k: [v] for k, v in columns.items()})[0]
-    return float(value)
+    values = load_reward(spec)([prompt], [completion], **{k: [v] for k, v in columns.items()})
+    return _checked(values, 1)[0]
+
+
+class BadScores(ValueError):
+    """A reward function returned the wrong number of scores, or a score that is no finite
+    number: each such completion is a counted failure, scored 0."""
+
+
+def _checked(values, expected: int) -> list[float]:
+    """`values` as floats, after checking there are `expected` finite ones."""
+    try:
+        scores = [float(v) for v in values]
+    except (TypeError, ValueError) as err:
+        raise BadScores(f"returned something that is not a list of numbers ({err})") from None
+    if len(scores) != expected:
+        raise BadScores(f"returned {len(scores)} scores for {expected} completions")
+    bad = [s for s in scores if not math.isfinite(s)]
+    if bad:
+        raise BadScores(f"returned {bad[0]}")
+    return scores
+
+
+def _warn(spec: str, failures: int, total: int, first: BaseException) -> None:
+    reason = str(first) if isinstance(first, (BadScores, TimeoutError)) else (
+        f"raised {type(first).__name__}: {first}"
+    )
+    logger.warning("reward %s: %d of %d completions failed (first: %s); scored 0", spec,
+                   failures, total, reason)  # fmt: skip
 
 
 class Rewards:
@@ -148,33 +190,38 @@ class Rewards:
         return total, metrics
 
     def _score(self, spec, prompts, completions, columns) -> tuple[list[float], int]:
+        """Each completion's score and the number of failures (raised, hung, wrong count,
+        not a finite number: scored 0); one warning per call that had any."""
         if self.workers == 0:
             try:
-                scores = self.fns[spec](list(prompts), list(completions), **columns)
-                return [float(s) for s in scores], 0
+                fn = self.fns[spec]
+                scores = _checked(fn(list(prompts), list(completions), **columns), len(completions))
+                return scores, 0
             except Exception as err:  # a user's function: counted, the run goes on
-                logger.warning("reward %s raised %s: %s; scored 0", spec, type(err).__name__, err)
+                _warn(spec, len(completions), len(completions), err)
                 return [0.0] * len(completions), len(completions)
         pool = self._get_pool()
         futures = [
             pool.submit(_score_one, spec, p, c, {k: v[i] for k, v in columns.items()})
             for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
         ]
-        scores, failures, hung = [], 0, False
+        scores, failures, first, hung = [], 0, None, False
         for future in futures:
             try:
                 scores.append(future.result(timeout=self.timeout_s))
+                continue
             except FutureTimeout:
-                scores.append(0.0)
-                failures, hung = failures + 1, True
-            except Exception as err:
-                logger.warning("reward %s raised %s: %s; scored 0", spec, type(err).__name__, err)
-                scores.append(0.0)
-                failures += 1
+                hung = True
+                err = TimeoutError(f"ran past {self.timeout_s:.1f} s")
+            except Exception as raised:
+                err = raised
+            scores.append(0.0)
+            failures += 1
+            first = first or err
+        if failures:
+            _warn(spec, failures, len(completions), first)
         if hung:
-            logger.warning("reward %s ran past %.1f s; scored 0, workers restarted", spec,
-                           self.timeout_s)  # fmt: skip
-            self.close()
+            self.close()  # a hung worker is killed; fresh ones start on the next call
         return scores, failures
 
     def _get_pool(self) -> ProcessPoolExecutor:
