@@ -191,7 +191,7 @@ def test_a_hostile_checkpoint_runs_nothing_on_resume_load_generate_or_convert(
 def test_bad_settings_are_one_line_and_write_nothing(in_process, tmp_path, capsys):
     (tmp_path / "file").write_text("")
     cases = [
-        (["--optim.lr", "nan"], "optim.lr=nan must be a positive finite number"),
+        (["--optim.lr", "nan"], "optim.lr: expected a finite number, got nan"),
         (["--optim.betas", "[2.0,0.9]"], "optim.betas=[2.0, 0.9] must be two numbers in [0, 1)"),
         ([f"--checkpoint.dir={tmp_path / 'file'}"], f"{tmp_path / 'file'} is a file, not a folder"),
     ]

@@ -38,6 +38,8 @@ class Command:
 
     help: str
     run: Callable[[list[str]], int | None]
+    config_cls: type | None = None
+    """The config dataclass of a command made by `config_command` (tests walk its fields)."""
 
 
 def config_command(
@@ -66,7 +68,7 @@ def config_command(
         run(cfg)
         return 0
 
-    return Command(help=help, run=main)
+    return Command(help=help, run=main, config_cls=config_cls)
 
 
 class ArgumentParser(argparse.ArgumentParser):

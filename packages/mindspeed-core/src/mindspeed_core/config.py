@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -198,6 +199,8 @@ def _convert_number(value, tp, path, origins):
             raise _type_error(value, "an integer", path, origins)
         return value
     if isinstance(value, (int, float)):
+        if not math.isfinite(value):  # NaN or inf: every step would be skipped or diverge
+            raise _type_error(value, "a finite number", path, origins)
         return float(value)
     raise _type_error(value, "a number", path, origins)
 

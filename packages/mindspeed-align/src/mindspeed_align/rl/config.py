@@ -213,6 +213,7 @@ class PPOSection(GRPOSection):
 class CriticSection(GRPOOptimSection):
     """The critic (value model): the policy's decoder with a one-output head, its own AdamW."""
 
+    config_key = "critic"
     lr: float = 1e-3
     value_clip: float = 0.2
     """Clip of the new values around the rollout's: 0.5 x max((V - R)^2, (clip(V, V_old -

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 from torch import nn
 
@@ -39,8 +39,13 @@ class OptimConfig:
     implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
     """AdamW kernel: auto picks fused on CUDA, foreach elsewhere."""
 
+    config_key: ClassVar[str] = "optim"
+    """The section's key in its command's config, for error messages (a critic's is critic)."""
+
     def __post_init__(self):
-        check_adamw_args(self.lr, tuple(self.betas), self.eps, self.weight_decay)
+        check_adamw_args(
+            self.lr, tuple(self.betas), self.eps, self.weight_decay, section=self.config_key
+        )
 
     def build(
         self, model_parts: nn.Module | Sequence[nn.Module], total_steps: int
