@@ -76,6 +76,44 @@ def test_profile_cli(tmp_path, capsys):
     assert cli(["profile", str(tmp_path / "nothing")]) == 2
     (tmp_path / "empty").mkdir()
     assert cli(["profile", str(tmp_path / "empty")]) == 2
+    capsys.readouterr()
+    assert cli(["profile", str(tmp_path), "--top", "-1"]) == 2  # listed all but one operator
+    assert "--top must be >= 0, got -1" in capsys.readouterr().err
+    import gzip
+
+    bad = tmp_path / "bad" / "profile"
+    bad.mkdir(parents=True)
+    trace = bad / "rank0.pt.trace.json.gz"
+    for content, expected in (
+        (gzip.compress(b'{"traceEvents": []}')[:12], "not a readable chrome trace"),  # truncated
+        (gzip.compress(b'{"traceEvents": 5}'), "traceEvents is not a list of events"),
+    ):
+        trace.write_bytes(content)
+        assert cli(["profile", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err and str(trace) in err, err
+
+
+def test_a_bad_calibration_is_one_line_and_a_bad_cached_one_is_measured_again(tmp_path, capsys,
+                                                                              caplog):  # fmt: skip
+    from mindspeed_core.planning import calibrate as cal
+
+    argv = ["plan", "--model", "llama:debug", "--devices", "2", "--seq-len", "128",
+            "--global-batch", "4", "--device", "cpu", "--calibration"]  # fmt: skip
+    for content, expected in (
+        ('{"flops_per_s": 1e9', "not a calibration JSON"),  # truncated
+        ("[1, 2]", "a calibration is a JSON object, got list"),
+        ('{"flops_per_sec": 1e9}', "unknown key 'flops_per_sec'"),
+        ('{"flops_per_s": NaN}', "flops_per_s: expected a finite number, got nan"),
+    ):
+        path = tmp_path / "calibration.json"
+        path.write_text(content)
+        assert cli([*argv, str(path)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err and str(path) in err, err
+    with caplog.at_level("WARNING", logger="mindspeed.plan"):
+        assert cal.load_cached(path) is None  # the planner then measures or uses defaults
+    assert "ignoring the cached calibration" in caplog.text
 
 
 def spearman(a: list[float], b: list[float]) -> float:

@@ -138,7 +138,7 @@ def _calibration(args, config, job: Job) -> Calibration:
         calib = calibrate(config, job, name)
         cal.save(calib, cal.cache_path(name))
         return calib
-    return cal.load(cal.cache_path(name)) or Calibration.default(job.device)
+    return cal.load_cached(cal.cache_path(name)) or Calibration.default(job.device)
 
 
 def _device_name(device_type: str) -> str:

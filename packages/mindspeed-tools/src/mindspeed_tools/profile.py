@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from mindspeed_core.cli import ArgumentParser, Command
-from mindspeed_core.errors import DataError
+from mindspeed_core.errors import ConfigError, DataError
 from mindspeed_core.profiling import find_traces, format_table, summarize
 
 HELP = "print compute vs communication vs idle time per rank from a profiled run's traces"
@@ -26,6 +26,8 @@ def run(argv: list[str]) -> int:
     parser.add_argument("--top", type=int, default=10, help="operators listed per rank")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    if args.top < 0:  # a negative slice would list all operators but the last
+        raise ConfigError(f"--top must be >= 0, got {args.top}")
     if not args.run_dir.is_dir():
         raise DataError(f"{args.run_dir} is not a directory")
     traces = find_traces(args.run_dir)

@@ -17,6 +17,7 @@ Results are cached per device name (`save` / `load`, JSON under ~/.cache/mindspe
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
@@ -25,9 +26,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from mindspeed_core.config import from_dict
+from mindspeed_core.errors import ConfigError
 from mindspeed_core.planning.cost import Calibration, estimate_step_time, step_flops
 from mindspeed_core.planning.memory import rank_layers
 from mindspeed_core.planning.shape import Job, Layout, ModelShape
+
+logger = logging.getLogger("mindspeed.plan")
 
 
 def _least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:
@@ -112,9 +117,31 @@ def save(calib: Calibration, path: Path) -> None:
 
 
 def load(path: Path) -> Calibration | None:
+    """The calibration saved at `path` (None if there is no file).
+
+    Raises:
+        ConfigError: the file is no JSON object of Calibration's fields (truncated, a list,
+            an unknown key, a value of the wrong type or not finite), naming the file.
+    """
     if not path.is_file():
         return None
-    return Calibration(**json.loads(path.read_text()))
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{path}: not a calibration JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a calibration is a JSON object, got {type(data).__name__}")
+    return from_dict(Calibration, data, source=str(path))
+
+
+def load_cached(path: Path) -> Calibration | None:
+    """A cached calibration, or None (with one warning) when it cannot be read: the caller
+    measures again."""
+    try:
+        return load(path)
+    except ConfigError as err:
+        logger.warning("ignoring the cached calibration: %s", err)
+        return None
 
 
 def _current_device() -> torch.device:

@@ -52,10 +52,13 @@ def load_trace(path: str | Path) -> dict:
         data = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
     except FileNotFoundError:
         raise DataError(f"trace {path} does not exist") from None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, EOFError) as err:  # EOFError: a truncated .gz
         raise DataError(f"trace {path} is not a readable chrome trace: {err}") from None
     if not isinstance(data, dict) or "traceEvents" not in data:
         raise DataError(f"trace {path} has no traceEvents: not a torch.profiler trace")
+    events = data["traceEvents"]
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
+        raise DataError(f"trace {path}: traceEvents is not a list of events")
     return data
 
 
