@@ -256,6 +256,19 @@ def test_precomputed_reference_equals_the_model_and_is_reused(tmp_path, monkeypa
     monkeypatch.setattr(reference, "_compute", no_forward)
     again = _losses(folder, data, tmp_path / "again", cache, "--dpo.ref=precompute")
     assert [m["loss"] for m in again] == [m["loss"] for m in first]
+    monkeypatch.undo()
+    # A cache that cannot be used is computed again, with one warning: truncated, or hostile
+    # (a pickle that would run a command; weights_only refuses it, nothing runs).
+    from mindspeed_core.testing.hostile import plant_hostile_torch_file
+
+    marker = tmp_path / "ran"
+    for name, plant in (("truncated", lambda f: f.write_bytes(f.read_bytes()[:100])),
+                        ("hostile", lambda f: plant_hostile_torch_file(f, marker))):  # fmt: skip
+        plant(files[0])
+        rebuilt = _losses(folder, data, tmp_path / name, cache, "--dpo.ref=precompute")
+        assert [m["loss"] for m in rebuilt] == [m["loss"] for m in first], name
+        assert torch.load(files[0], weights_only=True)["version"] == reference.CACHE_VERSION
+    assert not marker.exists()
 
 
 def _tp2(folder, data, root):

@@ -115,6 +115,18 @@ def test_bad_records_are_counted_or_fatal_and_long_samples_cut(tmp_path):
     assert (stats.records, stats.samples, stats.no_reply, stats.bad) == (4, 2, 1, 1)
     again, stats2 = tokenize_file(path, "messages", template, tok, cache_dir=tmp_path / "c")
     assert stats2 == stats and all((a[0] == b[0]).all() for a, b in zip(samples, again, strict=True))
+    # a cache that cannot be read (truncated, or a byte flipped: the zip's CRC) is rebuilt
+    (cache,) = (tmp_path / "c").glob("*.npz")
+    whole = cache.read_bytes()
+    flipped = bytearray(whole)
+    flipped[len(whole) // 3] ^= 0xFF
+    for damaged in (whole[: len(whole) // 2], bytes(flipped)):
+        cache.write_bytes(damaged)
+        rebuilt, stats3 = tokenize_file(path, "messages", template, tok, cache_dir=tmp_path / "c")
+        assert stats3 == stats and all((a[0] == b[0]).all() for a, b in zip(samples, rebuilt, strict=True))
+        assert cache.read_bytes() == whole
+    with pytest.raises(DataError, match=r"data.paths: .*missing.jsonl does not exist"):
+        tokenize_file(tmp_path / "missing.jsonl", "messages", template, tok, cache_dir=tmp_path / "c")
     with pytest.raises(DataError, match=r"data.jsonl:2: .*no assistant.*strict"):
         tokenize_file(path, "messages", template, tok, strict=True)
     short = len(samples[0][0])

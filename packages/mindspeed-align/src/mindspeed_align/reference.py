@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mindspeed_align.logps import SLOT_KEY, Pair, pack_pairs, sequence_logps
+from mindspeed_core.errors import disk_full_error, is_disk_full
 from mindspeed_core.parallel import dtensor
 from mindspeed_llm.peft import adapters_disabled
 
@@ -144,12 +145,32 @@ def _key(pairs: Sequence[Pair], reference: nn.Module) -> str:
     return h.hexdigest()[:24]
 
 
+CACHE_VERSION = 2
+"""Of the cache file: {"version", "values" (fp32 log-probs), "sha256" of the values}."""
+
+
+def _digest(values: torch.Tensor) -> str:
+    return hashlib.sha256(values.float().contiguous().numpy().tobytes()).hexdigest()
+
+
 def _read(path: Path, expected: int) -> torch.Tensor | None:
+    """The cached log-probs, or None when there is no file or it fails a check (unreadable,
+    another version, a checksum or a count that does not match: one warning, then the caller
+    computes them again). Loaded with weights_only: a file that would run code is refused."""
     if not path.is_file():
         return None
-    values = torch.load(path, weights_only=True)
-    if not isinstance(values, torch.Tensor) or values.shape != (expected,):
-        logger.warning("%s does not hold %d log-probs; computing them again", path, expected)
+    try:
+        saved = torch.load(path, weights_only=True)
+        values = saved["values"] if isinstance(saved, dict) else None
+        if not isinstance(saved, dict) or saved.get("version") != CACHE_VERSION:
+            raise ValueError(f"not a version-{CACHE_VERSION} cache")
+        if not isinstance(values, torch.Tensor) or values.shape != (expected,):
+            raise ValueError(f"it does not hold {expected} log-probs")
+        if saved.get("sha256") != _digest(values):
+            raise ValueError("its checksum does not match")
+    except Exception as err:  # unpickling, zip, key or check errors: any unusable cache
+        logger.warning("computing the reference log-probs again: the cache %s cannot be used "
+                       "(%s: %s)", path, type(err).__name__, err)  # fmt: skip
         return None
     return values
 
@@ -158,5 +179,12 @@ def _write(path: Path, values: torch.Tensor) -> None:
     """Atomically: a temporary file in the same folder, then a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(values, tmp)
-    os.replace(tmp, path)
+    try:
+        saved = {"version": CACHE_VERSION, "values": values.float(), "sha256": _digest(values)}
+        torch.save(saved, tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(err):
+            raise disk_full_error(path, values.numel() * 4) from None
+        raise

@@ -33,6 +33,12 @@ def touch_command(marker: Path) -> str:
     return f"touch {marker}"
 
 
+def plant_hostile_torch_file(path: Path, marker: Path) -> None:
+    """A `torch.save` file (a cache, a state) whose pickle creates `marker` when loaded
+    without `weights_only`."""
+    torch.save(_Command(touch_command(marker)), path)
+
+
 def plant_hostile_metadata(step_dir: Path, marker: Path) -> None:
     """Replace `.metadata` with a pickle that creates `marker` when unpickled, and
     re-record the checksums as a careful attacker would."""

@@ -156,11 +156,15 @@ def tokenize_file(
     """The samples of a raw .json/.jsonl/.parquet file, tokenised once and cached under
     `cache_dir` (keyed by the file's path, size and time, the handler, the template and
     the tokenizer); None: no cache."""
+    if not Path(path).is_file():
+        raise DataError(f"data.paths: {path} does not exist")
     if cache_dir is None:
         return _tokenize_records(path, handler, template, tokenizer, strict)
     cached = Path(cache_dir) / f"{_cache_key(path, handler, template, tokenizer, strict)}.npz"
     if cached.is_file():
-        return _load_cache(cached)
+        loaded = _load_cache(cached)
+        if loaded is not None:
+            return loaded
     samples, stats = _tokenize_records(path, handler, template, tokenizer, strict)
     _save_cache(cached, samples, stats)
     return samples, stats
@@ -192,12 +196,22 @@ def _save_cache(path: Path, samples: list[Sample], stats: SFTStats) -> None:
             os.unlink(tmp)
 
 
-def _load_cache(path: Path) -> tuple[list[Sample], SFTStats]:
-    with np.load(path, allow_pickle=False) as z:
-        bounds = np.concatenate([[0], np.cumsum(z["lengths"])])
-        ids, labels = z["ids"], z["labels"]
-        samples = [(ids[a:b], labels[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-        return samples, SFTStats(**json.loads(str(z["stats"])))
+def _load_cache(path: Path) -> tuple[list[Sample], SFTStats] | None:
+    """The cached samples, or None (with one warning) when the file cannot be read whole and
+    consistent: the caller tokenises again. np.load checks each member's CRC-32."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            lengths, ids, labels = z["lengths"], z["ids"], z["labels"]
+            stats = SFTStats(**json.loads(str(z["stats"])))
+        bounds = np.concatenate([[0], np.cumsum(lengths)])
+        if ids.shape != labels.shape or bounds[-1] != len(ids) or (lengths < 0).any():
+            raise ValueError("its arrays do not agree")
+    except Exception as err:  # zip, CRC, key, JSON or shape errors: any unreadable cache
+        logger.warning("tokenising again: the cache %s cannot be read (%s: %s)", path,
+                       type(err).__name__, err)  # fmt: skip
+        return None
+    samples = [(ids[a:b], labels[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    return samples, stats
 
 
 def read_prefix(prefix: str | os.PathLike) -> tuple[list[Sample], SFTStats]:
