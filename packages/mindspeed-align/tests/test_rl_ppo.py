@@ -226,6 +226,14 @@ def test_ppo_with_a_reward_model(task):
     assert first["reward/mean"] == pytest.approx(
         first["reward/final_number"] + 0.5 * first["reward/model"], abs=1e-6
     )
+    # `critic.init_from`: the critic starts as that reward model (body and value head), so its
+    # first values differ from a critic with a new head on the policy's body
+    assert guarded(ppo_main, _args(task, "critic_rm", f"--critic.init_from={rm}",
+                                   "--train.steps=1")) == 0  # fmt: skip
+    assert guarded(ppo_main, _args(task, "critic_new", "--train.steps=1")) == 0
+    (from_rm,) = read_metrics(folder / "critic_rm" / "metrics.jsonl")
+    (fresh,) = read_metrics(folder / "critic_new" / "metrics.jsonl")
+    assert from_rm["critic/values"] != pytest.approx(fresh["critic/values"], abs=1e-6)
 
 
 def test_ppo_bad_inputs_are_one_line(task, capsys):
@@ -236,6 +244,9 @@ def test_ppo_bad_inputs_are_one_line(task, capsys):
         "--ppo.lam=1.5": "ppo.lam=1.5",
         "--ppo.n=3": "not a whole number of groups of ppo.n=3",
         f"--ppo.reward_model={folder}": "ppo.reward_model: ",
+        f"--critic.init_from={folder / 'no_such'}": f"critic.init_from={folder / 'no_such'} does "
+        "not exist",
+        f"--critic.init_from={folder}": "critic.init_from: ",  # not an exported reward model
     }
     for arg, expected in cases.items():
         assert guarded(ppo_main, [*_args(task, "bad"), arg]) == 2, arg

@@ -219,8 +219,9 @@ class CriticSection(GRPOOptimSection):
     """Clip of the new values around the rollout's: 0.5 x max((V - R)^2, (clip(V, V_old -
     c, V_old + c) - R)^2) per response token (TRL's cliprange_value 0.2; verl 0.5)."""
     init_from: Path | None = None
-    """Start from these weights, value head included (an `mindspeed rm` run's checkpoints or
-    a converted critic); None: the policy's starting weights with a new value head."""
+    """Start from a trained reward model, value head included: the Hugging Face
+    *ForSequenceClassification folder `mindspeed rm --rm.export_hf` writes; None: the policy's
+    starting weights with a new value head."""
 
     def __post_init__(self):
         super().__post_init__()

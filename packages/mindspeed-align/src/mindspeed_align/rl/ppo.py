@@ -32,7 +32,7 @@ from mindspeed_align.reward import add_score_head
 from mindspeed_align.rl import advantages as adv_fns
 from mindspeed_align.rl.grpo import GRPOStep, attach
 from mindspeed_align.rl.losses import kl_estimate, value_loss
-from mindspeed_align.rl.weights import load_weights
+from mindspeed_align.rl.weights import load_value_model, load_weights
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
@@ -213,7 +213,9 @@ def build_critic(trainer, cfg, init_from) -> TrainStep:
         seq_len=cfg.data.seq_len, hf_path=cfg.model.hf_path, before_tp=add_score_head,
         compile=cfg.train.compile, fp8=cfg.train.fp8,
     )  # fmt: skip
-    if init_from is not None:
+    if cfg.critic.init_from is not None:  # a trained reward model: body and value head
+        load_value_model(model, cfg.critic.init_from)
+    elif init_from is not None:  # the policy's starting body, a new value head
         load_weights(model, init_from, what=f"{cfg.rl.section}.init_from", head=False)
     parts = build_train_parts(model, cfg.critic, total_steps=cfg.train.steps,
                               precision=cfg.train.precision)  # fmt: skip
