@@ -105,6 +105,12 @@ def test_generate_int8_equals_the_engine_on_int8_weights(model_dir, capsys):
     quantized = Generator(model, load_tokenizer(model_dir), GenerationConfig.from_file(model_dir))
     expected = generate(model, [quantized.encode(p) for p in prompts], quantized.resolved_config())
     assert [r["token_ids"] for r in printed] == expected
+    # half-precision activations over int8 weights: the KV cache takes the activations'
+    # dtype (it took the scales' fp32 and the attention refused the mix)
+    for dtype in ("fp16", "bf16"):
+        assert cli(["generate", "--model", str(model_dir), *prompts, "--quantize", "int8",
+                    "--dtype", dtype]) == 0, dtype  # fmt: skip
+        assert len(_jsonl(capsys.readouterr().out)) == 2
 
 
 def test_generate_plain_input_file_and_sampling(model_dir, capsys, tmp_path):

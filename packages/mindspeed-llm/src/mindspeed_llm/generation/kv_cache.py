@@ -68,8 +68,11 @@ class KVCache:
             heads, head_dim, dtype, device = attention.kv_cache_layout()
         else:
             local = dtensor.local(attention.wk.weight)
-            # An int8 weight-only layer (`generation.quantize`) computes in its scale's dtype.
-            dtype = local.dtype if local.is_floating_point() else attention.wk.scale.dtype
+            # An int8 weight-only layer (`generation.quantize`) computes in the activations'
+            # dtype: that of the model's float parameters (embeddings, norms), not its scale's.
+            dtype = local.dtype if local.is_floating_point() else next(
+                p.dtype for p in model.parameters() if p.is_floating_point()
+            )
             heads, head_dim, device = local.shape[0] // config.head_dim, config.head_dim, local.device
         return {"num_layers": config.num_layers, "num_kv_heads": heads, "head_dim": head_dim,
                 "dtype": dtype, "device": device}  # fmt: skip
