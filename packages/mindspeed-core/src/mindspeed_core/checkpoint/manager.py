@@ -261,10 +261,13 @@ class CheckpointManager:
 
     def _abandon(self, tmp: Path, err: BaseException) -> None:
         """A save failed: remove its partial output and raise a user error where it is one."""
+        # torch's zip writer reports a full disk as "unexpected pos ..." without the OSError:
+        # a save that failed on a (nearly) full disk is taken for what it is.
+        full = is_disk_full(err) or _nearly_full(tmp)
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             (self.folder / f"{LATEST}.tmp").unlink(missing_ok=True)
-        if is_disk_full(err):
+        if full:
             raise disk_full_error(tmp, _state_bytes(self.states)) from None
         if isinstance(err, CheckpointException):
             raise_user_error(err)
@@ -374,6 +377,17 @@ def _crash_point(name: str, step: int) -> None:
     wanted = os.environ.get(CRASH_ENV)
     if wanted and wanted in (name, f"{name}@{step}"):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _nearly_full(path: Path, margin: int = 1 << 20) -> bool:
+    """Whether the file system holding `path` has less than `margin` bytes free."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return shutil.disk_usage(probe).free < margin
+    except OSError:
+        return False
 
 
 def _state_bytes(states: dict[str, Stateful]) -> int:
