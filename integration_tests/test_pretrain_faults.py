@@ -187,53 +187,21 @@ def test_a_hostile_checkpoint_runs_nothing_on_resume_load_generate_or_convert(
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_full_disk_during_a_save_is_one_line_and_the_last_checkpoint_resumes(
-    mode, runs, in_process, tmp_path, capsys, monkeypatch
+    mode, runs, in_process, tmp_path, capsys
 ):
     """The save of step 4 runs out of space (sync: as torch's zip writer reports it, a bare
     "unexpected pos" on a full file system; async: ENOSPC from the writer thread): one line,
     exit 2, no temporary left, step 2 intact, and the rerun resumes from it exactly."""
-    import errno
-    from concurrent.futures import Future
+    from mindspeed_core.testing.faults import disk_full_after
 
-    import mindspeed_core.checkpoint.manager as manager
-
-    real_save, real_async, real_usage = manager.dcp.save, manager.dcp.async_save, shutil.disk_usage
-    calls = []
-
-    def save(state, *, checkpoint_id, **kwargs):
-        calls.append(checkpoint_id)
-        if len(calls) < 2:
-            return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
-        Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
-        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-
-    def async_save(state, *, checkpoint_id, **kwargs):
-        calls.append(checkpoint_id)
-        if len(calls) < 2:
-            return real_async(state, checkpoint_id=checkpoint_id, **kwargs)
-        Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
-        failed = Future()
-        failed.set_exception(OSError(errno.ENOSPC, "No space left on device"))
-        return failed
-
-    def usage(path):  # the file system the failed save filled
-        full = real_usage(path)
-        return full._replace(free=0) if len(calls) >= 2 else full
-
-    monkeypatch.setattr(manager.dcp, "save", save)
-    monkeypatch.setattr(manager.dcp, "async_save", async_save)
-    monkeypatch.setattr(manager.shutil, "disk_usage", usage)
     run = tmp_path / "run"
     extra = ["--checkpoint.async_save=true"] if mode == "async" else []
-    _error(*_pretrain(capsys, run, *extra), "no space left on device for", ".tmp_step_4")
+    with disk_full_after(saves=1):
+        _error(*_pretrain(capsys, run, *extra), "no space left on device for", ".tmp_step_4")
     folder = run / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["latest", "step_2"]
     assert (folder / "latest").read_text().strip() == "step_2"
-    monkeypatch.setattr(manager.dcp, "save", real_save)  # the disk has room again
-    monkeypatch.setattr(manager.dcp, "async_save", real_async)
-    monkeypatch.setattr(manager.shutil, "disk_usage", real_usage)
-    code, lines = _pretrain(capsys, run, *extra)
+    code, lines = _pretrain(capsys, run, *extra)  # the disk has room again
     assert code == 0, lines
     assert [step for step, _ in _losses(run)] == [1, 2, 3, 4, 5]
 

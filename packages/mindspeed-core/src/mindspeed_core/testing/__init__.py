@@ -4,6 +4,7 @@
 - `requires_device(type)`: a pytest skip marker for cuda/npu-only tests.
 - `import_sibling(__file__, "helpers")`: import a helper module next to a test file.
 - `processes.descendants(pid)` / `gone_within(pids, s)`: what a killed parent left running.
+- `faults.disk_full_after(saves)`: checkpoint saves that fail as on a full disk.
 """
 
 import importlib.util
