@@ -4,6 +4,7 @@ bad inputs (one line, exit 2)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -137,3 +138,31 @@ def test_dapo_demo_reward_rises(tmp_path):
     assert sampled1 > 0.7 and sampled1 > sampled0 + 0.3 and greedy1 > 0.8, summary
     metrics = read_metrics(tmp_path / "dapo" / "metrics.jsonl")
     assert any(m["groups/kept_fraction"] < 1 for m in metrics)  # dynamic sampling dropped groups
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_killed_trainer_leaves_no_process_behind(task, tmp_path, how):
+    """`mindspeed grpo` with reward workers, killed mid-run: its workers and their resource
+    tracker are gone within 5 s (mindspeed_core.lifeline)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from mindspeed_core.testing.processes import alive, descendants, gone_within
+
+    args = _args(task, f"killed_{how}", "--grpo.reward_workers=2", "--train.steps=1000")
+    trainer = subprocess.Popen([sys.executable, "-m", "mindspeed_align.rl.cli", *args],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while len(helpers := descendants(trainer.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)  # two reward workers and multiprocessing's resource tracker
+        assert len(helpers) >= 3 and trainer.poll() is None, helpers
+        os.kill(trainer.pid, getattr(signal, how))
+        trainer.wait(timeout=30)
+        assert gone_within(helpers, 5.0) is not None, alive(helpers)
+    finally:
+        trainer.kill()

@@ -20,6 +20,12 @@ the standard library) arms the lifeline before importing it:
 Works for the fork, forkserver and spawn start methods: the parent is named by pid, not taken
 from `os.getppid()` (a forkserver child's parent is the fork server, which itself exits when
 the parent does).
+
+One import comes before any initializer: a spawned child first re-imports its parent's main
+module as `__mp_main__` (unless that is a package's `__main__`). An entry module that starts
+pools and imports torch at the top (`python -m mindspeed_align.rl.cli`) therefore begins with
+`arm_if_spawned_helper(__name__)`: `spawn_context()` leaves the parent's pid in the
+environment, and the child arms from it before its heavy imports.
 """
 
 from __future__ import annotations
@@ -35,7 +41,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["POLL_S", "die_with_parent", "parent_alive", "pool_initializer"]
+__all__ = ["ENV_VAR", "POLL_S", "arm_if_spawned_helper", "die_with_parent", "parent_alive",
+           "pool_initializer", "spawn_context"]
+
+ENV_VAR = "MINDSPEED_LIFELINE_PARENT"
+"""Set by `spawn_context` to the pid its children must die with."""
 
 POLL_S = 0.2
 """How often the watch thread looks at the parent: a dead parent is noticed within this."""
@@ -90,6 +100,23 @@ def _watch(parent_pid: int, direct_parent: int, poll_s: float) -> None:
     while parent_alive(parent_pid, direct_parent):
         time.sleep(poll_s)
     os._exit(1)
+
+
+def spawn_context():
+    """multiprocessing's spawn context, with this process's pid left in the environment
+    (which spawned children inherit) for `arm_if_spawned_helper`."""
+    import multiprocessing
+
+    os.environ[ENV_VAR] = str(os.getpid())
+    return multiprocessing.get_context("spawn")
+
+
+def arm_if_spawned_helper(module_name: str) -> None:
+    """Call first in an entry module that may start pools: in a spawned child re-importing
+    it (`module_name == "__mp_main__"`), tie the child to its parent before anything else."""
+    parent = os.environ.get(ENV_VAR)
+    if module_name == "__mp_main__" and parent and parent.isdigit():
+        die_with_parent(int(parent))
 
 
 def pool_initializer(parent_pid: int, target: str | None = None, *args: Any) -> None:

@@ -10,6 +10,11 @@ mindspeed_align.rl.cli [ppo] --parallel.dp_shard 2`.
 
 from __future__ import annotations
 
+from mindspeed_core.lifeline import arm_if_spawned_helper
+
+arm_if_spawned_helper(__name__)  # a reward worker re-importing this module: armed first
+
+# ruff: noqa: E402 (the imports below pull in torch: they come after the line above)
 import logging
 import sys
 from pathlib import Path

@@ -19,7 +19,6 @@ import importlib.util
 import inspect
 import logging
 import math
-import multiprocessing
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from mindspeed_core.errors import ConfigError
-from mindspeed_core.lifeline import pool_initializer
+from mindspeed_core.lifeline import pool_initializer, spawn_context
 
 __all__ = ["RewardFn", "Rewards", "exact_match", "final_number", "load_reward", "math_verify",
            "required_columns"]
@@ -226,7 +225,7 @@ class Rewards:
 
     def _get_pool(self) -> ProcessPoolExecutor:
         if self._pool is None:
-            context = multiprocessing.get_context("spawn")
+            context = spawn_context()
             self._pool = ProcessPoolExecutor(  # workers die with this process, even SIGKILLed
                 self.workers, mp_context=context, initializer=pool_initializer,
                 initargs=(os.getpid(),),

@@ -26,7 +26,7 @@ import numpy as np
 
 from mindspeed_core.errors import ConfigError, DataError, disk_full_error, is_disk_full
 from mindspeed_core.files import owned_temp_prefix, remove_stale_temps
-from mindspeed_core.lifeline import pool_initializer
+from mindspeed_core.lifeline import pool_initializer, spawn_context
 from mindspeed_tools.preprocess.handlers import output_keys
 from mindspeed_tools.preprocess.sources import count_records, find_inputs, read_items
 from mindspeed_tools.preprocess.worker import (
@@ -209,7 +209,6 @@ def _results(cfg, handler, items, stack: contextlib.ExitStack) -> Iterator[Resul
     if cfg.workers == 1:
         yield from (process_item(handler, item) for item in items)
         return
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
 
@@ -218,7 +217,7 @@ def _results(cfg, handler, items, stack: contextlib.ExitStack) -> Iterator[Resul
     # A worker that dies (e.g. killed for memory) fails the run instead of hanging it.
     pool = ProcessPoolExecutor(
         cfg.workers,
-        mp_context=multiprocessing.get_context("spawn"),
+        mp_context=spawn_context(),
         initializer=pool_initializer,
         initargs=(os.getpid(), f"{init_worker.__module__}:init_worker", asdict(cfg.handler)),
     )
