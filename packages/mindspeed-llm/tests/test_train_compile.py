@@ -71,14 +71,14 @@ def _compare(parallel: ParallelConfig, ac="none", world_size=None, family="llama
     return eager, compiled, dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
 
 
-def _assert_same(results, allowed_breaks=0):
+def _assert_same(results, allowed_breaks=0, atol=1e-5):
     for (eager_losses, eager_params), (losses, params), breaks, graphs in results:
         assert sum(breaks.values()) <= allowed_breaks and graphs >= 1, breaks
         assert losses == pytest.approx(eager_losses, rel=1e-5)
         assert losses[-1] < losses[0] - 0.05  # it trained
         assert params.keys() == eager_params.keys()  # no `_orig_mod` in any name
         for name, value in params.items():
-            torch.testing.assert_close(value, eager_params[name], rtol=1e-4, atol=1e-5, msg=name)
+            torch.testing.assert_close(value, eager_params[name], rtol=1e-4, atol=atol, msg=name)
 
 
 def test_compiled_training_is_eager_training_one_process():
@@ -138,4 +138,8 @@ def test_compiled_training_is_eager_training_cp2_ring_and_ulysses():
 def test_compiled_training_is_eager_training_moe_ep2():
     """Mixtral debug, experts split over 2 ranks (ep=2 over dp_shard=2)."""
     parallel = ParallelConfig(dp_shard=2, ep=2)
-    _assert_same(run_distributed(_compare, 2, parallel, family="mixtral", timeout=600))
+    # Losses equal to 1e-5; experts' weights to 5e-5: a rarely routed expert row has a
+    # gradient near zero, where AdamW's first steps (m / sqrt(v), lr 1e-2) turn inductor's
+    # last-bit differences into ~2e-5 (measured 1.9e-5 since packed attention moved to the
+    # C++ flash kernel, whose rounding differs from the composed path's).
+    _assert_same(run_distributed(_compare, 2, parallel, family="mixtral", timeout=600), atol=5e-5)
