@@ -104,43 +104,25 @@ def _ours(device, dtype, hf_config, compile=False):
         apply_compile(model)
     optimizer = build_optimizers(model, lr=1e-4, weight_decay=0.1)
 
-    def step(tokens, labels, cu_seqlens, position_ids):
-        with torch_autocast(device, dtype):
-            logits = model(tokens, position_ids=position_ids, cu_seqlens=cu_seqlens)
-            loss = mindspeed_ops.cross_entropy(logits.flatten(0, 1), labels.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+    def loss(tokens, labels, cu_seqlens, position_ids):
+        logits = model(tokens, position_ids=position_ids, cu_seqlens=cu_seqlens)
+        return mindspeed_ops.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
-    return model, step
+    return model, _step(optimizer, device, dtype, loss)
 
 
 def _theirs(device, dtype, hf_config, compile=False):
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**{k: v for k, v in hf_config.items() if k != "model_type"})
     model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa").to(device)
     model.train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-4,
-        betas=(0.9, 0.95),
-    )
 
-    def step(tokens, labels, cu_seqlens, position_ids):
-        with torch_autocast(device, dtype):
-            # transformers shifts labels itself: the usual call passes the inputs as labels.
-            loss = model(input_ids=tokens, labels=tokens, position_ids=position_ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        return loss
+    def loss(tokens, labels, cu_seqlens, position_ids):
+        # transformers shifts labels itself: the usual call passes the inputs as labels.
+        return model(input_ids=tokens, labels=tokens, position_ids=position_ids).loss
 
-    return model, step
+    return model, _step(_adamw(model), device, dtype, loss)
 
 
 def _torchtitan(device, dtype, hf_config, compile=False):
@@ -167,19 +149,38 @@ def _torchtitan(device, dtype, hf_config, compile=False):
     with torch.device(device):
         model = Transformer(args)
         model.init_weights()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
+
+    def loss(tokens, labels, cu_seqlens, position_ids):
+        logits = model(tokens)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    return model, _step(_adamw(model), device, dtype, loss)
+
+
+def _adamw(model):
+    """The peers' optimizer, as ours: AdamW, weight decay on matrices only."""
+    import torch
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-4, betas=(0.9, 0.95),
+    )  # fmt: skip
+
+
+def _step(optimizer, device, dtype, loss_of):
+    """One training step: the loss under autocast, backward, optimizer step."""
 
     def step(tokens, labels, cu_seqlens, position_ids):
         with torch_autocast(device, dtype):
-            logits = model(tokens)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
-                                                     labels.flatten())  # fmt: skip
+            loss = loss_of(tokens, labels, cu_seqlens, position_ids)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         return loss
 
-    return model, step
+    return step
 
 
 def torch_autocast(device, dtype):
@@ -305,14 +306,9 @@ def main() -> None:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    from mindspeed_core import device as dev
+
+    return dev.device_name("cpu")
 
 
 if __name__ == "__main__":
