@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -106,3 +107,33 @@ def test_several_processes_need_a_running_cluster(monkeypatch):
     with pytest.raises(ConfigError, match="ppo.placement=ray with 2 training processes needs a "
                                           "running Ray cluster"):  # fmt: skip
         RayRoles("ppo", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_killed_trainer_takes_its_local_cluster_with_it(tmp_path, how):
+    """A trainer that started its own Ray cluster, killed mid-run: the cluster's processes (GCS,
+    raylet, the agents that Ray's own fate sharing leaves for about a minute, the actors) are
+    gone within 5 s (mindspeed_core.lifeline.Reaper)."""
+    import signal
+    import subprocess
+    import time
+
+    from mindspeed_core.testing.processes import alive, descendants, gone_within
+
+    args = _args(tmp_path, f"killed_{how}", "grpo", "--grpo.placement=ray", "--train.steps=1000")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local cluster
+    trainer = subprocess.Popen([sys.executable, "-m", "mindspeed_align.rl.cli", *args], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / f"killed_{how}" / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.5)  # the actors are up once a step has been logged
+        helpers = descendants(trainer.pid)
+        assert len(helpers) >= 5 and trainer.poll() is None, helpers
+        os.kill(trainer.pid, getattr(signal, how))
+        trainer.wait(timeout=30)
+        assert gone_within(helpers, 5.0) is not None, alive(helpers)
+    finally:
+        trainer.kill()

@@ -76,3 +76,56 @@ def test_a_child_of_a_dead_parent_exits_at_once():
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert alive_parent.returncode == 0 and alive_parent.stdout.strip() == "survived"
+
+
+REAPED_PARENT = """
+import subprocess, sys, time
+from mindspeed_core.lifeline import Reaper
+reaper = Reaper()
+# helpers that arm nothing, as a local Ray cluster's: a child, and a grandchild in its own session
+subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen("
+                  "[sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+                  "time.sleep(600)"])
+if sys.argv[1] == "close":
+    reaper.close()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM])
+def test_a_reaper_kills_what_a_dead_parent_left_behind(how):
+    parent = subprocess.Popen([sys.executable, "-c", REAPED_PARENT, "open"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        while len(descendants(parent.pid)) < 3 and time.monotonic() < deadline:  # watcher, child, grandchild
+            time.sleep(0.05)
+        time.sleep(0.5)  # the watcher's first look
+        helpers = descendants(parent.pid)
+        assert len(helpers) == 3, helpers
+        os.kill(parent.pid, how)
+        parent.wait(timeout=10)
+        assert gone_within(helpers, 5.0) is not None, alive(helpers)
+    finally:
+        parent.kill()
+
+
+def test_a_closed_reaper_kills_nothing():
+    parent = subprocess.Popen([sys.executable, "-c", REAPED_PARENT, "close"], stdout=subprocess.PIPE, text=True)
+    helpers = []
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        while len(descendants(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        helpers = descendants(parent.pid)
+        assert len(helpers) == 2, helpers  # the watcher is gone
+        parent.kill()
+        parent.wait(timeout=10)
+        time.sleep(1.0)
+        assert len(alive(helpers)) == 2  # orphans (what the caller chose), not killed
+    finally:
+        for pid, _ in alive(helpers):
+            os.kill(pid, signal.SIGKILL)
+        parent.kill()

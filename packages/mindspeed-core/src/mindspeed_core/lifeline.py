@@ -26,6 +26,11 @@ module as `__mp_main__` (unless that is a package's `__main__`). An entry module
 pools and imports torch at the top (`python -m mindspeed_align.rl.cli`) therefore begins with
 `arm_if_spawned_helper(__name__)`: `spawn_context()` leaves the parent's pid in the
 environment, and the child arms from it before its heavy imports.
+
+Processes we do not start ourselves cannot arm anything: a local Ray cluster's raylet and GCS
+follow the driver (Ray's own fate sharing), but its dashboard and runtime-env agents wait for
+the dead GCS for about a minute. `Reaper` covers them: a small watcher outside the trainer's
+session that, once the trainer is gone, SIGKILLs every process that was below it (Linux).
 """
 
 from __future__ import annotations
@@ -39,10 +44,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV_VAR", "POLL_S", "arm_if_spawned_helper", "die_with_parent", "parent_alive",
-           "pool_initializer", "spawn_context"]
+__all__ = ["ENV_VAR", "POLL_S", "Reaper", "arm_if_spawned_helper", "descendants",
+           "die_with_parent", "parent_alive", "pool_initializer", "spawn_context"]
 
 ENV_VAR = "MINDSPEED_LIFELINE_PARENT"
 """Set by `spawn_context` to the pid its children must die with."""
@@ -132,3 +138,78 @@ def resolve(target: str) -> Callable[..., Any]:
     """The function named by "module:function"."""
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(parent pid, state letter, start time in clock ticks) of `pid` from /proc (Linux)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def descendants(pid: int) -> list[int]:
+    """Living processes below `pid` (children, grandchildren, ...), Linux only (empty
+    elsewhere). Take the snapshot before `pid` dies: its orphans are re-parented."""
+    if not Path("/proc/self/stat").exists():
+        return []
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (info := _stat(int(entry))) and info[1] != "Z":
+            parent_of[int(entry)] = info[0]
+    found, frontier = [], {pid}
+    while frontier:
+        frontier = {p for p, parent in parent_of.items() if parent in frontier}
+        found += sorted(frontier)
+    return found
+
+
+class Reaper:
+    """While open, every process below this one dies within about `POLL_S` of it, even when
+    this process is SIGKILLed: a watcher (`python -m mindspeed_core.lifeline`, in its own
+    session, standard library only) keeps a list of our descendants and kills the ones still
+    running once we are gone. `close()` stops the watcher and kills nothing. Linux only (a
+    no-op elsewhere). For helpers started by a library we do not control (a local Ray cluster);
+    our own helpers arm `die_with_parent` instead."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        self.process = None
+        if Path("/proc/self/stat").exists():
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "mindspeed_core.lifeline", str(os.getpid())],
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def __enter__(self) -> Reaper:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _reap(parent_pid: int, poll_s: float = POLL_S) -> None:
+    """The watcher of `Reaper`: follow `parent_pid`'s descendants, then kill the survivors."""
+    me, known = os.getpid(), {}
+    parent = _stat(parent_pid)
+    while parent is not None and (now := _stat(parent_pid)) and now[2] == parent[2] and now[1] != "Z":
+        for pid in descendants(parent_pid):
+            if pid != me and pid not in known and (info := _stat(pid)):
+                known[pid] = info[2]
+        time.sleep(poll_s)
+    for pid, started in known.items():  # the same process: a reused pid has another start time
+        if (info := _stat(pid)) and info[2] == started:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    _reap(int(sys.argv[1]))

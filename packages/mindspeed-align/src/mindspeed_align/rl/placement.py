@@ -30,6 +30,7 @@ from torch import Tensor
 
 from mindspeed_align.rl.objective import recompute_logps
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.lifeline import Reaper
 from mindspeed_llm.data.collate import Batch
 
 __all__ = ["LocalReference", "RayRoles"]
@@ -132,7 +133,7 @@ class RayRoles:
                 f"{section}.placement=ray needs Ray: pip install 'mindspeed-align[ray]'"
             ) from None
         self.ray, self.actors = ray, []
-        self.started = False
+        self.started, self.reaper = False, None
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             if address is None and world_size > 1:
@@ -143,6 +144,8 @@ class RayRoles:
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)  # fmt: skip
             self.started = address is None
+            if self.started:  # a killed trainer takes the local cluster's agents with it
+                self.reaper = Reaper()
         self.section = section
 
     def reference(self, config, *, seed: int, seq_len: int, precision: str,
@@ -172,3 +175,6 @@ class RayRoles:
         self.actors = []
         if self.started:
             self.ray.shutdown()
+        if self.reaper is not None:
+            self.reaper.close()
+            self.reaper = None

@@ -3,33 +3,16 @@
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
+
+from mindspeed_core.lifeline import _stat, descendants
 
 __all__ = ["alive", "descendants", "gone_within"]
 
 
 def _ppid_and_state(pid: int) -> tuple[int, str] | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[1]), fields[0]
-
-
-def descendants(pid: int) -> list[int]:
-    """Living processes below `pid` (children, grandchildren, ...). Take the snapshot before
-    killing `pid`: its orphans are re-parented and no longer found under it."""
-    parent_of = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (info := _ppid_and_state(int(entry))) and info[1] != "Z":
-            parent_of[int(entry)] = info[0]
-    found, frontier = [], {pid}
-    while frontier:
-        frontier = {p for p, parent in parent_of.items() if parent in frontier}
-        found += sorted(frontier)
-    return found
+    info = _stat(pid)
+    return None if info is None else info[:2]
 
 
 def alive(pids: list[int]) -> list[tuple[int, str]]:
