@@ -5,9 +5,11 @@ document longer than max_length, and greedy generations with stop strings."""
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from mindspeed_core.testing import import_sibling
 
@@ -74,7 +76,8 @@ def test_loglikelihood_tokens_and_generation_equal_hflm(setup, monkeypatch):
     manager = TaskManager(include_defaults=False)  # dict tasks: no need to index the built-ins
     kwargs = {"tasks": [task], "log_samples": True, "random_seed": 0, "task_manager": manager}
     ours_result = lm_eval.simple_evaluate(
-        model="mindspeed", model_args=f"model={model_dir},batch_size=2", **kwargs
+        # HFLM's own spellings, as lm-eval users type them
+        model="mindspeed", model_args=f"pretrained={model_dir},dtype=float32,batch_size=2", **kwargs
     )
     hf_result = lm_eval.simple_evaluate(model=hf, **kwargs)
     ours = mindspeed_eval.lm.MindSpeedLM(model=str(model_dir), batch_size=2)
@@ -162,6 +165,20 @@ def test_model_args_reach_the_scorer(setup):
         f"model={model_dir}", {"device": "cuda:0", "batch_size": 3}
     )
     assert lm.batch_size == 3 and lm.device.type in ("cpu", "cuda")
+    # HFLM's spellings: pretrained=, dtype=bfloat16, batch_size=auto; trust_remote_code refused
+    lm = mindspeed_eval.lm.MindSpeedLM.create_from_arg_string(
+        f"pretrained={model_dir},dtype=bfloat16,batch_size=auto,trust_remote_code=False"
+    )
+    assert next(lm.scorer.model.parameters()).dtype == torch.bfloat16 and lm.batch_size == 8
+    refused = {
+        f"pretrained={model_dir},trust_remote_code=True": "trust_remote_code=True: a MindSpeed",
+        f"pretrained={model_dir},model=/elsewhere": "name two models",
+        f"pretrained={model_dir},dtype=float64": "dtype 'float64' is not one of auto, fp32",
+        "batch_size=2": "needs model=DIR (or pretrained=DIR",
+    }
+    for args, message in refused.items():
+        with pytest.raises(Exception, match=re.escape(message)):
+            mindspeed_eval.lm.MindSpeedLM.create_from_arg_string(args)
 
 
 @pytest.mark.slow

@@ -11,6 +11,11 @@ models of other packages). Model arguments: `model` (HF folder, converted checkp
 run's checkpoints), `tokenizer`, `device`, `dtype`, `batch_size`, `max_length`,
 `max_gen_toks`, `add_bos_token`, `tp`, `chat_template`.
 
+The Hugging Face backend's spellings are accepted as its users type them: `pretrained=` for
+`model=`, `dtype=float32|bfloat16|float16|auto` (and `torch.float32` ...) beside ours
+(`fp32|bf16|fp16`), `batch_size=auto`; `trust_remote_code=True` is refused (a MindSpeed model
+runs only this project's code, never a folder's Python).
+
 Under torchrun, ranks form groups of `tp` (each holds one tensor-parallel copy of the
 model) and lm-eval's evaluator gives each group its own share of the requests: `rank` and
 `world_size` here are the data-parallel rank and degree, as lm-eval expects of TP
@@ -68,14 +73,24 @@ class MindSpeedLM(TemplateLM):
         tp: int = 1,
         chat_template: str | None = None,
         scorer: Scorer | None = None,
+        pretrained: str | None = None,
+        trust_remote_code: bool | str | None = None,
         **unused,
     ):
         super().__init__()
         if scorer is None:
-            if model is None:
-                raise ValueError("MindSpeedLM needs model=DIR (or a scorer)")
+            model = _model_path(model, pretrained)
+            if _flag(trust_remote_code):
+                raise ValueError(
+                    "trust_remote_code=True: a MindSpeed model runs only MindSpeed's own code, "
+                    "never Python from the model folder; drop the argument"
+                )
             loaded = load_for_eval(
-                model, tokenizer=tokenizer, device=_device_type(device), dtype=dtype, tp=int(tp)
+                model,
+                tokenizer=tokenizer,
+                device=_device_type(device),
+                dtype=_dtype(dtype),
+                tp=int(tp),
             )
             config = ScorerConfig(
                 batch_size=_batch_size(batch_size),
@@ -199,6 +214,26 @@ def _device_type(device: str | None) -> str:
         logger.warning("device %r is not available here; using what is (auto)", device)
         return "auto"
     return kind
+
+
+def _model_path(model: str | None, pretrained: str | None) -> str:
+    """`model=`, or HFLM's spelling `pretrained=`; both only when they agree."""
+    if model is not None and pretrained is not None and str(model) != str(pretrained):
+        raise ValueError(f"model={model} and pretrained={pretrained} name two models: give one")
+    path = model if model is not None else pretrained
+    if path is None:
+        raise ValueError("MindSpeedLM needs model=DIR (or pretrained=DIR, or a scorer)")
+    return str(path)
+
+
+_DTYPE_SPELLINGS = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
+                    "half": "fp16"}  # fmt: skip
+
+
+def _dtype(value) -> str:
+    """Our dtype name for HFLM's spellings (float32, bfloat16, float16, torch.float16, auto)."""
+    name = str(value if value is not None else "auto").strip().lower().removeprefix("torch.")
+    return _DTYPE_SPELLINGS.get(name, name)
 
 
 def _batch_size(value: int | str) -> int:
