@@ -113,6 +113,18 @@ def test_generate_int8_equals_the_engine_on_int8_weights(model_dir, capsys):
         assert len(_jsonl(capsys.readouterr().out)) == 2
 
 
+def test_generate_beam_search_equals_the_engine(model_dir, engine, capsys):
+    prompts = ["w10 w20 w30", "w7"]
+    argv = ["generate", "--model", str(model_dir), *prompts, "--num-beams", "3"]
+    assert cli([*argv, "--length-penalty", "0.5", "--early-stopping", "never"]) == 0
+    printed = _jsonl(capsys.readouterr().out)
+    config = engine.resolved_config().replace(num_beams=3, length_penalty=0.5, early_stopping="never")
+    expected = generate(engine.model, [engine.encode(p) for p in prompts], config)
+    assert [r["token_ids"] for r in printed] == expected
+    assert expected != generate(engine.model, [engine.encode(p) for p in prompts],
+                                engine.resolved_config())  # not greedy's  # fmt: skip
+
+
 def test_generate_plain_input_file_and_sampling(model_dir, capsys, tmp_path):
     (tmp_path / "prompts.txt").write_text("w10 w20\n\nw30\n")
     argv = ["generate", "--model", str(model_dir), "--input", str(tmp_path / "prompts.txt")]
@@ -174,6 +186,8 @@ def test_chat_system_message_and_end_of_input(model_dir, monkeypatch, capsys):
         (["generate", "--model", "{model}", "hi", "--temperature", "-1"], "temperature"),
         (["generate", "--model", "{model}", "hi", "--top-k", "many"], "invalid int value"),
         (["generate", "--model", "{model}", "hi", "--quantize", "int4"], "invalid choice: 'int4'"),
+        (["generate", "--model", "{model}", "hi", "--num-beams", "2", "--temperature", "0.5"],
+         "beam search here is deterministic"),
         (["generate", "--model", "{model}", "hi", "--output", "{empty}"], "is a folder"),
     ],
 )

@@ -52,6 +52,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--repetition-penalty", type=float, help="> 1 discourages repeats")
     s.add_argument("--stop", action="append", help="stop string (repeatable)")
     s.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
+    s.add_argument("--num-beams", type=int, help="> 1: beam search with this many beams")
+    s.add_argument("--length-penalty", type=float,
+                   help="beam search: score = sum(log p) / length ** this (default 1.0)")  # fmt: skip
+    s.add_argument("--early-stopping", choices=("true", "false", "never"),
+                   help="beam search: when to stop (transformers' meanings; default false)")  # fmt: skip
 
 
 def load_generator(args: argparse.Namespace):
@@ -74,6 +79,11 @@ def load_generator(args: argparse.Namespace):
         repetition_penalty=args.repetition_penalty,
         stop_strings=tuple(args.stop) if args.stop else None,
         seed=args.seed,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        early_stopping={"true": True, "false": False, "never": "never", None: None}[
+            args.early_stopping
+        ],
     )
     tokenizer = load_tokenizer(args.tokenizer or source.tokenizer)
     device = dev.get_device(

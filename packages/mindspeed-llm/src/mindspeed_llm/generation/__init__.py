@@ -1,4 +1,4 @@
-"""Generation with a KV cache: greedy and sampled decoding, stops, batches, streaming.
+"""Generation with a KV cache: greedy and sampled decoding, stops, batches, streaming, beam search.
 
 from mindspeed_llm.generation import GenerationConfig, Generator, generate
 
@@ -8,6 +8,7 @@ for piece in Generator(model, tokenizer).stream("Hello", stop_strings=["\\n"]):
     print(piece, end="", flush=True)
 """
 
+from mindspeed_llm.generation.beam import Beam, beam_search
 from mindspeed_llm.generation.config import GenerationConfig, load_generation_config
 from mindspeed_llm.generation.engine import TokenSteps, generate
 from mindspeed_llm.generation.kv_cache import KVCache
@@ -15,12 +16,14 @@ from mindspeed_llm.generation.sampling import next_tokens, process_logits
 from mindspeed_llm.generation.text import Completion, Generator, TextStream
 
 __all__ = [
+    "Beam",
     "Completion",
     "GenerationConfig",
     "Generator",
     "KVCache",
     "TextStream",
     "TokenSteps",
+    "beam_search",
     "generate",
     "load_generation_config",
     "next_tokens",

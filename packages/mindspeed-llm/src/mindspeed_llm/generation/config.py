@@ -47,6 +47,15 @@ class GenerationConfig:
     num_return_sequences: int = 1
     """Outputs per prompt (n samples: RL rollouts, pass@k), prompt-major; with the cache
     every prompt is prefilled once and its keys and values are shared by its n rows."""
+    num_beams: int = 1
+    """> 1: beam search (deterministic; `generation.beam`) keeping this many beams per prompt;
+    `num_return_sequences` of them (the best first) are returned."""
+    length_penalty: float = 1.0
+    """Beam search: a finished beam scores sum(log p) / length ** length_penalty."""
+    early_stopping: bool | str = False
+    """Beam search: True stops a prompt once num_beams beams have finished; False when no
+    running beam could beat the finished ones at its current length; "never" also allows for
+    longer beams (transformers' meanings)."""
 
     def __post_init__(self):
         for name in ("stop_token_ids", "stop_strings"):  # lists from JSON or callers
@@ -67,6 +76,26 @@ class GenerationConfig:
             raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if any(not s for s in self.stop_strings):
             raise ConfigError("stop_strings must not contain an empty string")
+        if self.num_beams < 1:
+            raise ConfigError(f"num_beams must be at least 1, got {self.num_beams}")
+        if not math.isfinite(self.length_penalty):
+            raise ConfigError(f"length_penalty must be finite, got {self.length_penalty}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ConfigError(
+                f"early_stopping must be true, false or 'never', got {self.early_stopping!r}"
+            )
+        if self.num_beams > 1:
+            if self.num_return_sequences > self.num_beams:
+                raise ConfigError(
+                    f"num_return_sequences={self.num_return_sequences} exceeds "
+                    f"num_beams={self.num_beams}: a beam search returns at most its beams"
+                )
+            if not self.greedy or self.repetition_penalty != 1.0 or not self.use_cache:
+                raise ConfigError(
+                    f"num_beams={self.num_beams}: beam search here is deterministic, with the "
+                    "KV cache and no repetition penalty (temperature 0, repetition_penalty 1, "
+                    "use_cache true)"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -111,9 +140,12 @@ def _fields_from_hf(data: dict[str, Any]) -> dict[str, Any]:
         fields["max_new_tokens"] = int(data["max_new_tokens"])
     if data.get("do_sample"):
         fields["temperature"] = float(data.get("temperature") or 1.0)
-    for name, kind in (("top_k", int), ("top_p", float), ("repetition_penalty", float)):
+    for name, kind in (("top_k", int), ("top_p", float), ("repetition_penalty", float),
+                       ("num_beams", int), ("length_penalty", float)):  # fmt: skip
         if data.get(name) is not None:
             fields[name] = kind(data[name])
+    if data.get("early_stopping") is not None:
+        fields["early_stopping"] = data["early_stopping"]
     eos = data.get("eos_token_id")
     if eos is not None:
         fields["stop_token_ids"] = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from mindspeed_core.errors import DataError
 from mindspeed_core.parallel import apply_compile, dtensor
 from mindspeed_core.parallel.compile import is_compiled
+from mindspeed_llm.generation.beam import Beam, beam_search
 from mindspeed_llm.generation.config import GenerationConfig
 from mindspeed_llm.generation.kv_cache import KVCache
 from mindspeed_llm.generation.sampling import next_tokens
@@ -66,7 +67,11 @@ class TokenSteps:
 
     Finished rows leave the batch (their KV cache rows dropped) once a quarter of the rows
     still in it have finished, so a rollout whose samples end early stops paying for them;
-    `active` lists the rows of the batch the last logits were computed for."""
+    `active` lists the rows of the batch the last logits were computed for.
+
+    With `config.num_beams > 1` the whole beam search runs first (`generation.beam`); the
+    steps then replay each prompt's best `num_return_sequences` beams token by token, and
+    `beams` holds every prompt's finished beams with their scores."""
 
     def __init__(
         self, model: nn.Module, prompts: Sequence[Sequence[int]], config: GenerationConfig
@@ -93,6 +98,7 @@ class TokenSteps:
         self._positions: Tensor | None = None
         self._started = False
         self.active = list(range(len(self.prompts)))
+        self.beams: list[list[Beam]] | None = None
 
     def finish(self, row: int) -> None:
         self.finished[row] = True
@@ -103,6 +109,9 @@ class TokenSteps:
             raise RuntimeError("a TokenSteps runs once; make a new one to generate again")
         self._started = True
         config = self.config
+        if config.num_beams > 1:
+            yield from self._replay_beams()
+            return
         seen = self._seen() if config.repetition_penalty != 1.0 else None
         generator = None
         if not config.greedy:
@@ -124,6 +133,21 @@ class TokenSteps:
                 seen.scatter_(1, tokens[:, None], True)
             tokens, seen = self._drop_finished(tokens, seen)
             logits = self._decode(tokens) if config.use_cache else self._recompute()
+
+    def _replay_beams(self) -> Iterator[list[tuple[int, int]]]:
+        n = self.config.num_return_sequences
+        self.beams = beam_search(self.model, self.prompts[::n], self.config, self.max_new_tokens)
+        for row in range(len(self.prompts)):
+            self.outputs[row] = []
+        chosen = [beam.tokens for beams in self.beams for beam in beams[:n]]
+        for step in range(max(len(tokens) for tokens in chosen)):
+            new = []
+            for row, tokens in enumerate(chosen):
+                if step < len(tokens) and not self.finished[row]:
+                    self.outputs[row].append(tokens[step])
+                    new.append((row, tokens[step]))
+                    self.finished[row] = step + 1 == len(tokens)
+            yield new
 
     def _drop_finished(self, tokens: Tensor, seen: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """Take finished rows out of the batch once a quarter of it has finished (each
