@@ -186,6 +186,8 @@ def test_chat_system_message_and_end_of_input(model_dir, monkeypatch, capsys):
         (["generate", "--model", "{model}", "hi", "--temperature", "-1"], "temperature"),
         (["generate", "--model", "{model}", "hi", "--top-k", "many"], "invalid int value"),
         (["generate", "--model", "{model}", "hi", "--quantize", "int4"], "invalid choice: 'int4'"),
+        (["generate", "--model", "{model}", "hi", "--tp", "2"], "--tp 2 runs under torchrun"),
+        (["chat", "--model", "{model}", "--tp", "0"], "--tp must be at least 1"),
         (["generate", "--model", "{model}", "hi", "--num-beams", "2", "--temperature", "0.5"],
          "beam search here is deterministic"),
         (["generate", "--model", "{model}", "hi", "--output", "{empty}"], "is a folder"),
@@ -260,3 +262,34 @@ def test_non_utf8_input_and_runaway_templates_are_one_line(
     captured = capsys.readouterr()
     assert len(captured.err.strip().splitlines()) == 1, captured.err
     assert message in captured.err, captured.err
+
+
+def _torchrun(args, stdin=None):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MINDSPEED_DEVICE": "cpu"}
+    code = "import sys; from mindspeed_core.cli import main; sys.exit(main())"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "--no-python", sys.executable, "-c", code, *args]  # fmt: skip
+    done = subprocess.run(cmd, env=env, input=stdin, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.distributed
+def test_generate_and_chat_under_tp2_equal_one_process(model_dir, monkeypatch, capsys):
+    """`torchrun --nproc-per-node 2 ... generate|chat --tp 2`: rank 0 prints once, the same
+    tokens as one process (greedy and beams); chat reads on rank 0 and replies the same."""
+    prompts = ["w10 w20 w30", "w7"]
+    argv = ["generate", "--model", str(model_dir), *prompts, "--num-beams", "2"]
+    assert cli(argv) == 0
+    alone = _jsonl(capsys.readouterr().out)
+    assert _jsonl(_torchrun([*argv, "--tp", "2"]).stdout) == alone
+    script = "w10 w20\nw30\nexit\n"
+    status, alone, _ = _chat(monkeypatch, capsys, model_dir, script, "--max-new-tokens", "4")
+    done = _torchrun(["chat", "--model", str(model_dir), "--max-new-tokens", "4", "--tp", "2"],
+                     stdin=script)  # fmt: skip
+    assert status == 0 and len(alone) == 2
+    assert done.stdout.splitlines() == alone  # once (rank 0), and the same replies

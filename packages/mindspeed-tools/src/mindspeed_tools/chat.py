@@ -13,13 +13,20 @@ messages from a pipe.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import TextIO
 
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.errors import DataError, MindSpeedError
 from mindspeed_llm.chat_template import TemplateDefect
-from mindspeed_tools.generate import add_model_arguments, check_utf8, load_generator
+from mindspeed_tools.generate import (
+    add_model_arguments,
+    check_utf8,
+    closing_process_group,
+    is_main_rank,
+    load_generator,
+)
 
 # End-of-turn pieces of common chat formats: a reply ends there even when the model's
 # generation_config.json names only the end-of-text token.
@@ -53,12 +60,12 @@ def chat_loop(
     config = generator.resolved_config()
     stops = tuple(config.stop_token_ids) + tuple(specials[p] for p in END_OF_TURN if p in specials)
     config = config.replace(stop_token_ids=tuple(dict.fromkeys(stops)))
-    interactive = stdin.isatty()
+    interactive = stdin.isatty() and is_main_rank()
     if interactive:
         print(f"Type a message; '{CLEAR}' starts over, '{EXIT[0]}' leaves.", file=stderr)
     history: list[dict[str, str]] = []
     while True:
-        line = _read(stdin, stderr, interactive)
+        line = _shared(_read(stdin, stderr, interactive) if is_main_rank() else None)
         if line is None or line.strip() in EXIT:
             return
         if not line.strip():
@@ -110,6 +117,17 @@ def _read(stdin: TextIO, stderr: TextIO, interactive: bool) -> str | None:
     return check_utf8(line, "input line")
 
 
+def _shared(line: str | None) -> str | None:
+    """Rank 0's line on every rank (--tp under torchrun: only rank 0 reads the input)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return line
+    box = [line]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _stream(generator, prompt_ids, config, stdout: TextIO) -> str:
     pieces = []
     for chunk in generator.stream(prompt_ids, config):
@@ -128,11 +146,16 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     from mindspeed_llm.chat_template import load_chat_template
 
-    generator = load_generator(args)
-    template = load_chat_template(generator.tokenizer.path)
-    if template.is_fallback:
-        print(f"note: {args.model} has no chat template; using ChatML", file=sys.stderr)
-    chat_loop(generator, template, system=args.system, show_prompt=args.show_prompt)
+    with closing_process_group():
+        generator = load_generator(args)
+        template = load_chat_template(generator.tokenizer.path)
+        main_rank = is_main_rank()
+        if template.is_fallback and main_rank:
+            print(f"note: {args.model} has no chat template; using ChatML", file=sys.stderr)
+        with contextlib.ExitStack() as stack:
+            sink = None if main_rank else stack.enter_context(open(os.devnull, "w"))  # noqa: SIM115
+            chat_loop(generator, template, system=args.system, show_prompt=args.show_prompt,
+                      stdout=sink, stderr=sink)  # fmt: skip
     return 0
 
 

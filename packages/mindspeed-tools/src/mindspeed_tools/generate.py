@@ -37,6 +37,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tokenizer", help="tokenizer folder or file (default: the model folder)")
     m.add_argument("--device", default="auto", help="cpu, cuda, npu or auto (default)")
     m.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: the stored dtype")
+    m.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: run under torchrun --nproc-per-node N; rank 0 "
+                   "reads and prints")  # fmt: skip
     m.add_argument(
         "--quantize",
         choices=("none", "int8"),
@@ -86,11 +89,21 @@ def load_generator(args: argparse.Namespace):
         ],
     )
     tokenizer = load_tokenizer(args.tokenizer or source.tokenizer)
-    device = dev.get_device(
-        0, dev.detect_device_type(None if args.device == "auto" else args.device)
-    )
+    device_type = dev.detect_device_type(None if args.device == "auto" else args.device)
+    _check_tp(args)
+    if args.tp > 1:
+        from mindspeed_core.distributed import init_distributed
+
+        device = init_distributed(device_type=device_type).device
+    else:
+        device = dev.get_device(0, device_type)
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     model, model_config = load_model(source, device=device, dtype=dtype[args.dtype])
+    if args.tp > 1:
+        from mindspeed_core.parallel import ParallelDims
+        from mindspeed_llm.models import get_model_spec
+
+        get_model_spec(model_config.family).parallelize(model, ParallelDims(tp=args.tp).build())
     if args.quantize == "int8":
         from mindspeed_llm.generation.quantize import quantize_weights
 
@@ -101,6 +114,29 @@ def load_generator(args: argparse.Namespace):
             f"{source.path} only {model_config.vocab_size}: not the model's tokenizer?"
         )
     return Generator(model, tokenizer, config)
+
+
+def _check_tp(args: argparse.Namespace) -> None:
+    """--tp N needs torchrun with N processes (generation has no data-parallel axis)."""
+    from mindspeed_core.distributed import read_launch_env
+
+    if args.tp < 1:
+        raise ConfigError(f"--tp must be at least 1, got {args.tp}")
+    world = read_launch_env().world_size
+    if args.tp != world and (args.tp > 1 or world > 1):
+        raise ConfigError(
+            f"--tp {args.tp} runs under torchrun --nproc-per-node {args.tp}; this is "
+            f"{world} process{'es' if world > 1 else ''}"
+        )
+    if args.tp > 1 and args.quantize != "none":
+        raise ConfigError(f"--quantize {args.quantize} runs in one process; drop --tp {args.tp}")
+
+
+def is_main_rank() -> bool:
+    """The process that reads input and prints (rank 0, or the only one)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -199,7 +235,12 @@ def _check_output(path: str | None) -> None:
 
 @contextlib.contextmanager
 def _output(path: str | None) -> Iterator[TextIO]:
-    """stdout, or a temporary file next to `path` renamed onto it only on success."""
+    """stdout, or a temporary file next to `path` renamed onto it only on success; on ranks
+    other than 0 a sink."""
+    if not is_main_rank():
+        with open(os.devnull, "w", encoding="utf-8") as sink:
+            yield sink
+        return
     if path is None:
         yield sys.stdout
         return
@@ -227,6 +268,22 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     records = read_prompts(args.prompts, args.input)
     _check_output(args.output)
+    with closing_process_group():
+        return _generate(args, records)
+
+
+@contextlib.contextmanager
+def closing_process_group() -> Iterator[None]:
+    """Tear down the process group `load_generator` started for --tp, however we leave."""
+    from mindspeed_core.distributed import destroy_distributed
+
+    try:
+        yield
+    finally:
+        destroy_distributed()
+
+
+def _generate(args: argparse.Namespace, records: list[dict]) -> int:
     generator = load_generator(args)
     prompts = [r["prompt"] for r in records]
     if args.chat:
