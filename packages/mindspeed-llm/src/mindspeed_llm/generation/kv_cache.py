@@ -109,6 +109,44 @@ class KVCache:
         self.batch = int(index.numel())
         self._mask_for = self._mask = None
 
+    def starts(self) -> Tensor:
+        """(batch,) the first position of each row that is not padding."""
+        if self.key_mask is None:
+            return torch.zeros(self.batch, dtype=torch.long, device=self.keys[0].device)
+        return (~self.key_mask[:, : self.offset]).sum(dim=1)
+
+    @classmethod
+    def concat(cls, first: KVCache, second: KVCache, room: int) -> KVCache:
+        """One cache holding `first`'s rows, then `second`'s, aligned on their last written
+        column (the shorter one left-padded), with the columns no row uses trimmed, and
+        `room` free columns after the written ones: how rows join a running batch."""
+        end = max(first.offset, second.offset)
+        shifts = [end - first.offset, end - second.offset]
+        starts = torch.cat([first.starts() + shifts[0], second.starts() + shifts[1]])
+        trim = int(starts.min())
+        offset = end - trim
+        batch = first.batch + second.batch
+        merged = cls.__new__(cls)
+        merged.keys, merged.values = [], []
+        for name in ("keys", "values"):
+            for a, b in zip(getattr(first, name), getattr(second, name), strict=True):
+                out = a.new_zeros(batch, a.shape[1], offset + room, a.shape[3])
+                rows = ((slice(0, first.batch), a, shifts[0], first.offset),
+                        (slice(first.batch, batch), b, shifts[1], second.offset))  # fmt: skip
+                for row_slice, cache, shift, written in rows:
+                    # column j of that cache lands at j + shift - trim; before `src` every
+                    # one of its rows holds padding
+                    src = max(0, trim - shift)
+                    out[row_slice, :, src + shift - trim : offset] = cache[:, :, src:written]
+                getattr(merged, name).append(out)
+        merged._layers = [LayerCache(merged, i) for i in range(len(merged.keys))]
+        merged.batch, merged.max_len, merged.offset = batch, offset + room, offset
+        starts = starts - trim
+        positions = torch.arange(offset + room, device=starts.device)[None, :]
+        merged.key_mask = positions >= starts[:, None] if bool(starts.any()) else None
+        merged._mask_for = merged._mask = None
+        return merged
+
     def layer(self, index: int) -> LayerCache:
         return self._layers[index]
 
