@@ -117,6 +117,9 @@ class Engine:
     def __init__(self, generator, batch, *, max_batch: int, max_queue: int):
         self.generator, self.batch = generator, batch
         self.tokenizer = generator.tokenizer
+        # A vocabulary padded beyond the tokenizer's (for tp, or a multiple of 64) holds ids
+        # no text stands for: they are never drawn.
+        self.vocab = generator.tokenizer.vocab_size
         self.max_batch, self.max_queue = max_batch, max_queue
         self.waiting: deque[Job] = deque()
         self.jobs: dict[str, Job] = {}
@@ -196,8 +199,16 @@ class Engine:
     def _draw(self, row: tuple[str, int], logits: torch.Tensor) -> None:
         job = self.jobs[row[0]]
         sample = job.samples[row[1]]
-        if sample.finish_reason is not None:
+        if sample.finish_reason is not None or job.cancelled:
             return
+        try:
+            self._draw_token(job, row, sample, logits[: self.vocab])
+        except Exception as err:  # noqa: BLE001  (this request fails; the others go on)
+            logger.exception("request %s failed", job.id)
+            job.cancelled = True
+            job.emit(("error", f"generation failed: {err}"))
+
+    def _draw_token(self, job: Job, row: tuple[str, int], sample: Sample, logits: torch.Tensor) -> None:
         token = int(next_tokens(logits[None], job.config, None, job.generator)[0])
         entry = self._logprob_entry(logits, token, job.top_logprobs)
         self.last[row] = token
