@@ -234,3 +234,12 @@ def test_serve_under_tp2_answers_as_one_process(served, model_dir):
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def test_embedded_demo_serves_and_every_answer_is_the_same(capsys):
+    """`mindspeed serve` with no arguments: a random model served on loopback, 16 requests
+    one at a time and all at once; the same answers, and a table printed."""
+    assert cli(["serve"]) == 0
+    out = capsys.readouterr().out
+    assert "every answer equals its one-at-a-time answer: yes" in out
+    assert out.count("requests/s") == 2 and "serving a random demo model" in out

@@ -2,6 +2,8 @@
 
     mindspeed serve --model DIR [--host 127.0.0.1] [--port 8000]
     torchrun --nproc-per-node 2 -m mindspeed_core.cli serve --model DIR --tp 2
+    mindspeed serve      # the embedded demo: serves a small random model on a free loopback
+                         # port, talks to it with 1 and 16 concurrent clients, prints a table
 
 Endpoints: `POST /v1/chat/completions` (the model's chat template), `POST /v1/completions`,
 `GET /v1/models`, `GET /health` (rows running, requests waiting). Supported request fields:
@@ -637,7 +639,86 @@ def _parser() -> ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body (default 1 MiB)")  # fmt: skip
     add_model_arguments(p)
+    for action in p._actions:  # no --model: the embedded demo
+        if action.dest == "model":
+            action.required = False
     return p
+
+
+def demo(stdout=None) -> dict:
+    """Serve a small random Llama (the demo tokenizer) on a free loopback port, send it the
+    same 16 greedy requests one at a time and then all at once, and print what it served."""
+    import urllib.request
+
+    import uvicorn
+
+    from mindspeed_core.testing.spawn import free_port
+    from mindspeed_llm.chat_template import load_chat_template
+    from mindspeed_llm.demo import ensure_demo_data
+    from mindspeed_llm.generation import Generator
+    from mindspeed_llm.models import Transformer, TransformerConfig
+    from mindspeed_llm.tokenizer import load_tokenizer
+
+    stdout = stdout or __import__("sys").stdout
+    tokenizer = load_tokenizer(ensure_demo_data().tokenizer)
+    torch.manual_seed(0)
+    config = TransformerConfig(vocab_size=tokenizer.vocab_size, hidden_size=256, intermediate_size=688,
+                               num_layers=4, num_heads=8, num_kv_heads=4, max_position_embeddings=512)  # fmt: skip
+    model = Transformer(config).eval()
+    generator = Generator(model, tokenizer, GenerationConfig(max_new_tokens=24))
+    engine = Engine(generator, LocalBatch(DecodeBatch(model)), max_batch=32, max_queue=64)
+    server = Server(engine, generator, load_chat_template(tokenizer.path), "demo", 1 << 20)
+    port = free_port()
+    uv_server = uvicorn.Server(uvicorn.Config(server.app(), host="127.0.0.1", port=port,
+                                              log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=uv_server.run, daemon=True)
+    engine.start()
+    thread.start()
+    while not uv_server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    print(f"serving a random demo model ({config.num_layers} layers, hidden {config.hidden_size}, "
+          f"vocab {config.vocab_size}) on {url}", file=stdout)  # fmt: skip
+
+    def ask(i: int) -> tuple[str, float]:
+        body = {"model": "demo", "temperature": 0, "max_tokens": 24,
+                "messages": [{"role": "user", "content": f"question {i}: how many apples?"}]}  # fmt: skip
+        request = urllib.request.Request(url, json.dumps(body).encode(),
+                                         {"content-type": "application/json"})  # fmt: skip
+        start = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=300) as response:
+            reply = json.loads(response.read())
+        return reply["choices"][0]["message"]["content"], time.perf_counter() - start
+
+    results = {}
+    try:
+        ask(0)  # warm-up
+        for clients in (1, 16):
+            start = time.perf_counter()
+            if clients == 1:
+                answers = [ask(i) for i in range(16)]
+            else:
+                from concurrent.futures import ThreadPoolExecutor
+
+                with ThreadPoolExecutor(clients) as pool:
+                    answers = list(pool.map(ask, range(16)))
+            wall = time.perf_counter() - start
+            results[clients] = {"requests_per_s": 16 / wall,
+                                "latency_s": sum(a[1] for a in answers) / 16,
+                                "answers": [a[0] for a in answers]}  # fmt: skip
+    finally:
+        uv_server.should_exit = True
+        thread.join()
+        engine.stop()
+    same = results[1]["answers"] == results[16]["answers"]
+    print(f"{'clients':>8} {'requests/s':>11} {'mean latency':>13}", file=stdout)
+    for clients, r in results.items():
+        print(f"{clients:>8} {r['requests_per_s']:>11.2f} {r['latency_s']:>12.2f}s", file=stdout)
+    speedup = results[16]["requests_per_s"] / results[1]["requests_per_s"]
+    print(f"16 concurrent clients: {speedup:.1f}x the requests/s of one at a time (continuous "
+          f"batching); every answer equals its one-at-a-time answer: {'yes' if same else 'NO'}",
+          file=stdout)  # fmt: skip
+    return {"speedup": speedup, "same_answers": same, **results}
 
 
 def main(argv: list[str]) -> int:
@@ -655,6 +736,8 @@ def main(argv: list[str]) -> int:
     except ImportError:
         raise ConfigError("mindspeed serve needs Starlette and uvicorn: "
                           "pip install 'mindspeed-tools[serve]'") from None  # fmt: skip
+    if args.model is None:
+        return 0 if demo()["same_answers"] else 1
     from mindspeed_llm.chat_template import load_chat_template
 
     with closing_process_group():
