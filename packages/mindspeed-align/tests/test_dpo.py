@@ -345,6 +345,7 @@ def _dp_shard_lora(folder, data, root, lora):
     return _losses(folder, data, root / "dp_lora", "--parallel.dp_shard=2", "--train.micro_batch=2", *lora)
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_lora_save_is_one_line_and_the_run_resumes(tmp_path, capsys):
     """The adapters' checkpoint on a full disk: one line, exit 2, step 2 kept, the rerun resumes."""
     from mindspeed_core.testing.faults import disk_full_after

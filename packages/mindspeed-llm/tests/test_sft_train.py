@@ -130,6 +130,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_and_the_run_resumes(tmp_path, capsys):
     from mindspeed_core.testing.faults import disk_full_after
 

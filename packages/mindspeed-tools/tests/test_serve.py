@@ -236,6 +236,7 @@ def test_serve_under_tp2_answers_as_one_process(served, model_dir):
             os.killpg(process.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_embedded_demo_serves_and_every_answer_is_the_same(capsys):
     """`mindspeed serve` with no arguments: a random model served on loopback, 16 requests
     one at a time and all at once; the same answers, and a table printed."""
