@@ -97,7 +97,7 @@ def converts_to_transformers():
         import torch
         import transformers
 
-        from mindspeed_llm.models.loading import load_model
+        from mindspeed_llm.loading import load_model
         from mindspeed_tools.convert import mindspeed_to_hf
 
         mindspeed_to_hf(checkpoint, out)

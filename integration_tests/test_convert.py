@@ -23,7 +23,7 @@ def test_tp2_and_fsdp_runs_start_from_hf_weights_and_convert_back(torchrun, mind
     step-1 loss (the HF model's), and each run's checkpoint converts back to transformers."""
     import transformers
 
-    from mindspeed_llm.models.loading import load_model
+    from mindspeed_llm.loading import load_model
 
     hf = models_hf.make_hf("llama")
     hf.save_pretrained(tmp_path / "hf")

@@ -13,8 +13,8 @@ from mindspeed_core.cli import run as cli
 from mindspeed_core.config import load_config
 from mindspeed_core.testing import import_sibling
 from mindspeed_core.training import read_metrics
+from mindspeed_llm.loading import load_model
 from mindspeed_llm.models.checkpoint_io import tensor_metadata
-from mindspeed_llm.models.loading import load_model
 from mindspeed_llm.sft import sft
 from mindspeed_llm.train.sft_config import SFTConfig
 

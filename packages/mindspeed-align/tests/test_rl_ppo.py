@@ -205,7 +205,7 @@ def test_ppo_metrics_and_exact_resume(task):
         for key in ("loss", "grad_norm", "reward/mean", "kl", "critic/loss", "critic/values"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
     # what generate / convert read from the run is the policy, not the critic beside it
-    from mindspeed_llm.models.loading import load_model
+    from mindspeed_llm.loading import load_model
 
     policy, _ = load_model(folder / "whole" / "checkpoints")
     assert policy.output.weight.shape[0] == policy.config.vocab_size > 1

@@ -7,8 +7,8 @@ import torch
 
 from mindspeed_core.errors import CheckpointError, ConfigError
 from mindspeed_core.testing import import_sibling
+from mindspeed_llm.loading import load_model
 from mindspeed_llm.models.hf_io import hf_tensor_index, iter_hf_tensors, read_hf_config
-from mindspeed_llm.models.loading import load_model
 
 models_hf = import_sibling(__file__, "models_hf")
 make_hf, tokens = models_hf.make_hf, models_hf.tokens

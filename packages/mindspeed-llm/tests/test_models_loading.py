@@ -1,4 +1,4 @@
-"""`models.loading`: one folder resolved once into a `ModelSource` (a Hugging Face folder or
+"""`mindspeed_llm.loading`: one folder resolved once into a `ModelSource` (a Hugging Face folder or
 a trainer run's checkpoints), and `load_model` reading it into our model."""
 
 import pytest
@@ -7,8 +7,8 @@ import torch
 from mindspeed_core.checkpoint import CheckpointManager, ModelState
 from mindspeed_core.errors import CheckpointError, ConfigError
 from mindspeed_core.testing import import_sibling
+from mindspeed_llm.loading import checkpoint_source, load_model, resolve_model_source
 from mindspeed_llm.models import build_model_config, get_model_spec
-from mindspeed_llm.models.loading import checkpoint_source, load_model, resolve_model_source
 
 models_hf = import_sibling(__file__, "models_hf")
 

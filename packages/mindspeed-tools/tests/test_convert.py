@@ -14,6 +14,7 @@ from mindspeed_core.checkpoint import steps
 from mindspeed_core.checkpoint.verify import read_metadata
 from mindspeed_core.cli import run as cli
 from mindspeed_core.testing import import_sibling, run_distributed
+from mindspeed_llm.loading import load_model
 from mindspeed_llm.models import (
     Transformer,
     TransformerConfig,
@@ -21,7 +22,6 @@ from mindspeed_llm.models import (
     get_model_spec,
     hf_io,
 )
-from mindspeed_llm.models.loading import load_model
 from mindspeed_tools.convert import hf_to_mindspeed, mindspeed_to_hf, parse_size
 
 # Inference forwards of up to 64 tokens run our few-row CPU GEMM (mindspeed_ops.linear): fp32 sums

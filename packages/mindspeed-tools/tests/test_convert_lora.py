@@ -17,8 +17,8 @@ from mindspeed_core.config import load_config
 from mindspeed_core.distributed import destroy_distributed, init_distributed
 from mindspeed_core.testing import import_sibling
 from mindspeed_core.training import read_metrics
+from mindspeed_llm.loading import checkpoint_source, load_model
 from mindspeed_llm.models import Transformer
-from mindspeed_llm.models.loading import checkpoint_source, load_model
 from mindspeed_llm.peft import LoRAConfig, lora_trainer_options
 from mindspeed_llm.peft.checkpoint import load_adapter_weights
 from mindspeed_llm.train.config import PretrainConfig

@@ -107,7 +107,7 @@ def test_a_run_without_hf_source_converts_to_transformers(tmp_path, monkeypatch)
     import transformers
 
     from mindspeed_llm.demo import cache_root, ensure_demo_data
-    from mindspeed_llm.models.loading import load_model
+    from mindspeed_llm.loading import load_model
     from mindspeed_tools.convert import mindspeed_to_hf
 
     monkeypatch.setenv("MINDSPEED_CACHE", str(tmp_path.parent / "cache"))

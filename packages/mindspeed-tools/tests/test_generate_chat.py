@@ -12,7 +12,7 @@ import pytest
 from mindspeed_core.cli import run as cli
 from mindspeed_core.testing import import_sibling
 from mindspeed_llm.generation import GenerationConfig, Generator, generate
-from mindspeed_llm.models.loading import load_model
+from mindspeed_llm.loading import load_model
 from mindspeed_llm.tokenizer import load_tokenizer
 
 LLM_TESTS = Path(__file__).resolve().parents[2] / "mindspeed-llm" / "tests"

@@ -1,49 +1,23 @@
-"""What the alignment commands share around the trainer: the process group of a run, the demo's
-warm start, the layouts they refuse, evaluation mode, reading data units, writing demo files."""
+"""What the alignment commands share around the trainer: the demo's warm start, the layouts they refuse, evaluation mode, reading data units, writing demo files."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mindspeed_core.errors import ConfigError, DataError
+from mindspeed_core.files import staged_folder
 from mindspeed_llm.data.sft import SFTStats
 
 __all__ = [
     "check_layout",
     "evaluating",
-    "process_group",
     "read_units",
     "warm_start_for_demo",
     "write_folder",
 ]
-
-
-@contextlib.contextmanager
-def process_group(cfg) -> Iterator:
-    """This process's `DistributedInfo`: a new process group when none exists (torchrun's, or
-    one process alone), destroyed on exit; the caller's when one does."""
-    import torch.distributed as dist
-
-    from mindspeed_core.distributed import (
-        current_distributed,
-        destroy_distributed,
-        init_distributed,
-    )
-
-    owns = not dist.is_initialized()
-    device = None if cfg.train.device == "auto" else cfg.train.device
-    info = init_distributed(device_type=device) if owns else current_distributed(device)
-    try:
-        yield info
-    finally:
-        if owns:
-            destroy_distributed()
 
 
 def warm_start_for_demo(cfg, info) -> dict | None:
@@ -102,12 +76,6 @@ def read_units(
 
 def write_folder(folder: Path, files: dict[str, list[dict]]) -> None:
     """`folder` holding one JSONL file per name, all or nothing (built beside it, renamed)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
+    with staged_folder(folder) as staging:
         for name, rows in files.items():
             (staging / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

@@ -30,7 +30,8 @@ from mindspeed_align.logps import SLOT_KEY, count_pairs, renumber_slots, sequenc
 from mindspeed_align.losses import dpo_loss, orpo_loss, simpo_loss
 from mindspeed_align.reference import REF_KEY
 from mindspeed_core.cli import config_command, debug_enabled, guarded
-from mindspeed_core.distributed import current_distributed, destroy_distributed, init_distributed
+from mindspeed_core.distributed import process_group
+from mindspeed_llm.data.collate import forward_packed
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
 
 __all__ = ["PreferenceObjective", "build_reference", "command", "dpo", "orpo_command", "simpo_command"]
@@ -77,8 +78,7 @@ class PreferenceObjective(Objective):
             targets["ref_logps"] = ref.index_add(0, slots[keep], batch[REF_KEY][keep].float())
         elif self.reference is not None:
             with torch.no_grad():
-                logits = self.reference(batch["input_ids"], position_ids=batch["position_ids"],
-                                        cu_seqlens=batch["cu_seqlens"])  # fmt: skip
+                logits = forward_packed(self.reference, batch)
                 targets["ref_logps"] = sequence_logps(logits, batch["labels"], slots, num_slots,
                                                       self.reference_ctx)[0]  # fmt: skip
         elif self.section.uses_reference:
@@ -126,16 +126,11 @@ def _sum_over(group, logps, counts):
 
 def build_reference(trainer, cfg, after_tp=None):
     """The frozen reference: the trainer's model config, layout, seed and starting weights."""
-    from mindspeed_llm.train.build import build_model
-
-    return build_model(trainer.model_cfg, trainer.dims, trainer.device, parallel=cfg.parallel,
-                       precision=cfg.train.precision, seed=cfg.train.seed, seq_len=cfg.data.seq_len,
-                       hf_path=cfg.model.hf_path, after_tp=after_tp, frozen=True)  # fmt: skip
+    return trainer.build_model(after_tp=after_tp, frozen=True)
 
 
 def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
     """Run DPO in this process (one rank of a torchrun job, or alone)."""
-    import torch.distributed as dist
 
     from mindspeed_align.pairs import PairData
     from mindspeed_llm.peft import lora_trainer_options
@@ -143,10 +138,7 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
     from mindspeed_llm.train.trainer import Trainer
 
     demo = not cfg.data.paths
-    owns_group = not dist.is_initialized()
-    device = None if cfg.train.device == "auto" else cfg.train.device
-    info = init_distributed(device_type=device) if owns_group else current_distributed(device)
-    try:
+    with process_group(cfg.train.device) as info:
         start = None
         if demo:
             from mindspeed_align.dpo_demo import warm_start
@@ -174,9 +166,6 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
                         before["reward_margin"], after["reward_margin"],
                         before["policy_preference"], after["policy_preference"])  # fmt: skip
         return summary
-    finally:
-        if owns_group:
-            destroy_distributed()
 
 
 def _load_start(model, start: dict, *, lora: bool) -> None:

@@ -10,10 +10,7 @@ the fraction of pairs with β·(logπ − logπref)(chosen) > β·(logπ − log
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_core.distributed import is_rank0
-from mindspeed_llm.demo import _NUMBER_WORDS, cache_root
+from mindspeed_core.files import staged_folder
+from mindspeed_llm.data.collate import forward_packed
+from mindspeed_llm.demo import NUMBER_WORDS, cache_root
 from mindspeed_llm.sft_demo import demo_task, ensure_sft_demo
 
 DEMO_VERSION = "v1"
@@ -40,8 +39,8 @@ class DPODemo:
 
 
 def _pair(record: dict[str, str], rng: random.Random) -> dict[str, str]:
-    right = _NUMBER_WORDS.index(record["output"])
-    wrong = rng.choice([w for i, w in enumerate(_NUMBER_WORDS[:11]) if i != right])
+    right = NUMBER_WORDS.index(record["output"])
+    wrong = rng.choice([w for i, w in enumerate(NUMBER_WORDS[:11]) if i != right])
     return {"prompt": record["instruction"], "chosen": record["output"], "rejected": wrong}
 
 
@@ -53,8 +52,7 @@ def ensure_dpo_demo(root: Path | None = None) -> DPODemo:
     demo = DPODemo(folder / "train.jsonl", folder / "heldout.jsonl", sft.template, sft.tokenizer)
     if demo.heldout.is_file():
         return demo
-    staging = Path(tempfile.mkdtemp(prefix=".dpo-demo-", dir=root))
-    try:
+    with staged_folder(folder) as staging:  # all or nothing
         rng = random.Random(3)
         seen = {json.loads(line)["instruction"] for line in sft.train.read_text().splitlines()}
         train = [_pair(r, rng) for r in demo_task(NUM_TRAIN, seed=11)]
@@ -68,10 +66,6 @@ def ensure_dpo_demo(root: Path | None = None) -> DPODemo:
         ]
         for name, rows in (("train.jsonl", train), ("heldout.jsonl", heldout)):
             (staging / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staging, folder)  # all or nothing
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return demo
 
 
@@ -122,11 +116,7 @@ def reward_accuracy(policy, reference, loss_ctx, batches, beta: float) -> dict[s
         num_slots = int(batch[SLOT_KEY].max()) + 1
         logps = []
         for model in (policy, reference) if reference is not None else (policy,):
-            logits = model(
-                batch["input_ids"],
-                position_ids=batch["position_ids"],
-                cu_seqlens=batch["cu_seqlens"],
-            )
+            logits = forward_packed(model, batch)
             logps.append(
                 sequence_logps(logits, batch["labels"], batch[SLOT_KEY], num_slots, loss_ctx)
             )

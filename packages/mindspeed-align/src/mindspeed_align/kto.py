@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from mindspeed_align.common import check_layout, process_group, warm_start_for_demo
+from mindspeed_align.common import check_layout, warm_start_for_demo
 from mindspeed_align.dpo import PreferenceObjective, build_reference
 from mindspeed_align.kto_data import LABEL_KEY, KTOData
 from mindspeed_align.logps import SLOT_KEY, sequence_logps
 from mindspeed_align.losses import kto_kl_estimate, kto_loss
 from mindspeed_core.cli import config_command, debug_enabled, guarded
+from mindspeed_core.distributed import process_group
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
 from mindspeed_llm.train.config import LoggingSection, TrainSection
@@ -141,7 +142,7 @@ def kto(cfg: KTOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
     """Run KTO in this process (one rank of a torchrun job, or alone)."""
     from mindspeed_llm.train.trainer import Trainer
 
-    with process_group(cfg) as info:
+    with process_group(cfg.train.device) as info:
         start = warm_start_for_demo(cfg, info)
         objective = KTOObjective(cfg.kto)
         trainer = Trainer(cfg, info, data=KTOData, objective=objective, before_tp=before_tp, after_tp=after_tp,

@@ -142,10 +142,10 @@ class KTOData(SFTData):
     def load(self, data) -> tuple[list[KTOExample], SFTStats]:
         return load_examples(data, self.template, self.tokenizer)
 
-    def _rows(self, examples: list[KTOExample]) -> list[KTOExample]:
+    def rows_of(self, examples: list[KTOExample]) -> list[KTOExample]:
         return list(examples)
 
-    def _collate(self, groups: list[list[KTOExample]]) -> list[Batch]:
+    def collate(self, groups: list[list[KTOExample]]) -> list[Batch]:
         return [kto_batch(g, self.seq_len, self.pad_id) for g in groups]
 
 

@@ -89,14 +89,14 @@ class PairData(SFTData):
     def load(self, data) -> tuple[list[Pair], SFTStats]:
         return load_pairs(data, self.template, self.tokenizer)
 
-    def _rows(self, pairs: list[Pair]) -> list[Pair]:
+    def rows_of(self, pairs: list[Pair]) -> list[Pair]:
         return list(pairs)
 
     def build(self, dims, accum: int) -> None:
         super().build(dims, accum)
         self.pipelined = dims.pp > 1
 
-    def _collate(self, groups: list[list[Pair]]) -> list[Batch]:
+    def collate(self, groups: list[list[Pair]]) -> list[Batch]:
         """Pipeline parallel: every micro-batch exactly `train.micro_batch` rows (one shape
         for the schedule) and pairs numbered across the step (the schedule re-splits rows;
         `renumber_slots` numbers each piece from 0 again)."""

@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mindspeed_align.common import check_layout, evaluating, process_group, warm_start_for_demo
+from mindspeed_align.common import check_layout, evaluating, warm_start_for_demo
 from mindspeed_align.prm_data import PRMData
 from mindspeed_align.reward import add_score_head
 from mindspeed_align.rm import export_trained
 from mindspeed_core.cli import config_command, debug_enabled, guarded
+from mindspeed_core.distributed import process_group
 from mindspeed_core.optim import OptimConfig
-from mindspeed_llm.data.collate import IGNORE_INDEX
+from mindspeed_llm.data.collate import IGNORE_INDEX, forward_packed
 from mindspeed_llm.train.config import LoggingSection, TrainSection
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
 from mindspeed_llm.train.sft_config import SFTConfig
@@ -94,9 +95,7 @@ def step_accuracy(model, batches) -> float:
     """The fraction of labelled steps of `batches` whose argmax is their label."""
     correct = total = 0
     for batch in batches:
-        out = model(
-            batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"]
-        )
+        out = forward_packed(model, batch)
         labelled = batch["labels"] != IGNORE_INDEX
         correct += int((out.argmax(-1)[labelled] == batch["labels"][labelled]).sum())
         total += int(labelled.sum())
@@ -107,7 +106,7 @@ def prm(cfg: PRMConfig) -> dict[str, float]:
     """Train a process reward model in this process (one rank of a torchrun job, or alone)."""
     from mindspeed_llm.train.trainer import Trainer
 
-    with process_group(cfg) as info:
+    with process_group(cfg.train.device) as info:
         start = warm_start_for_demo(cfg, info)
         trainer = Trainer(cfg, info, data=PRMData, objective=StepObjective(), command="prm",
                           before_tp=functools.partial(add_score_head, num_outputs=2))  # fmt: skip

@@ -101,17 +101,17 @@ class PRMDemo:
 
 def _steps(rng: random.Random) -> dict:
     """A counting question of the SFT demo answered in three steps, each maybe wrong."""
-    from mindspeed_llm.demo import _NAMES, _NUMBER_WORDS, _THINGS
+    from mindspeed_llm.demo import NAMES, NUMBER_WORDS, THINGS
 
-    a, b = rng.sample(_NAMES, 2)
-    thing, x, y = rng.choice(_THINGS), rng.randint(0, 5), rng.randint(0, 5)
-    prompt = (f"{a} had {_NUMBER_WORDS[x]} {thing} and {b} had {_NUMBER_WORDS[y]}. "
+    a, b = rng.sample(NAMES, 2)
+    thing, x, y = rng.choice(THINGS), rng.randint(0, 5), rng.randint(0, 5)
+    prompt = (f"{a} had {NUMBER_WORDS[x]} {thing} and {b} had {NUMBER_WORDS[y]}. "
               f"how many {thing} did they have together?")  # fmt: skip
     right = [rng.random() >= WRONG for _ in range(3)]
     shown = [v if ok else rng.choice([w for w in range(hi + 1) if w != v])
              for v, ok, hi in zip((x, y, x + y), right, (5, 5, 10), strict=True)]  # fmt: skip
-    steps = [f"{a} had {_NUMBER_WORDS[shown[0]]} {thing}.", f"{b} had {_NUMBER_WORDS[shown[1]]}.",
-             f"together they had {_NUMBER_WORDS[shown[2]]} {thing}."]  # fmt: skip
+    steps = [f"{a} had {NUMBER_WORDS[shown[0]]} {thing}.", f"{b} had {NUMBER_WORDS[shown[1]]}.",
+             f"together they had {NUMBER_WORDS[shown[2]]} {thing}."]  # fmt: skip
     return {"prompt": prompt, "completions": steps, "labels": right}
 
 

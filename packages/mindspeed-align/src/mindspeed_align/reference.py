@@ -26,6 +26,7 @@ from torch import nn
 from mindspeed_align.logps import SLOT_KEY, Pair, pack_pairs, sequence_logps
 from mindspeed_core.errors import disk_full_error, is_disk_full
 from mindspeed_core.parallel import dtensor
+from mindspeed_llm.data.collate import forward_packed
 from mindspeed_llm.peft import adapters_disabled
 
 __all__ = ["REF_KEY", "AdaptersOff", "RefPair", "precompute_reference", "put_ref_logps"]
@@ -81,8 +82,7 @@ def precompute_reference(data, reference: nn.Module, ctx, *, device, micro_pairs
     out = [
         RefPair(p, (float(values[2 * i]), float(values[2 * i + 1]))) for i, p in enumerate(pairs)
     ]
-    data.train, data.valid = out[: len(data.train)], out[len(data.train) :]
-    data.rows = data._rows(data.train)
+    data.set_samples(out[: len(data.train)], out[len(data.train) :])
     return path
 
 
@@ -121,8 +121,7 @@ def _compute(pairs, reference, ctx, device, micro_pairs, seq_len, pad_id) -> tor
         for start in range(0, len(pairs), micro_pairs):
             chunk = pairs[start : start + micro_pairs]
             batch = {k: v.to(device) for k, v in pack_pairs(chunk, seq_len, pad_id).items()}
-            logits = reference(batch["input_ids"], position_ids=batch["position_ids"],
-                               cu_seqlens=batch["cu_seqlens"])  # fmt: skip
+            logits = forward_packed(reference, batch)
             logps, _ = sequence_logps(logits, batch["labels"], batch[SLOT_KEY], 2 * len(chunk), ctx)
             out.append(logps.float().cpu())
     finally:

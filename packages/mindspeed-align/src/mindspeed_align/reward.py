@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -26,6 +24,7 @@ from torch import Tensor, nn
 from mindspeed_align.logps import SLOT_KEY
 from mindspeed_align.losses import reward_loss
 from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
+from mindspeed_core.files import staged_folder
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
 
 __all__ = [
@@ -139,9 +138,7 @@ def export_classifier(state: dict[str, Tensor], config, out: Path, *, pad_token_
                      label2id={k: i for i, k in enumerate(labels)}, pad_token_id=pad_token_id,
                      torch_dtype=dtypes.pop() if len(dtypes) == 1 else "float32")  # fmt: skip
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_folder(out) as tmp:
         writer = SafetensorsWriter(
             tmp / "model.safetensors", [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
         )
@@ -150,10 +147,6 @@ def export_classifier(state: dict[str, Tensor], config, out: Path, *, pad_token_
         writer.close()
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
         _copy_tokenizer(tokenizer, tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mindspeed_align.common import check_layout, evaluating, process_group, warm_start_for_demo
+from mindspeed_align.common import check_layout, evaluating, warm_start_for_demo
 from mindspeed_align.reward import (
     RewardObjective,
     add_score_head,
@@ -27,9 +27,10 @@ from mindspeed_align.reward import (
     full_state_dict,
 )
 from mindspeed_core.cli import config_command, debug_enabled, guarded
-from mindspeed_core.distributed import is_rank0
+from mindspeed_core.distributed import is_rank0, process_group
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
+from mindspeed_llm.data.collate import forward_packed
 from mindspeed_llm.train.config import LoggingSection, TrainSection
 from mindspeed_llm.train.sft_config import SFTConfig
 
@@ -77,7 +78,7 @@ def rm(cfg: RMConfig) -> dict[str, float]:
     from mindspeed_align.pairs import PairData
     from mindspeed_llm.train.trainer import Trainer
 
-    with process_group(cfg) as info:
+    with process_group(cfg.train.device) as info:
         start = warm_start_for_demo(cfg, info)
         objective = RewardObjective(pad_id=0, center_coefficient=cfg.rm.center_rewards_coefficient)
         trainer = Trainer(
@@ -119,9 +120,7 @@ def score_pairs(model, batches, pad_id: int) -> tuple[torch.Tensor, torch.Tensor
     chosen, rejected = [], []
     for batch in batches:
         slots = batch[SLOT_KEY].masked_fill(batch["input_ids"] == pad_id, -1)
-        out = model(
-            batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"]
-        )
+        out = forward_packed(model, batch)
         scores = sequence_scores(out, slots, int(batch[SLOT_KEY].max()) + 1)
         chosen.append(scores[0::2])
         rejected.append(scores[1::2])

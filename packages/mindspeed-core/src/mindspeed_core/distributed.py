@@ -9,12 +9,13 @@ group. A plain `python script.py` with none of them set runs as a world of one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -167,6 +168,23 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     # _PEERS stays: an error that ended the job is reported after this teardown.
+
+
+@contextlib.contextmanager
+def process_group(device: str | None = "auto") -> Iterator[DistributedInfo]:
+    """This process's `DistributedInfo` for the length of a command: a new process group
+    when none exists (torchrun's, or one process alone), destroyed on exit; the caller's
+    (a test harness, an embedding framework) when one does, left as it is.
+
+    `device`: "auto" (or None), "cpu", "cuda" or "npu"."""
+    owns = not dist.is_initialized()
+    device = None if device == "auto" else device
+    info = init_distributed(device_type=device) if owns else current_distributed(device)
+    try:
+        yield info
+    finally:
+        if owns:
+            destroy_distributed()
 
 
 # -- naming a rank that died ------------------------------------------------------------

@@ -3,6 +3,8 @@
 - `check_folder`: a path meant to be a folder is not a file (nor inside one), checked
   before anything is written, with a one-line error naming the option.
 - `write_file_atomically`: write a synced temporary file, then rename it over the target.
+- `staged_folder`: build a folder beside its place and rename it there when complete (a
+  reader never sees half of it; a failure leaves the previous one, or nothing).
 - Owned temporary names: `owned_temp_prefix(name)` embeds the host and process id in a
   temporary file's name, so a later run can tell the temporaries of a process that died
   (SIGKILL, power loss) from those of one still running, and `remove_stale_temps`
@@ -16,7 +18,7 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mindspeed_core.errors import ConfigError
@@ -54,6 +56,26 @@ def write_file_atomically(
         before_replace()
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def staged_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Yields an empty staging folder beside `folder`; when the block ends normally the
+    staging folder replaces `folder` (an existing one is removed first), otherwise it is
+    deleted. Staging names are owned (`owned_temp_prefix`): those of killed processes are
+    swept by the next call."""
+    import tempfile
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(folder.parent, folder.name)
+    staging = Path(tempfile.mkdtemp(prefix=owned_temp_prefix(folder.name), dir=folder.parent))
+    try:
+        yield staging
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def fsync_dir(folder: Path) -> None:

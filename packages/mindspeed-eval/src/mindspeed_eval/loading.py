@@ -6,7 +6,7 @@ its tokenizer, and returns the model in eval mode. Under torchrun with `tp > 1` 
 is tensor parallel over groups of `tp` neighbouring ranks (logits replicated); the other
 axis is data parallel: each group scores its own share of the requests (`EvalMesh`).
 
-Model and tokenizer lookup are mindspeed-llm's (`mindspeed_llm.models.loading`), the
+Model and tokenizer lookup are mindspeed-llm's (`mindspeed_llm.loading`), the
 same as `mindspeed generate`'s.
 """
 
@@ -100,7 +100,7 @@ def load_for_eval(
 
 def _read_model(path, tokenizer, device: torch.device, dtype: torch.dtype | None):
     """(model, config, tokenizer, folder): the single call into llm's loading."""
-    from mindspeed_llm.models.loading import load_model, resolve_model_source
+    from mindspeed_llm.loading import load_model, resolve_model_source
     from mindspeed_llm.tokenizer import load_tokenizer
 
     source = resolve_model_source(path)  # a folder that is no model fails here
@@ -131,25 +131,18 @@ def _mesh(tp: int) -> EvalMesh:
 
 
 def _tensor_parallel(model: nn.Module, config: TransformerConfig, tp: int) -> None:
-    """Shard the model's projections over this rank's group of `tp` neighbours, logits
-    replicated. Only tensor parallel: data parallel here means different requests, so no
-    DDP/FSDP wrapper (their collectives would tie the groups' forwards together)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+    """Shard the model over this rank's group of `tp` neighbours with its family's own
+    `parallelize` (its tensor-parallel plan: latent attention, qk-norms, any vocabulary),
+    logits replicated. Only tensor parallel: data parallel here means different requests, so
+    no DDP/FSDP wrapper (their collectives would tie the groups' forwards together)."""
     from mindspeed_core import device as dev
-    from mindspeed_core.parallel import apply_tp
-    from mindspeed_llm.models.common.parallelize import pad_vocabulary, tie_embeddings
-    from mindspeed_llm.models.common.tp_plan import llama_tp_plan
+    from mindspeed_core.parallel import ParallelDims
+    from mindspeed_llm.models import get_model_spec
 
     if config.num_experts:
         raise ParallelError(
             "tp > 1 evaluation supports dense models; use tp=1 and data parallel for this model"
         )
-    world = dist.get_world_size()
-    mesh = init_device_mesh(
-        dev.detect_device_type(None), (world // tp, tp), mesh_dim_names=("dp", "tp")
-    )
-    plan = llama_tp_plan(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, tp=tp)
-    pad_vocabulary(model, tp)  # any vocabulary: padded rows, whose logits are cut off
-    apply_tp(model, mesh["tp"], plan)
-    tie_embeddings(model)
+    dims = ParallelDims(tp=tp, dp_replicate=dist.get_world_size() // tp)
+    dims.build(dev.detect_device_type(None))
+    get_model_spec(config.family).parallelize(model, dims, data_parallel=False)

@@ -12,21 +12,23 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from mindspeed_core.files import staged_folder
 
 DEMO_VERSION = "v1"
 VOCAB_SIZE = 512
 NUM_DOCUMENTS = 12000
 PREFIX = "demo_text_document"
 
-_NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy"]
-_THINGS = ["apples", "books", "coins", "stones", "shells", "cards", "pens", "cups"]
-_PLACES = ["garden", "kitchen", "market", "library", "harbor", "forest", "school"]
-_COLORS = ["red", "blue", "green", "yellow", "white", "black"]
-_NUMBER_WORDS = [
+# The demo language's words: public, since the other commands' demos (SFT, DPO, PRM, RL,
+# eval) ask questions in the same language the pretraining demo teaches.
+NAMES = ["alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy"]
+THINGS = ["apples", "books", "coins", "stones", "shells", "cards", "pens", "cups"]
+PLACES = ["garden", "kitchen", "market", "library", "harbor", "forest", "school"]
+COLORS = ["red", "blue", "green", "yellow", "white", "black"]
+NUMBER_WORDS = [
     "zero",
     "one",
     "two",
@@ -52,13 +54,13 @@ def cache_root() -> Path:
 
 
 def _story(rng: random.Random) -> str:
-    a, b = rng.sample(_NAMES, 2)
-    thing, place, color = rng.choice(_THINGS), rng.choice(_PLACES), rng.choice(_COLORS)
+    a, b = rng.sample(NAMES, 2)
+    thing, place, color = rng.choice(THINGS), rng.choice(PLACES), rng.choice(COLORS)
     x, y = rng.randint(0, 5), rng.randint(0, 5)
     lines = [
         f"{a} went to the {place} with {b}.",
-        f"{a} had {_NUMBER_WORDS[x]} {color} {thing} and {b} had {_NUMBER_WORDS[y]}.",
-        f"{x} plus {y} is {x + y}, so together they had {_NUMBER_WORDS[x + y]} {thing}.",
+        f"{a} had {NUMBER_WORDS[x]} {color} {thing} and {b} had {NUMBER_WORDS[y]}.",
+        f"{x} plus {y} is {x + y}, so together they had {NUMBER_WORDS[x + y]} {thing}.",
     ]
     if rng.random() < 0.5:
         lines.append(f"then {b} gave the {thing} to {a}, and {a} said thank you to {b}.")
@@ -78,14 +80,8 @@ def ensure_demo_data(root: Path | None = None) -> DemoData:
     data = DemoData(folder / "tokenizer.model", folder / PREFIX)
     if data.tokenizer.is_file() and Path(f"{data.prefix}.idx").is_file():
         return data
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=folder.parent))
-    try:
+    with staged_folder(folder) as staging:  # all or nothing
         _build(staging)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staging, folder)  # all or nothing
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return data
 
 

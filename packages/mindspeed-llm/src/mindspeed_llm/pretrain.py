@@ -14,11 +14,7 @@ import logging
 import sys
 
 from mindspeed_core.cli import config_command, debug_enabled, guarded
-from mindspeed_core.distributed import (
-    current_distributed,
-    destroy_distributed,
-    init_distributed,
-)
+from mindspeed_core.distributed import process_group
 from mindspeed_llm.train.config import PretrainConfig
 
 logger = logging.getLogger("mindspeed.pretrain")
@@ -26,16 +22,12 @@ logger = logging.getLogger("mindspeed.pretrain")
 
 def pretrain(cfg: PretrainConfig) -> dict[str, float]:
     """Run pretraining in this process (one rank of a torchrun job, or alone)."""
-    import torch.distributed as dist
 
     from mindspeed_llm.train.objectives import NextToken
     from mindspeed_llm.train.pretrain_data import PretrainData
     from mindspeed_llm.train.trainer import Trainer
 
-    owns_group = not dist.is_initialized()
-    device = None if cfg.train.device == "auto" else cfg.train.device
-    info = init_distributed(device_type=device) if owns_group else current_distributed(device)
-    try:
+    with process_group(cfg.train.device) as info:
         objective = NextToken(cfg.train.loss_normalization)
         summary = Trainer(cfg, info, data=PretrainData, objective=objective).run()
         if summary["first_loss"] is None:
@@ -56,9 +48,6 @@ def pretrain(cfg: PretrainConfig) -> dict[str, float]:
                 cfg.logging.run_dir,
             )
         return summary
-    finally:
-        if owns_group:
-            destroy_distributed()
 
 
 command = config_command(

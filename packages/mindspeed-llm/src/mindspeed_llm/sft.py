@@ -17,11 +17,7 @@ import logging
 import sys
 
 from mindspeed_core.cli import config_command, debug_enabled, guarded
-from mindspeed_core.distributed import (
-    current_distributed,
-    destroy_distributed,
-    init_distributed,
-)
+from mindspeed_core.distributed import process_group
 from mindspeed_llm.models.common.parallelize import ModelHook
 from mindspeed_llm.train.sft_config import SFTConfig
 
@@ -33,7 +29,6 @@ def sft(
 ) -> dict[str, float]:
     """Run SFT in this process (one rank of a torchrun job, or alone). `after_tp` /
     `before_tp` reach `build_model` (adapters such as LoRA go in `after_tp`)."""
-    import torch.distributed as dist
 
     from mindspeed_llm.peft import lora_trainer_options
     from mindspeed_llm.train.objectives import NextToken
@@ -41,10 +36,7 @@ def sft(
     from mindspeed_llm.train.trainer import Trainer
 
     demo = not cfg.data.paths
-    owns_group = not dist.is_initialized()
-    device = None if cfg.train.device == "auto" else cfg.train.device
-    info = init_distributed(device_type=device) if owns_group else current_distributed(device)
-    try:
+    with process_group(cfg.train.device) as info:
         lora = lora_trainer_options(cfg.lora, precision=cfg.train.precision,
                                     device_type=info.device.type)  # fmt: skip
         after_tp = chain_hooks(after_tp, lora.pop("after_tp", None))
@@ -62,9 +54,6 @@ def sft(
                         summary["steps"], summary["first_loss"], summary["final_loss"],
                         cfg.logging.run_dir)  # fmt: skip
         return summary
-    finally:
-        if owns_group:
-            destroy_distributed()
 
 
 def chain_hooks(first: ModelHook | None, second: ModelHook | None) -> ModelHook | None:

@@ -10,17 +10,15 @@ the demo corpus. `exact_match` greedy-decodes the answers and counts the right o
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
 from mindspeed_core.distributed import is_rank0
-from mindspeed_llm.demo import _NAMES, _NUMBER_WORDS, _THINGS, cache_root, ensure_demo_data
+from mindspeed_core.files import staged_folder
+from mindspeed_llm.demo import NAMES, NUMBER_WORDS, THINGS, cache_root, ensure_demo_data
 
 DEMO_VERSION = "v1"
 NUM_TRAIN = 4000
@@ -43,11 +41,11 @@ class SFTDemo:
 
 
 def _question(rng: random.Random) -> dict[str, str]:
-    a, b = rng.sample(_NAMES, 2)
-    thing, x, y = rng.choice(_THINGS), rng.randint(0, 5), rng.randint(0, 5)
-    question = (f"{a} had {_NUMBER_WORDS[x]} {thing} and {b} had {_NUMBER_WORDS[y]}. "
+    a, b = rng.sample(NAMES, 2)
+    thing, x, y = rng.choice(THINGS), rng.randint(0, 5), rng.randint(0, 5)
+    question = (f"{a} had {NUMBER_WORDS[x]} {thing} and {b} had {NUMBER_WORDS[y]}. "
                 f"how many {thing} did they have together?")  # fmt: skip
-    return {"instruction": question, "output": _NUMBER_WORDS[x + y]}
+    return {"instruction": question, "output": NUMBER_WORDS[x + y]}
 
 
 def demo_task(num: int, seed: int) -> list[dict[str, str]]:
@@ -64,18 +62,13 @@ def ensure_sft_demo(root: Path | None = None) -> SFTDemo:
                    tokenizer)  # fmt: skip
     if demo.heldout.is_file():
         return demo
-    staging = Path(tempfile.mkdtemp(prefix=".sft-demo-", dir=root))
-    try:
+    with staged_folder(folder) as staging:  # all or nothing
         train = demo_task(NUM_TRAIN, seed=1)
         seen = {r["instruction"] for r in train}
         heldout = [r for r in demo_task(4 * NUM_HELDOUT, seed=2) if r["instruction"] not in seen]
         for name, rows in (("train.jsonl", train), ("heldout.jsonl", heldout[:NUM_HELDOUT])):
             (staging / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         (staging / "template.jinja").write_text(TEMPLATE)
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staging, folder)  # all or nothing
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return demo
 
 

@@ -40,10 +40,10 @@ from mindspeed_core.distributed import setup_logging
 from mindspeed_core.errors import ConfigError, disk_full_error, is_disk_full
 from mindspeed_core.files import check_folder, owned_temp_prefix, remove_stale_temps
 from mindspeed_core.parallel import ParallelConfig
+from mindspeed_llm.loading import ModelSource, checkpoint_source, load_model
 from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models import hf_io
 from mindspeed_llm.models.common.layout import check_layout
-from mindspeed_llm.models.loading import ModelSource, checkpoint_source, load_model
 from mindspeed_llm.models.registry import get_model_spec
 from mindspeed_llm.models.weight_check import check_weights, model_shapes
 from mindspeed_llm.peft.checkpoint import run_lora, write_peft_adapter
@@ -186,11 +186,11 @@ def mindspeed_to_hf(
         todo: dict[int | None, set[str]] = {}
         for hf in hf_shapes:
             if hf not in renamed:
-                todo.setdefault(hf_io._layer_of(hf), set()).add(hf)
+                todo.setdefault(hf_io.layer_of(hf), set()).add(hf)
         pending: dict[int | None, dict[str, torch.Tensor]] = {}
 
         def compute(name: str, tensor: torch.Tensor) -> None:
-            layer = hf_io._layer_of(name)
+            layer = hf_io.layer_of(name)
             sources = pending.setdefault(layer, {})
             sources[name] = tensor
             for hf, made in hf_io.to_hf_some(config, meta, sources).items():

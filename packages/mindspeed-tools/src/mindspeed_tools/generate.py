@@ -4,7 +4,7 @@
     mindspeed generate --model DIR --input prompts.jsonl --output out.jsonl --temperature 0.7
 
 DIR is a Hugging Face folder (config.json + safetensors + tokenizer), a converted
-MindSpeed checkpoint or a run's checkpoints (see `mindspeed_llm.models.loading`). Defaults
+MindSpeed checkpoint or a run's checkpoints (see `mindspeed_llm.loading`). Defaults
 come from the model's generation_config.json when present (as in transformers: greedy
 unless it says do_sample); options on the command line win. Each
 output line is `{"prompt", "completion", "token_ids", "finish_reason"}`, plus the other
@@ -68,7 +68,7 @@ def load_generator(args: argparse.Namespace):
 
     from mindspeed_core import device as dev
     from mindspeed_llm.generation import Generator, load_generation_config
-    from mindspeed_llm.models.loading import load_model, resolve_model_source
+    from mindspeed_llm.loading import load_model, resolve_model_source
     from mindspeed_llm.tokenizer import load_tokenizer
 
     # A folder that is no model fails here, before the tokenizer.

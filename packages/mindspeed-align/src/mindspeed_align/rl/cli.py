@@ -21,11 +21,7 @@ from pathlib import Path
 
 from mindspeed_align.rl.config import DAPOConfig, GRPOConfig, PPOConfig, RLConfig
 from mindspeed_core.cli import config_command, debug_enabled, guarded
-from mindspeed_core.distributed import (
-    current_distributed,
-    destroy_distributed,
-    init_distributed,
-)
+from mindspeed_core.distributed import process_group
 from mindspeed_core.errors import ConfigError
 
 logger = logging.getLogger("mindspeed.grpo")
@@ -83,7 +79,7 @@ def _task(cfg: GRPOConfig, init_from: Path | None):
         records, held_out = (records[:-k], records[-k:]) if k else (records, [])
     path = cfg.data.tokenizer or cfg.model.hf_path
     if path is None and init_from is not None:
-        from mindspeed_llm.models.loading import resolve_model_source
+        from mindspeed_llm.loading import resolve_model_source
 
         path = resolve_model_source(init_from).tokenizer
     if path is None:
@@ -112,55 +108,49 @@ def ppo(cfg: PPOConfig) -> dict[str, float]:
 
 
 def _run(cfg: RLConfig, attach, command: str) -> dict[str, float]:
-    import torch.distributed as dist
-
     from mindspeed_align.rl.data import PromptSource
     from mindspeed_align.rl.objective import GRPOObjective
     from mindspeed_llm.train.trainer import Trainer
 
-    owns_group = not dist.is_initialized()
-    device = None if cfg.train.device == "auto" else cfg.train.device
-    info = init_distributed(device_type=device) if owns_group else current_distributed(device)
     rewards = roles = None
-    try:
-        init_from = _warmup(cfg) if _is_demo(cfg) else cfg.rl.init_from
-        tokenizer, tokenizer_path, records, held_out = _task(cfg, init_from)
-        g = cfg.rl
-        if g.placement == "ray":
-            from mindspeed_align.rl.placement import RayRoles
+    with process_group(cfg.train.device) as info:
+        try:
+            init_from = _warmup(cfg) if _is_demo(cfg) else cfg.rl.init_from
+            tokenizer, tokenizer_path, records, held_out = _task(cfg, init_from)
+            g = cfg.rl
+            if g.placement == "ray":
+                from mindspeed_align.rl.placement import RayRoles
 
-            roles = RayRoles(g.section, info.world_size)
-            rewards = roles.rewards(g, tokenizer_path)
-        else:
-            from mindspeed_align.rl.reward_model import section_rewards
+                roles = RayRoles(g.section, info.world_size)
+                rewards = roles.rewards(g, tokenizer_path)
+            else:
+                from mindspeed_align.rl.reward_model import section_rewards
 
-            rewards = section_rewards(g, tokenizer, info.device)
+                rewards = section_rewards(g, tokenizer, info.device)
 
-        def data(cfg_, model_cfg):
-            return PromptSource(records, tokenizer, max_prompt_len=cfg.data.seq_len - g.max_new_tokens,
-                                prompts_per_step=cfg.train.global_batch // g.n, seed=cfg.train.seed,
-                                source=str(cfg.data.prompts or "the demo prompts"))  # fmt: skip
+            def data(cfg_, model_cfg):
+                return PromptSource(records, tokenizer, max_prompt_len=cfg.data.seq_len - g.max_new_tokens,
+                                    prompts_per_step=cfg.train.global_batch // g.n, seed=cfg.train.seed,
+                                    source=str(cfg.data.prompts or "the demo prompts"))  # fmt: skip
 
-        trainer = Trainer(cfg, info, data=data, objective=GRPOObjective(), command=command)
-        step = attach(trainer, cfg, tokenizer, rewards, init_from, roles=roles)
-        before = _evaluate(step, held_out, tokenizer, rewards, cfg)
-        summary = trainer.run()
-        after = _evaluate(step, held_out, tokenizer, rewards, cfg)
-        summary.update(reward_before=before, reward_after=after)
-        logger.info(
-            "reward on %d held-out prompts (greedy; %d samples at temperature %g): "
-            "%.3f; %.3f at the start -> %.3f; %.3f after step %d; run directory %s",
-            len(held_out), g.n, g.temperature, *before, *after, summary["steps"],
-            cfg.logging.run_dir,
-        )  # fmt: skip
-        return summary
-    finally:
-        if rewards is not None:
-            rewards.close()
-        if roles is not None:
-            roles.close()
-        if owns_group:
-            destroy_distributed()
+            trainer = Trainer(cfg, info, data=data, objective=GRPOObjective(), command=command)
+            step = attach(trainer, cfg, tokenizer, rewards, init_from, roles=roles)
+            before = _evaluate(step, held_out, tokenizer, rewards, cfg)
+            summary = trainer.run()
+            after = _evaluate(step, held_out, tokenizer, rewards, cfg)
+            summary.update(reward_before=before, reward_after=after)
+            logger.info(
+                "reward on %d held-out prompts (greedy; %d samples at temperature %g): "
+                "%.3f; %.3f at the start -> %.3f; %.3f after step %d; run directory %s",
+                len(held_out), g.n, g.temperature, *before, *after, summary["steps"],
+                cfg.logging.run_dir,
+            )  # fmt: skip
+            return summary
+        finally:
+            if rewards is not None:
+                rewards.close()
+            if roles is not None:
+                roles.close()
 
 
 def _evaluate(step, held_out, tokenizer, rewards, cfg: GRPOConfig) -> tuple[float, float]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.errors import DataError
-from mindspeed_llm.demo import _COLORS, _NAMES, _NUMBER_WORDS, _PLACES, _THINGS
+from mindspeed_llm.demo import COLORS, NAMES, NUMBER_WORDS, PLACES, THINGS
 
 __all__ = ["PromptSource", "demo_records", "read_prompts"]
 
@@ -25,12 +25,12 @@ def demo_records(count: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     records = []
     for _ in range(count):
-        a, b = rng.sample(_NAMES, 2)
-        thing, place, color = rng.choice(_THINGS), rng.choice(_PLACES), rng.choice(_COLORS)
+        a, b = rng.sample(NAMES, 2)
+        thing, place, color = rng.choice(THINGS), rng.choice(PLACES), rng.choice(COLORS)
         x, y = rng.randint(0, 5), rng.randint(0, 5)
         prompt = (
-            f"{a} went to the {place} with {b}. {a} had {_NUMBER_WORDS[x]} {color} {thing} "
-            f"and {b} had {_NUMBER_WORDS[y]}. {x} plus {y} is"
+            f"{a} went to the {place} with {b}. {a} had {NUMBER_WORDS[x]} {color} {thing} "
+            f"and {b} had {NUMBER_WORDS[y]}. {x} plus {y} is"
         )
         records.append({"prompt": prompt, "answer": x + y})
     return records

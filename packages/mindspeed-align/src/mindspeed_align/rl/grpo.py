@@ -32,7 +32,6 @@ from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
 from mindspeed_align.rl.weights import load_weights
 from mindspeed_core.errors import ConfigError
-from mindspeed_llm.train.build import build_model
 from mindspeed_llm.train.step import StepResult, TrainStep
 from mindspeed_llm.train.trainer import Trainer
 
@@ -256,12 +255,8 @@ def evaluate_reward(rollout: LocalRollout, records, tokenizer, rewards: Rewards,
 
 
 def build_reference(trainer: Trainer):
-    cfg = trainer.cfg
-    return build_model(
-        trainer.model_cfg, trainer.dims, trainer.device, parallel=cfg.parallel,
-        precision=cfg.train.precision, seed=cfg.train.seed, seq_len=cfg.data.seq_len,
-        hf_path=cfg.model.hf_path, frozen=True,
-    )  # fmt: skip
+    """The frozen reference: the run's model as it starts."""
+    return trainer.build_model(frozen=True)
 
 
 def attach(trainer: Trainer, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_from, *,

@@ -36,7 +36,7 @@ from mindspeed_align.rl.weights import load_value_model, load_weights
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
-from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts
+from mindspeed_llm.train.build import BuiltModel, build_train_parts
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
 from mindspeed_llm.train.step import StepResult, TrainStep
 
@@ -207,12 +207,8 @@ def build_critic(trainer, cfg, init_from) -> TrainStep:
     """The critic's model (the policy's body and a value head, on the run's layout), its
     optimizer and step; its states join the run's checkpoints under `critic_*`."""
     parallel = dataclasses.replace(cfg.parallel, loss_parallel=False)  # one output: no vocab
-    model = build_model(
-        trainer.model_cfg, trainer.dims, trainer.device, parallel=parallel,
-        precision=cfg.train.precision, ac=cfg.train.ac, seed=cfg.train.seed,
-        seq_len=cfg.data.seq_len, hf_path=cfg.model.hf_path, before_tp=add_score_head,
-        compile=cfg.train.compile, fp8=cfg.train.fp8,
-    )  # fmt: skip
+    model = trainer.build_model(parallel=parallel, ac=cfg.train.ac, before_tp=add_score_head,
+                                compile=cfg.train.compile, fp8=cfg.train.fp8)  # fmt: skip
     if cfg.critic.init_from is not None:  # a trained reward model: body and value head
         load_value_model(model, cfg.critic.init_from)
     elif init_from is not None:  # the policy's starting body, a new value head

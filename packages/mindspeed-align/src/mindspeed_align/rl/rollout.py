@@ -70,23 +70,16 @@ def sampling_seed(seed: int, step: int, dp_rank: int) -> int:
     return mixed or 1
 
 
-class _LoggedSteps(TokenSteps):
-    """`TokenSteps` that keeps the log-probs of the last logits it sampled from."""
+class SamplerLogProbs:
+    """A `TokenSteps.on_logits` hook: `last` holds log softmax(logits / T) of the last logits
+    the sampler drew from (rows: the steps' `active` rows)."""
 
-    def __init__(self, *args, temperature: float, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, temperature: float):
         self.temperature = temperature or 1.0
-        self.last_logps: Tensor | None = None
+        self.last: Tensor | None = None
 
-    def _last_logits(self, logits: Tensor) -> Tensor:  # the generator's hook point
-        last = TokenSteps._last_logits(logits)
-        self.last_logps = torch.log_softmax(last.float() / self.temperature, dim=-1)
-        return last
-
-    def _prefill(self) -> Tensor:  # one row per prompt, then each repeated for its n samples
-        logits = super()._prefill()
-        self.last_logps = self.last_logps.repeat_interleave(self.config.num_return_sequences, 0)
-        return logits
+    def __call__(self, logits: Tensor) -> None:
+        self.last = torch.log_softmax(logits.float() / self.temperature, dim=-1)
 
 
 class LocalRollout:
@@ -174,12 +167,13 @@ class LocalRollout:
             seed=seed,
             num_return_sequences=cfg.n,
         )
-        steps = _LoggedSteps(self.module, prompts, gen, temperature=cfg.temperature)
+        logps = SamplerLogProbs(cfg.temperature)
+        steps = TokenSteps(self.module, prompts, gen, on_logits=logps)
         logprobs: list[list[float]] = [[] for _ in rows]
         with torch.no_grad():
             for new in steps:
-                position = {row: i for i, row in enumerate(steps.active)}  # rows of last_logps
-                picked = steps.last_logps[[position[r] for r, _ in new], [t for _, t in new]].tolist()
+                position = {row: i for i, row in enumerate(steps.active)}  # rows of logps.last
+                picked = logps.last[[position[r] for r, _ in new], [t for _, t in new]].tolist()
                 for (row, _), lp in zip(new, picked, strict=True):
                     logprobs[row].append(lp)
         stops = set(cfg.stop_token_ids)

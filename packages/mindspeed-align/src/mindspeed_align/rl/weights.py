@@ -14,7 +14,7 @@ __all__ = ["load_value_model", "load_weights", "set_weights"]
 def load_weights(built, path: Path, *, what: str = "grpo.init_from", head: bool = True) -> None:
     """Replace a built model's weights (whole or sharded) with those at `path`; `head=False`
     keeps the model's own output layer (a critic's value head on a language model's body)."""
-    from mindspeed_llm.models.loading import load_model
+    from mindspeed_llm.loading import load_model
 
     source, _ = load_model(path, device=built.device)
     full = source.state_dict()

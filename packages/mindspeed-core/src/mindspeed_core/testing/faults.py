@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from unittest import mock
 
-__all__ = ["disk_full_after"]
+__all__ = ["check_full_disk_resumes", "disk_full_after"]
 
 
 @contextmanager
@@ -55,3 +55,22 @@ def disk_full_after(saves: int) -> Iterator[list[str]]:
             mock.patch.object(manager.dcp, "async_save", async_save), \
             mock.patch.object(manager.shutil, "disk_usage", usage):  # fmt: skip
         yield calls
+
+
+def check_full_disk_resumes(main, args: list[str], run_dir: Path, capsys, steps: int) -> None:
+    """A command run (`guarded(main, args)`, checkpoints every 2 steps) whose second save
+    finds the disk full: one line "error: no space left on device for ...", no traceback,
+    exit 2, step 2 kept; with room again the rerun resumes and logs every one of `steps`."""
+    from mindspeed_core.cli import guarded
+    from mindspeed_core.training import read_metrics
+
+    capsys.readouterr()
+    with disk_full_after(saves=1):
+        assert guarded(main, args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: no space left on device for"), err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_2"]
+    assert guarded(main, args) == 0  # room again: resumes from step 2
+    assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == list(range(1, steps + 1))

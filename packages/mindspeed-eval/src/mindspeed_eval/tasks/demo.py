@@ -27,18 +27,18 @@ class DemoTask(Task):
     modes = ("ppl",)
 
     def load(self, data: Path | None, *, shots: int, fewshot: dict | None) -> list[Item]:
-        from mindspeed_llm.demo import _COLORS, _NAMES, _NUMBER_WORDS, _PLACES, _THINGS
+        from mindspeed_llm.demo import COLORS, NAMES, NUMBER_WORDS, PLACES, THINGS
 
         rng = random.Random(SEED)
         items = []
         for subject in ("sum", "together", "thanks"):
             for _ in range(NUM_PER_SUBJECT):
-                a, b = rng.sample(_NAMES, 2)
-                thing, place, color = rng.choice(_THINGS), rng.choice(_PLACES), rng.choice(_COLORS)
+                a, b = rng.sample(NAMES, 2)
+                thing, place, color = rng.choice(THINGS), rng.choice(PLACES), rng.choice(COLORS)
                 x, y = rng.randint(0, 5), rng.randint(0, 5)
                 story = (
                     f"{a} went to the {place} with {b}. "
-                    f"{a} had {_NUMBER_WORDS[x]} {color} {thing} and {b} had {_NUMBER_WORDS[y]}."
+                    f"{a} had {NUMBER_WORDS[x]} {color} {thing} and {b} had {NUMBER_WORDS[y]}."
                 )
                 if subject == "sum":
                     prompt, right, pool = (
@@ -48,14 +48,14 @@ class DemoTask(Task):
                     )
                 elif subject == "together":
                     prompt = f"{story} {x} plus {y} is {x + y}, so together they had"
-                    right, pool = _NUMBER_WORDS[x + y], list(_NUMBER_WORDS)
+                    right, pool = NUMBER_WORDS[x + y], list(NUMBER_WORDS)
                 else:
                     prompt = (
                         f"{story} {x} plus {y} is {x + y}, so together they had "
-                        f"{_NUMBER_WORDS[x + y]} {thing}. then {b} gave the {thing} to {a}, "
+                        f"{NUMBER_WORDS[x + y]} {thing}. then {b} gave the {thing} to {a}, "
                         f"and {a} said thank you to"
                     )
-                    right, pool = b, [n for n in _NAMES if n != a]
+                    right, pool = b, [n for n in NAMES if n != a]
                 wrong = rng.sample([p for p in pool if p != right], 3)
                 options = [right, *wrong]
                 rng.shuffle(options)

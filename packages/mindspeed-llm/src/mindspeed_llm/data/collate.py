@@ -35,6 +35,7 @@ BATCH_KEYS = ("input_ids", "labels", "position_ids", "cu_seqlens")
 Batch = dict[str, Tensor]
 
 __all__ = [
+    "forward_packed",
     "BATCH_KEYS",
     "IGNORE_INDEX",
     "Batch",
@@ -68,6 +69,13 @@ def lm_batch(
         "position_ids": position_ids,
         "cu_seqlens": cu_seqlens,
     }
+
+
+def forward_packed(model, batch: Batch, **kwargs):
+    """`model` on a packed batch: its tokens, positions and document boundaries (`kwargs`
+    go to the model as well)."""
+    return model(batch["input_ids"], position_ids=batch["position_ids"],
+                 cu_seqlens=batch["cu_seqlens"], **kwargs)  # fmt: skip
 
 
 def check_batch(batch: Batch) -> None:

@@ -74,9 +74,17 @@ class TokenSteps:
     `beams` holds every prompt's finished beams with their scores."""
 
     def __init__(
-        self, model: nn.Module, prompts: Sequence[Sequence[int]], config: GenerationConfig
+        self,
+        model: nn.Module,
+        prompts: Sequence[Sequence[int]],
+        config: GenerationConfig,
+        *,
+        on_logits: Callable[[Tensor], None] | None = None,
     ):
         self.model, self.config = model, config
+        self.on_logits = on_logits
+        """Called with each step's next-token logits (rows: `active`, in that order) before a
+        token is drawn from them: how a rollout keeps the sampler's own log-probs."""
         if config.compile:
             compile_for_decoding(model)
         n = config.num_return_sequences
@@ -119,6 +127,8 @@ class TokenSteps:
             generator.manual_seed(_shared_seed(self.model, config.seed))
         logits = self._prefill() if config.use_cache else self._recompute()
         for step in range(self.max_new_tokens):
+            if self.on_logits is not None:
+                self.on_logits(logits)
             tokens = next_tokens(logits, config, seen, generator)
             new = []
             for row, token in zip(self.active, tokens.tolist(), strict=True):

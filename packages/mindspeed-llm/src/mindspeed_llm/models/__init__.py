@@ -7,7 +7,7 @@ spec = get_model_spec(config.family)
 model = spec.parallelize(spec.build(config), dims)
 
 Each family folder holds `flavors.py` (named sizes) and `hf.py` (its Hugging Face spelling);
-`models.loading` loads a model from a Hugging Face folder or a MindSpeed checkpoint.
+`mindspeed_llm.loading` loads a model from a Hugging Face folder or a MindSpeed checkpoint.
 """
 
 from mindspeed_llm.models import (

@@ -13,7 +13,7 @@ Two kinds of folders hold a model's DCP checkpoint:
   model section in `<run>/config.yaml`.
 
 Step folders and `latest` are named as `mindspeed_core.checkpoint.steps` parses them;
-`models.loading` decides once which kind a folder is and loads its model.
+`mindspeed_llm.loading` decides once which kind a folder is and loads its model.
 
 DCP keeps each tensor under its fully-qualified name with its global shape, whatever the
 layout it was saved from, so one checkpoint loads under any tp/pp/ep layout.
@@ -77,6 +77,20 @@ def run_config_path(folder: Path) -> Path | None:
     return None
 
 
+def run_config(folder: Path) -> dict[str, Any] | None:
+    """The resolved config of the trainer run whose checkpoints are in `folder` (its
+    config.yaml as a dict), or None when there is no run next to it: the one reader of a
+    run's saved config.
+
+    Raises:
+        ConfigError: the file is not YAML (naming it and the line).
+    """
+    from mindspeed_core.config import read_yaml
+
+    path = run_config_path(folder)
+    return None if path is None else read_yaml(path)[0] or {}
+
+
 def read_checkpoint_config(folder: Path, **overrides: Any) -> TransformerConfig:
     """The model config of a MindSpeed checkpoint folder (converted or a trainer's).
 
@@ -88,20 +102,17 @@ def read_checkpoint_config(folder: Path, **overrides: Any) -> TransformerConfig:
     if manifest is not None:
         fields = {**manifest["model_config"], **overrides}
         return TransformerConfig(**fields)
-    config_yaml = run_config_path(folder)
-    if config_yaml is None:
+    data = run_config(folder)
+    if data is None:
         raise ConfigError(
             f"checkpoint {folder} has no {MANIFEST_FILE} and no run config.yaml next to it; "
             "cannot tell which model it holds"
         )
-    return model_config_from_run(config_yaml, **overrides)
+    return model_config_from_run(data, **overrides)
 
 
-def model_config_from_run(config_yaml: Path, **overrides: Any) -> TransformerConfig:
-    """The model a trainer run built, from the `model` section of its config.yaml."""
-    from mindspeed_core.config import read_yaml
-
-    data, _ = read_yaml(config_yaml)
+def model_config_from_run(data: dict[str, Any], **overrides: Any) -> TransformerConfig:
+    """The model a trainer run built, from the `model` section of its config (`run_config`)."""
     model = data.get("model") or {}
     overrides = {"ops_impl": model.get("ops_impl", "auto"), **overrides}
     if model.get("hf_path"):
@@ -117,12 +128,10 @@ def hf_source_dir(folder: Path) -> Path | None:
     root = checkpoint_root(folder)
     if (root / CONFIG_FILE).is_file():
         return root
-    config_yaml = run_config_path(folder)
-    if config_yaml is None:
+    data = run_config(folder)
+    if data is None:
         return None
-    from mindspeed_core.config import read_yaml
-
-    model = (read_yaml(config_yaml)[0].get("model")) or {}
+    model = data.get("model") or {}
     for key in ("hf_path", "hf_config"):
         if model.get(key):
             path = Path(model[key])
@@ -134,12 +143,9 @@ def hf_source_dir(folder: Path) -> Path | None:
 
 def run_tokenizer(folder: Path) -> Path | None:
     """The tokenizer (file or folder) the trainer run of `folder` trained with, if it named one."""
-    config_yaml = run_config_path(folder)
-    if config_yaml is None:
+    data = run_config(folder)
+    if data is None:
         return None
-    from mindspeed_core.config import read_yaml
-
-    data = read_yaml(config_yaml)[0]
     path = (data.get("data") or {}).get("tokenizer") or (data.get("model") or {}).get("hf_path")
     return Path(path) if path and Path(path).exists() else None
 

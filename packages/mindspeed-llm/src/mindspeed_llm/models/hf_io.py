@@ -7,7 +7,7 @@ truncated or corrupt file is reported by name before any tensor is read; then te
 read one at a time: peak memory stays near the largest tensor, not the model. The family's
 `hf_adapter` maps the names both ways.
 
-Loading a whole model (from this or a MindSpeed checkpoint) is `models.loading`. Nothing
+Loading a whole model (from this or a MindSpeed checkpoint) is `mindspeed_llm.loading`. Nothing
 here downloads: a Hub name such as `org/model` gets an error asking for a local path.
 """
 
@@ -183,7 +183,8 @@ def _inside_folder(index_path: Path, name: Any) -> str:
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _layer_of(name: str) -> int | None:
+def layer_of(name: str) -> int | None:
+    """The layer index in a tensor name (`model.layers.3.mlp...` -> 3), None outside layers."""
     match = _LAYER.search(name)
     return int(match.group(1)) if match else None
 
@@ -223,7 +224,7 @@ class HFWeights:
         if name in self.renamed:
             return read_tensor(self.index[self.renamed[name]])
         if name not in self._cache:
-            self._cache.update(self._compute(_layer_of(name)))
+            self._cache.update(self._compute(layer_of(name)))
         return self._cache.pop(name)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -235,18 +236,18 @@ class HFWeights:
             for ours in by_hf.get(hf_name, ()):
                 yield ours, tensor
         computed = [n for n in self.shapes if n not in self.renamed]
-        for name in sorted(computed, key=lambda n: (_layer_of(n) or -1, n)):
+        for name in sorted(computed, key=lambda n: (layer_of(n) or -1, n)):
             yield name, self.get(name)
 
     def _compute(self, layer: int | None) -> dict[str, torch.Tensor]:
         """The computed tensors of one layer, from that layer's Hugging Face tensors alone."""
         mixed: dict[str, torch.Tensor] = _meta(self.index)
         for name, info in self.index.items():
-            if _layer_of(name) == layer:
+            if layer_of(name) == layer:
                 mixed[name] = read_tensor(info)
         out = {}
         for name, tensor in self._adapter.from_hf(mixed, self.config).items():
-            if name in self.renamed or _layer_of(name) != layer:
+            if name in self.renamed or layer_of(name) != layer:
                 continue
             if tensor.is_meta:
                 raise CheckpointError(

@@ -4,7 +4,7 @@ A trainer run with `lora.rank > 0` saves only the adapter tensors (and buffers);
 `config.yaml` holds the `lora` section and where the frozen base came from
 (`model.hf_path`, or `checkpoint.load` of a converted checkpoint). `run_lora`
 tells such a run from a full one; `load_adapter_weights` rebuilds base + adapters in a
-plain model (what `models.loading.load_model` does for generate, chat and eval, merged);
+plain model (what `mindspeed_llm.loading.load_model` does for generate, chat and eval, merged);
 `write_peft_adapter` writes the folder `peft.PeftModel.from_pretrained` loads.
 """
 
@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mindspeed_core.checkpoint.steps import resolve
-from mindspeed_core.config import read_yaml
 from mindspeed_core.errors import CheckpointError, ConfigError
 from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models.config import TransformerConfig
@@ -47,16 +46,16 @@ def run_lora(folder: Path) -> LoRAConfig | None:
     Raises:
         ConfigError: a `lora` section that `LoRAConfig` refuses.
     """
-    config_yaml = ckpt.run_config_path(folder)
-    if config_yaml is None:
+    run = ckpt.run_config(folder)
+    if run is None:
         return None
-    section = read_yaml(config_yaml)[0].get("lora") or {}
+    section = run.get("lora") or {}
     if not section.get("rank"):
         return None
     try:
         return LoRAConfig(**section)
     except TypeError as err:
-        raise ConfigError(f"{config_yaml}: lora section: {err}") from None
+        raise ConfigError(f"{ckpt.run_config_path(folder)}: lora section: {err}") from None
 
 
 def run_base(folder: Path) -> tuple[str, Path]:
@@ -66,8 +65,7 @@ def run_base(folder: Path) -> tuple[str, Path]:
     Raises:
         CheckpointError: the run names neither (its checkpoints hold adapters only).
     """
-    config_yaml = ckpt.run_config_path(folder)
-    data = read_yaml(config_yaml)[0] if config_yaml else {}
+    data = ckpt.run_config(folder) or {}
     hf_path = (data.get("model") or {}).get("hf_path")
     if hf_path:
         return "hf", Path(hf_path)

@@ -65,7 +65,7 @@ class SFTData(Stateful):
         samples, stats = self.load(data)
         self.stats = stats
         self.train, self.valid = _split(samples, data.valid_fraction, cfg.train.seed)
-        self.rows = self._rows(self.train)
+        self.rows = self.rows_of(self.train)
         if data.epochs is not None:
             cfg.train.steps = max(1, math.ceil(data.epochs * len(self.rows) / cfg.train.global_batch))
             if cfg.optim.warmup_steps > cfg.train.steps:
@@ -89,7 +89,19 @@ class SFTData(Stateful):
         """Every training unit of `data.paths` and the counts (a subclass may read pairs)."""
         return load_samples(data, self.template, self.tokenizer)
 
-    def _rows(self, samples: list[Sample]) -> list[list[Sample]]:
+    def set_samples(self, train: list, valid: list) -> None:
+        """Replace the training and validation units (same number, in the same order: e.g.
+        each with its precomputed reference log-probs); the rows follow."""
+        if (len(train), len(valid)) != (len(self.train), len(self.valid)):
+            raise ValueError("set_samples keeps the number of training and validation units")
+        self.train, self.valid = train, valid
+        self.rows = self.rows_of(train)
+
+    # How a subclass shapes its units (preference pairs, KTO examples): `rows_of` groups
+    # them into the rows a micro-batch takes, `collate` turns a step's rows into batches.
+
+    def rows_of(self, samples: list[Sample]) -> list[list[Sample]]:
+        """The training rows of `samples`: one each (`data.mode=pad`) or packed."""
         if self.cfg.data.mode == "pad":
             return [[s] for s in samples]
         return [[samples[i] for i in row] for row in pack_rows([len(s[0]) for s in samples], self.seq_len)]  # fmt: skip
@@ -107,15 +119,15 @@ class SFTData(Stateful):
             start = self.consumed + self.dp_rank * micro
             groups.append([self._row(start + j) for j in range(micro)])
             self.consumed += micro * self.dp
-        return self._collate(groups)
+        return self.collate(groups)
 
     def _row(self, index: int) -> list[Sample]:
         epoch, position = divmod(index, len(self.rows))
         order = np.random.default_rng([self.cfg.train.seed, epoch]).permutation(len(self.rows))
         return self.rows[order[position]]
 
-    def _collate(self, groups: list[list[list[Sample]]]) -> list[Batch]:
-        """Packed rows are `seq_len` wide; padded ones as wide as the step's longest."""
+    def collate(self, groups: list[list[list[Sample]]]) -> list[Batch]:
+        """One batch per group of rows. Packed rows are `seq_len` wide; padded ones as wide as the step's longest."""
         if self.cfg.data.mode == "pack":
             width = self.seq_len
         else:
@@ -129,7 +141,7 @@ class SFTData(Stateful):
         past the end repeat from the start so every rank takes as many steps."""
         if not self.valid or self.cfg.train.eval_interval <= 0:
             return None
-        rows = self._rows(self.valid)
+        rows = self.rows_of(self.valid)
         micro = self.cfg.train.micro_batch
         per_step = micro * self.dp * self.accum
         steps = min(self.cfg.train.eval_batches, math.ceil(len(rows) / per_step))
@@ -140,7 +152,7 @@ class SFTData(Stateful):
                 for a in range(self.accum):
                     start = s * per_step + (a * self.dp + self.dp_rank) * micro
                     groups.append([rows[(start + j) % len(rows)] for j in range(micro)])
-                yield self._collate(groups)
+                yield self.collate(groups)
 
         return batches()
 

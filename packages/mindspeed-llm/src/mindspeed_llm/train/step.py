@@ -27,7 +27,13 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.optim import clip_grad_norm_
 from mindspeed_core.parallel import ParallelDims, build_pipeline_schedule, loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
-from mindspeed_llm.data.collate import Batch, concat_batches, shard_context_parallel, split_batch
+from mindspeed_llm.data.collate import (
+    Batch,
+    concat_batches,
+    forward_packed,
+    shard_context_parallel,
+    split_batch,
+)
 from mindspeed_llm.models.common.moe import moe_aux_loss, moe_layers
 from mindspeed_llm.models.common.mtp import take_mtp_loss
 from mindspeed_llm.models.common.parallelize import tied_embedding_grads
@@ -168,12 +174,7 @@ class TrainStep:
                 batch, self.dims.rank("cp"), self.dims.cp, targets
             )
         mtp = {"mtp_labels": batch["labels"]} if train and self._mtp is not None else {}
-        outputs = self.model.model(
-            batch["input_ids"],
-            position_ids=batch["position_ids"],
-            cu_seqlens=batch["cu_seqlens"],
-            **mtp,
-        )
+        outputs = forward_packed(self.model.model, batch, **mtp)
         return self.objective.loss(outputs, targets, self.model.loss)
 
     def _forward_backward(self, micro_batches, weight: float) -> tuple[torch.Tensor, dict]:

@@ -17,7 +17,7 @@ from mindspeed_core.errors import ConfigError, ParallelError
 from mindspeed_core.parallel import ParallelConfig, check_microbatches
 from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.common.parallelize import ModelHook
-from mindspeed_llm.train.build import build_model, build_train_parts, model_config
+from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts, model_config
 from mindspeed_llm.train.config import TrainSection
 from mindspeed_llm.train.loop import DataSource, TrainLoop
 from mindspeed_llm.train.objectives import NextToken, Objective
@@ -83,18 +83,20 @@ class Trainer:
         self.states = self.parts.states(self.data, self.device)
         self.checkpoints = cfg.checkpoint.manager(self.states, cfg.logging.run_dir)
 
+    def build_model(self, **options) -> BuiltModel:
+        """Another model of this run (a frozen reference, a critic): the run's model config,
+        layout, device, seed, precision, sequence length and starting weights; `options` are
+        `build.build_model`'s and win (`frozen=True`, `before_tp=add_score_head`, ...)."""
+        cfg = self.cfg
+        run = {"parallel": cfg.parallel, "precision": cfg.train.precision, "seed": cfg.train.seed,
+               "seq_len": cfg.data.seq_len, "hf_path": cfg.model.hf_path}  # fmt: skip
+        return build_model(self.model_cfg, self.dims, self.device, **{**run, **options})
+
     def _build_parts(self, before_tp, after_tp, adapter_only=False):
         cfg = self.cfg
-        model = build_model(
-            self.model_cfg,
-            self.dims,
-            self.device,
-            parallel=cfg.parallel,
-            precision=cfg.train.precision,
+        model = self.build_model(
             ac=cfg.train.ac,
-            seed=cfg.train.seed,
             seq_len=self.data.seq_len,
-            hf_path=cfg.model.hf_path,
             before_tp=before_tp,
             after_tp=after_tp,
             compile=cfg.train.compile,

@@ -89,15 +89,33 @@ def from_hf(hf_state_dict: Mapping[str, Tensor], config: TransformerConfig) -> d
         CheckpointError: a tensor is missing or one is not part of this model.
     """
     to_ours = {hf: ours for ours, hf in name_map(config).items()}
-    present = {k for k in hf_state_dict if not k.endswith(_IGNORED_SUFFIXES)}
-    extra = present - set(to_ours)
-    if config.tie_word_embeddings:
-        extra.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
-    _check(missing=set(to_ours) - present, unexpected=extra, side="Hugging Face")
+    check_hf_keys(hf_state_dict, set(to_ours), config)
     out = {ours: hf_state_dict[hf] for hf, ours in to_ours.items()}
     if config.tie_word_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
+
+
+def check_hf_keys(
+    hf_state_dict: Mapping[str, Tensor],
+    wanted: set[str],
+    config: TransformerConfig,
+    *,
+    tied_copy: str = "lm_head.weight",
+    allowed: set[str] = frozenset(),
+) -> None:
+    """Refuse a Hugging Face state dict that lacks a tensor of `wanted` or holds one that is
+    neither wanted nor `allowed` (buffers with an ignored suffix pass; so does `tied_copy`,
+    the output head some tied checkpoints store anyway).
+
+    Raises:
+        CheckpointError: naming a few of the missing and unexpected tensors.
+    """
+    present = {k for k in hf_state_dict if not k.endswith(_IGNORED_SUFFIXES)}
+    extra = present - wanted - allowed
+    if config.tie_word_embeddings:
+        extra.discard(tied_copy)
+    _check(missing=wanted - present, unexpected=extra, side="Hugging Face")
 
 
 def _check(*, missing: set[str], unexpected: set[str], side: str) -> None:

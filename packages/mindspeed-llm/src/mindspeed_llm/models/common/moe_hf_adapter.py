@@ -104,11 +104,7 @@ class MoEAdapter:
         to_ours = {hf: ours for ours, hf in self.name_map(config, fused=fused).items()}
         expert_sources = self._expert_sources(config, fused)
         wanted = set(to_ours) | {k for keys in expert_sources.values() for k in keys}
-        present = {k for k in hf_state_dict if not k.endswith(hf_adapter._IGNORED_SUFFIXES)}
-        extra = present - wanted
-        if config.tie_word_embeddings:
-            extra.discard("lm_head.weight")
-        hf_adapter._check(missing=wanted - present, unexpected=extra, side="Hugging Face")
+        hf_adapter.check_hf_keys(hf_state_dict, wanted, config)
         out = {ours: hf_state_dict[hf] for hf, ours in to_ours.items()}
         if config.tie_word_embeddings:
             out["output.weight"] = out["tok_embeddings.weight"]

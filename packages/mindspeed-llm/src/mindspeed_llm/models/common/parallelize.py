@@ -70,6 +70,7 @@ def parallelize_decoder(
     ep_dispatcher: str = "alltoall",
     before_tp: ModelHook | None = None,
     after_tp: ModelHook | None = None,
+    data_parallel: bool = True,
 ) -> nn.Module:
     """Apply the layout `dims` to `model` in place and return it.
 
@@ -104,6 +105,8 @@ def parallelize_decoder(
             copy, and FSDP will shard (and gather) whatever parameters it then finds;
             before TP would not work, because torch's ColwiseParallel shards every
             parameter under a planned module, an adapter's included, along dim 0.
+        data_parallel: False leaves out the DDP/FSDP wrapper: each data-parallel group
+            runs forwards of its own (evaluation, serving), with no collective tying them.
 
     Raises:
         LayoutError: a layout `check_layout` refuses (see `models.common.layout`); a
@@ -145,6 +148,8 @@ def parallelize_decoder(
     apply_ac(model, ac_mode)
     if compile:  # under cp the attention runs eagerly between a block's two graphs
         apply_compile(model, fullgraph=dims.cp == 1)
+    if not data_parallel:
+        return model
     if cpu_offload and not dims.fsdp_enabled:
         raise ParallelError("cpu_offload (optimizer-state offload) needs FSDP: dp_shard x cp > 1")
     if dims.fsdp_enabled:

@@ -326,10 +326,8 @@ class DeepseekV3Adapter:
         sources = _expert_sources(config, set(hf_state_dict))
         wanted = set(to_ours) | {k for keys in sources.values() for k in keys}
         present = {k for k in hf_state_dict if not k.endswith(hf_adapter._IGNORED_SUFFIXES)}
-        extra = present - wanted - set(_mtp_copies(config)) - _unused_mtp(present, config)
-        if config.tie_word_embeddings:
-            extra.discard("lm_head.weight")
-        hf_adapter._check(missing=wanted - present, unexpected=extra, side="Hugging Face")
+        allowed = set(_mtp_copies(config)) | _unused_mtp(present, config)
+        hf_adapter.check_hf_keys(hf_state_dict, wanted, config, allowed=allowed)
         out = {ours: hf_state_dict[hf] for hf, ours in to_ours.items()}
         if config.tie_word_embeddings:
             out["output.weight"] = out["tok_embeddings.weight"]

@@ -156,11 +156,7 @@ class InternLM2Adapter:
         """
         to_ours, fused = {hf: n for n, hf in name_map(config).items()}, _fused(config)
         wanted = set(to_ours) | set(fused)
-        present = {k for k in hf_state_dict if not k.endswith(hf_adapter._IGNORED_SUFFIXES)}
-        extra = present - wanted
-        if config.tie_word_embeddings:
-            extra.discard("output.weight")
-        hf_adapter._check(missing=wanted - present, unexpected=extra, side="Hugging Face")
+        hf_adapter.check_hf_keys(hf_state_dict, wanted, config, tied_copy="output.weight")
         out = {ours: hf_state_dict[hf] for hf, ours in to_ours.items()}
         if config.tie_word_embeddings:
             out["output.weight"] = out["tok_embeddings.weight"]

@@ -1,7 +1,7 @@
 """Load a model from wherever it lives: a Hugging Face folder, a converted MindSpeed
 checkpoint, or a trainer run's checkpoints.
 
-    from mindspeed_llm.models.loading import load_model, resolve_model_source
+    from mindspeed_llm.loading import load_model, resolve_model_source
     from mindspeed_llm.tokenizer import load_tokenizer
 
     source = resolve_model_source("runs/demo/checkpoints")  # what the folder is, once
@@ -26,13 +26,14 @@ from torch import nn
 
 from mindspeed_core.checkpoint import LATEST
 from mindspeed_core.checkpoint.steps import checkpoint_root, resolve
-from mindspeed_core.config import read_yaml
 from mindspeed_core.errors import CheckpointError
 from mindspeed_llm.demo import cache_root, ensure_demo_data
 from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_llm.models.hf_io import load_hf_weights, local_dir, read_hf_config
 from mindspeed_llm.models.registry import get_model_spec
+from mindspeed_llm.peft import checkpoint as adapters
+from mindspeed_llm.peft.lora import merge_lora
 
 KINDS = ("hf", "converted", "run")
 
@@ -126,9 +127,6 @@ def load_model(
     if source.kind == "hf":
         load_hf_weights(model, source.weights, config)
     elif (lora := _run_lora(source)) is not None:  # adapters only: the base + them, merged
-        from mindspeed_llm.peft import checkpoint as adapters
-        from mindspeed_llm.peft.lora import merge_lora
-
         adapters.load_adapter_weights(model, source.path, source.weights, config, lora)
         merge_lora(model)
     else:
@@ -140,9 +138,7 @@ def _run_lora(source: ModelSource):
     """The `lora` section of a LoRA run's checkpoints (None otherwise)."""
     if source.kind != "run":
         return None
-    from mindspeed_llm.peft.checkpoint import run_lora
-
-    return run_lora(source.path)
+    return adapters.run_lora(source.path)
 
 
 def _checkpoint_source(folder: Path, overrides: dict[str, Any]) -> ModelSource:
@@ -170,9 +166,9 @@ def _checkpoint_tokenizer(folder: Path, root: Path) -> Path:
         if _has_tokenizer(candidate):
             return candidate
     tokenizer = ckpt.run_tokenizer(folder)
-    config_yaml = ckpt.run_config_path(folder)
-    if tokenizer is None and config_yaml is not None:
-        data = read_yaml(config_yaml)[0].get("data") or {}
+    run = ckpt.run_config(folder)
+    if tokenizer is None and run is not None:
+        data = run.get("data") or {}
         if not data.get("paths") and not data.get("tokenizer"):  # the demo corpus
             tokenizer = ensure_demo_data(cache_root()).tokenizer
     return tokenizer or folder
