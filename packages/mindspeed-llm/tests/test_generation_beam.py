@@ -88,3 +88,17 @@ def test_bad_beam_settings_are_refused():
     for fields, message in cases.items():
         with pytest.raises(ConfigError, match=message):
             GenerationConfig(**dict(fields))
+
+
+def test_beam_settings_from_generation_config_json(tmp_path):
+    import json
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"num_beams": 3, "length_penalty": 0.5, "early_stopping": True, "max_new_tokens": 7}))  # fmt: skip
+    config = GenerationConfig.from_file(tmp_path)
+    assert (config.num_beams, config.length_penalty, config.early_stopping) == (3, 0.5, True)
+    # a sampling file keeps sampling (beam sampling is not built), its beams ignored
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"num_beams": 3, "do_sample": True, "temperature": 0.7}))  # fmt: skip
+    config = GenerationConfig.from_file(tmp_path)
+    assert (config.num_beams, config.temperature) == (1, 0.7)

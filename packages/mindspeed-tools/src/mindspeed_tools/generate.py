@@ -30,8 +30,9 @@ from mindspeed_core.files import owned_temp_prefix, remove_stale_temps
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """The model, device and sampling options shared by `generate` and `chat`."""
+def add_model_arguments(p: argparse.ArgumentParser, *, sampling: bool = True) -> None:
+    """The model and device options shared by `generate`, `chat` and `serve`; with
+    `sampling`, the decoding options too (a server takes them from each request)."""
     m = p.add_argument_group("model")
     m.add_argument("--model", required=True, help="Hugging Face folder or MindSpeed checkpoint")
     m.add_argument("--tokenizer", help="tokenizer folder or file (default: the model folder)")
@@ -47,6 +48,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="int8: weight-only int8 linear layers, one scale per output channel (decoding "
         "reads a quarter of fp32's bytes; on CPU ~5x faster at one prompt)",
     )
+    if not sampling:
+        return
     s = p.add_argument_group("sampling (default: the model's generation_config.json)")
     s.add_argument("--max-new-tokens", type=int, help="new tokens per prompt at most")
     s.add_argument("--temperature", type=float, help="0: greedy; > 0: sample")
@@ -73,19 +76,20 @@ def load_generator(args: argparse.Namespace):
 
     # A folder that is no model fails here, before the tokenizer.
     source = resolve_model_source(args.model)
+    option = lambda name: getattr(args, name, None)  # noqa: E731  (serve has no sampling options)
     config = load_generation_config(
         source.hf_dir,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        stop_strings=tuple(args.stop) if args.stop else None,
-        seed=args.seed,
-        num_beams=args.num_beams,
-        length_penalty=args.length_penalty,
+        max_new_tokens=option("max_new_tokens"),
+        temperature=option("temperature"),
+        top_k=option("top_k"),
+        top_p=option("top_p"),
+        repetition_penalty=option("repetition_penalty"),
+        stop_strings=tuple(option("stop")) if option("stop") else None,
+        seed=option("seed"),
+        num_beams=option("num_beams"),
+        length_penalty=option("length_penalty"),
         early_stopping={"true": True, "false": False, "never": "never", None: None}[
-            args.early_stopping
+            option("early_stopping")
         ],
     )
     tokenizer = load_tokenizer(args.tokenizer or source.tokenizer)

@@ -140,12 +140,15 @@ def _fields_from_hf(data: dict[str, Any]) -> dict[str, Any]:
         fields["max_new_tokens"] = int(data["max_new_tokens"])
     if data.get("do_sample"):
         fields["temperature"] = float(data.get("temperature") or 1.0)
-    for name, kind in (("top_k", int), ("top_p", float), ("repetition_penalty", float),
-                       ("num_beams", int), ("length_penalty", float)):  # fmt: skip
+    for name, kind in (("top_k", int), ("top_p", float), ("repetition_penalty", float)):
         if data.get(name) is not None:
             fields[name] = kind(data[name])
-    if data.get("early_stopping") is not None:
-        fields["early_stopping"] = data["early_stopping"]
+    if not data.get("do_sample"):  # beam sampling is not built: a sampling file keeps sampling
+        for name, kind in (("num_beams", int), ("length_penalty", float)):
+            if data.get(name) is not None:
+                fields[name] = kind(data[name])
+        if data.get("early_stopping") is not None:
+            fields["early_stopping"] = data["early_stopping"]
     eos = data.get("eos_token_id")
     if eos is not None:
         fields["stop_token_ids"] = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))

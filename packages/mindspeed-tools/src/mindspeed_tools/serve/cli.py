@@ -34,7 +34,10 @@ def _parser() -> ArgumentParser:
                    help="requests waiting beyond the batch before 429 (default 64)")  # fmt: skip
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body (default 1 MiB)")  # fmt: skip
-    add_model_arguments(p)
+    p.add_argument("--max-new-tokens", type=int,
+                   help="a request's max_tokens when it names none (default: the model's "
+                   "generation_config.json, else 256)")  # fmt: skip
+    add_model_arguments(p, sampling=False)
     for action in p._actions:  # no --model: the embedded demo
         if action.dest == "model":
             action.required = False
