@@ -24,7 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from mindspeed_align.common import check_layout, warm_start_for_demo
-from mindspeed_align.dpo import PreferenceObjective, build_reference
+from mindspeed_align.dpo import PreferenceObjective
 from mindspeed_align.kto_data import LABEL_KEY, KTOData
 from mindspeed_align.logps import SLOT_KEY, sequence_logps
 from mindspeed_align.losses import kto_kl_estimate, kto_loss
@@ -100,9 +100,19 @@ class KTOObjective(PreferenceObjective):
     metric_names = SUMS
 
     def __init__(self, section: KTOSection, reference=None, reference_ctx: LossContext | None = None,
-                 kl_group=None):  # fmt: skip
+                 kl_group=None, *, reference_after_tp=None):  # fmt: skip
         super().__init__(section, reference, reference_ctx)
         self.kl_group = kl_group
+        self.reference_after_tp = reference_after_tp
+
+    def setup(self, run) -> None:
+        """The frozen reference (the run's starting model, adapters by `reference_after_tp`)
+        and the data-parallel group the KL estimate is averaged over."""
+        if self.reference is None:
+            reference = run.build_model(after_tp=self.reference_after_tp, frozen=True)
+            self.reference, self.reference_ctx = reference.model, reference.loss
+        mesh = run.dims.mesh("dp")
+        self.kl_group = None if mesh is None else mesh.get_group()
 
     def targets(self, batch):
         return {**super().targets(batch), LABEL_KEY: batch[LABEL_KEY]}
@@ -144,13 +154,9 @@ def kto(cfg: KTOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
 
     with process_group(cfg.train.device) as info:
         start = warm_start_for_demo(cfg, info)
-        objective = KTOObjective(cfg.kto)
+        objective = KTOObjective(cfg.kto, reference_after_tp=after_tp)
         trainer = Trainer(cfg, info, data=KTOData, objective=objective, before_tp=before_tp, after_tp=after_tp,
                           command="kto")  # fmt: skip
-        reference = build_reference(trainer, cfg, after_tp)
-        objective.reference, objective.reference_ctx = reference.model, reference.loss
-        mesh = trainer.dims.mesh("dp")
-        objective.kl_group = None if mesh is None else mesh.get_group()
         if start is not None:
             trainer.model.load_state_dict(start)
             objective.reference.load_state_dict(start)

@@ -84,6 +84,12 @@ class RewardObjective(Objective):
     def __init__(self, pad_id: int, center_coefficient: float | None = None):
         self.pad_id, self.center_coefficient = pad_id, center_coefficient
 
+    def setup(self, run) -> None:
+        """The run's data knows the tokenizer's pad id."""
+        pad_id = getattr(run.data, "pad_id", None)
+        if pad_id is not None:
+            self.pad_id = pad_id
+
     def num_units(self, batch):
         return (batch[SLOT_KEY].max() + 1) // 2
 

@@ -84,7 +84,6 @@ def rm(cfg: RMConfig) -> dict[str, float]:
         trainer = Trainer(
             cfg, info, data=PairData, objective=objective, before_tp=add_score_head, command="rm"
         )
-        objective.pad_id = trainer.data.pad_id
         if start is not None:
             trainer.model.load_state_dict(
                 {k: v for k, v in start.items() if k != "output.weight"}, strict=False

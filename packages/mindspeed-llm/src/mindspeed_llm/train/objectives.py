@@ -24,8 +24,9 @@ objective. `NextToken` is pretraining's and SFT's (masking through labels = -100
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,34 @@ import mindspeed_ops
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 
-__all__ = ["LossContext", "LossOutput", "NextToken", "Objective", "segment_ids", "token_nll"]
+if TYPE_CHECKING:
+    from mindspeed_core.parallel import ParallelDims
+    from mindspeed_llm.models import TransformerConfig
+    from mindspeed_llm.train.build import BuiltModel
+
+__all__ = ["LossContext", "LossOutput", "NextToken", "Objective", "RunContext", "segment_ids",
+           "token_nll"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a method may use when its trainer is built: handed to `Objective.setup`, where
+    the method creates its extra roles (a frozen reference, a process group) and keeps them
+    on itself; the trainer never has them assigned into it from outside."""
+
+    cfg: Any
+    dims: ParallelDims
+    model_config: TransformerConfig
+    device: torch.device
+    data: Any
+    """The run's data source (e.g. `SFTData`: its tokenizer, `pad_id`)."""
+    policy: BuiltModel
+    """The model being trained."""
+    build_model: Callable[..., BuiltModel]
+    """Another model of this run (`Trainer.build_model`): `build_model(frozen=True)` is a
+    reference with the policy's config, layout, seed and starting weights."""
+    add_states: Callable[[dict[str, Any]], None]
+    """More `Stateful`s for the run's checkpoints (`Trainer.add_states`)."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +101,11 @@ class Objective(ABC):
     @abstractmethod
     def loss(self, outputs: Tensor, targets: dict[str, Tensor], ctx: LossContext) -> LossOutput:
         """The sum of the unit losses of one micro-batch (or its context-parallel share)."""
+
+    def setup(self, run: RunContext) -> None:
+        """Called once by `Trainer` when the policy is built, before any step: create what
+        the method needs besides the policy (see `RunContext`). Default: nothing."""
+        return None
 
     def finish_metrics(self, metrics: dict[str, float], units: float) -> dict[str, float]:
         """The step's reported metrics from the reduced ones (each metric sum over every

@@ -20,7 +20,7 @@ from mindspeed_llm.models.common.parallelize import ModelHook
 from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts, model_config
 from mindspeed_llm.train.config import TrainSection
 from mindspeed_llm.train.loop import DataSource, TrainLoop
-from mindspeed_llm.train.objectives import NextToken, Objective
+from mindspeed_llm.train.objectives import NextToken, Objective, RunContext
 from mindspeed_llm.train.pretrain_data import PretrainData
 from mindspeed_llm.train.run_dir import RunDirectory
 from mindspeed_llm.train.step import TrainingError, TrainStep
@@ -72,9 +72,10 @@ class Trainer:
         self.parts = self._build_parts(before_tp, after_tp, adapter_only)
         self.model = self.parts.model.model
         self.state = self.parts.state
+        objective = objective or NextToken(cfg.train.loss_normalization)
         self.step = TrainStep(
             self.parts,
-            objective or NextToken(cfg.train.loss_normalization),
+            objective,
             self.dims,
             clip_grad=cfg.optim.clip_grad,
             n_microbatches=n_microbatches,
@@ -82,6 +83,8 @@ class Trainer:
         )
         self.states = self.parts.states(self.data, self.device)
         self.checkpoints = cfg.checkpoint.manager(self.states, cfg.logging.run_dir)
+        objective.setup(RunContext(cfg, self.dims, self.model_cfg, self.device, self.data,
+                                   self.parts.model, self.build_model, self.add_states))  # fmt: skip
 
     def build_model(self, **options) -> BuiltModel:
         """Another model of this run (a frozen reference, a critic): the run's model config,
