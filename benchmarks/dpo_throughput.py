@@ -40,7 +40,7 @@ def make_pairs(root: Path, num_pairs: int) -> Path:
 
 
 def _ours(folder: Path, data: Path, args) -> dict:
-    from mindspeed_align.dpo import PreferenceObjective, build_reference
+    from mindspeed_align.dpo import PreferenceObjective
     from mindspeed_align.dpo_config import DPOConfig
     from mindspeed_align.pairs import PairData
     from mindspeed_core.config import load_config
@@ -57,8 +57,6 @@ def _ours(folder: Path, data: Path, args) -> dict:
     baseline = _rss_mb()
     objective = PreferenceObjective(cfg.dpo)
     trainer = Trainer(cfg, info, data=PairData, objective=objective, command="dpo")
-    reference = build_reference(trainer, cfg)
-    objective.reference, objective.reference_ctx = reference.model, reference.loss
     pairs, start = 0, time.perf_counter()
     for _ in range(cfg.train.steps):
         batches = trainer.data.next_step()

@@ -49,8 +49,7 @@ def make_prompts(root: Path, count: int) -> Path:
 def _ours(folder: Path, prompts: Path, args) -> dict:
     from mindspeed_align.rl.config import GRPOConfig
     from mindspeed_align.rl.data import PromptSource, read_prompts
-    from mindspeed_align.rl.grpo import attach
-    from mindspeed_align.rl.objective import GRPOObjective
+    from mindspeed_align.rl.grpo import GRPOMethod
     from mindspeed_align.rl.rewards import Rewards
     from mindspeed_core.config import load_config
     from mindspeed_core.distributed import destroy_distributed, init_distributed
@@ -76,8 +75,10 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
                             prompts_per_step=args.prompts_per_step, seed=0)  # fmt: skip
 
     baseline = _rss_mb()
-    trainer = Trainer(cfg, info, data=data, objective=GRPOObjective(), command="grpo")
-    step = attach(trainer, cfg, tokenizer, rewards, None)
+    trainer = Trainer(
+        cfg, info, data=data, objective=GRPOMethod(cfg, tokenizer, rewards), command="grpo"
+    )
+    step = trainer.step
     lengths, start = [], time.perf_counter()
     for _ in range(args.steps):
         result = step(trainer.data.next_step())

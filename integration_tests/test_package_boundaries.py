@@ -78,3 +78,62 @@ def test_models_never_import_peft():
             found += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names
                       if n.startswith("mindspeed_llm.peft")]  # fmt: skip
     assert not found, "models imports peft:\n" + "\n".join(found)
+
+
+ROLES = ("trainer", "objective")
+"""Objects that are built whole: a method gives them their parts through `Objective.setup`,
+`Objective.build_step` and `Trainer(...)`'s arguments, never by assignment afterwards."""
+
+
+def _role(node: ast.expr) -> str | None:
+    """`trainer` / `objective` / `x.trainer` / `self.objective`: the role `node` names."""
+    if isinstance(node, ast.Name) and node.id in ROLES:
+        return node.id
+    if isinstance(node, ast.Attribute) and node.attr in ROLES:
+        return ast.unparse(node)
+    return None
+
+
+def _assignments_into_roles(path: Path) -> list[str]:
+    """`trainer.x = ...`, `objective.x, y = ...`, `trainer.x += ...`, `setattr(trainer, ...)`."""
+    found = []
+    for node in ast.walk(ast.parse((ROOT / path).read_text(encoding="utf-8"))):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "setattr" and node.args and _role(node.args[0])):  # fmt: skip
+            found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+        flat = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+        found += [f"{path}:{node.lineno}: {ast.unparse(t)} = ..." for t in flat
+                  if isinstance(t, ast.Attribute) and _role(t.value)]  # fmt: skip
+    return found
+
+
+def test_nothing_is_assigned_into_a_built_trainer_or_objective():
+    files = [p for src in ("packages", "benchmarks") for p in sorted((ROOT / src).rglob("*.py"))
+             if "/tests/" not in str(p)]  # fmt: skip
+    found = [f for p in files for f in _assignments_into_roles(p.relative_to(ROOT))]
+    assert not found, "assignments into a built trainer or objective:\n" + "\n".join(found)
+
+
+def test_the_assignment_walk_finds_what_it_looks_for(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "trainer.step = step\n"
+        "objective.reference, objective.ctx = ref, ctx\n"
+        "self.objective.mismatch = None\n"
+        "setattr(trainer, 'x', 1)\n"
+        "self.step = step\n"  # inside its own class: fine
+        "trainer.state.step += 1\n"  # a counter object's own field: fine
+    )
+    found = [line.split(": ", 1)[1] for line in _assignments_into_roles(planted)]
+    assert found == [
+        "trainer.step = ...",
+        "objective.reference = ...",
+        "objective.ctx = ...",
+        "self.objective.mismatch = ...",
+        "setattr(trainer, 'x', 1)",
+    ]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mindspeed_align.dpo import build_reference, dpo, main
+from mindspeed_align.dpo import dpo, main
 from mindspeed_align.dpo_config import DPOConfig
 from mindspeed_align.losses import dpo_loss
 from mindspeed_align.pairs import PairData
@@ -67,16 +67,15 @@ def test_first_step_is_the_pure_loss_of_separate_forwards(tmp_path):
 
         objective = PreferenceObjective(cfg.dpo)
         trainer = Trainer(cfg, info, data=PairData, objective=objective, command="dpo")
-        reference = build_reference(trainer, cfg)
+        reference = objective.reference  # built by the objective's setup
         with torch.no_grad():  # a reference unlike the policy, so the rewards are not all zero
-            for p in reference.model.parameters():
+            for p in reference.parameters():
                 p.mul_(0.9)
-        objective.reference, objective.reference_ctx = reference.model, reference.loss
         micro_batches = trainer.data.next_step()
         pairs = [trainer.data._row(i) for i in range(8)]
         with torch.no_grad():
             pol = [_alone(trainer.model, *s) for p in pairs for s in p]
-            ref = [_alone(reference.model, *s) for p in pairs for s in p]
+            ref = [_alone(reference, *s) for p in pairs for s in p]
         result = trainer.step(micro_batches)
     finally:
         destroy_distributed()
@@ -224,13 +223,16 @@ def test_lora_reference_is_the_base_with_adapters_off(tmp_path, monkeypatch):
     """LoRA-DPO's default reference is the policy with its adapters bypassed (no second model
     is built), and scores as a frozen copy of the base does: after the adapters have moved,
     three steps give the losses and rewards of `ref: model` (1e-6)."""
-    import mindspeed_align.dpo as dpo_module
-
     folder, data = make_inputs(tmp_path)
     lora = ("--lora.rank=4", "--lora.alpha=8", "--optim.lr=1e-2")
     copy = _losses(folder, data, tmp_path / "copy", *lora, "--dpo.ref=model")
-    built = []
-    monkeypatch.setattr(dpo_module, "build_reference", lambda *a, **k: built.append(1))
+    built, build_model = [], Trainer.build_model
+
+    def counting(self, **options):
+        built.extend([1] if options.get("frozen") else [])
+        return build_model(self, **options)
+
+    monkeypatch.setattr(Trainer, "build_model", counting)
     off = _losses(folder, data, tmp_path / "off", *lora)
     assert built == []  # no frozen copy
     assert abs(off[-1]["rewards/margins"]) > 1e-3  # the adapters moved the policy away

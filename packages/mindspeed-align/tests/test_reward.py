@@ -97,7 +97,8 @@ def test_first_step_and_hf_export(tmp_path):
         trainer = Trainer(
             cfg, info, data=PairData, objective=objective, before_tp=add_score_head, command="rm"
         )
-        objective.pad_id = pad = trainer.data.pad_id
+        pad = objective.pad_id  # read from the data by the objective's setup
+        assert pad == trainer.data.pad_id
         micro_batches = trainer.data.next_step()
         seqs = [s[0] for i in range(8) for s in trainer.data._row(i)]
         with torch.no_grad():

@@ -32,9 +32,9 @@ from mindspeed_align.reference import REF_KEY
 from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import process_group
 from mindspeed_llm.data.collate import forward_packed
-from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
+from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, RunContext
 
-__all__ = ["PreferenceObjective", "build_reference", "command", "dpo", "orpo_command", "simpo_command"]
+__all__ = ["PreferenceObjective", "command", "dpo", "orpo_command", "simpo_command"]
 
 logger = logging.getLogger("mindspeed.dpo")
 
@@ -47,22 +47,48 @@ class PreferenceObjective(Objective):
 
     Args:
         section: the method (`dpo` config section).
-        reference: the frozen reference model (None for reference-free losses); set it before
-            the first step.
+        reference: a frozen reference model to use as it is (tests); by default `setup`
+            builds the one `section.ref` names (see `DPOSection.ref`).
         reference_ctx: how the reference's logits are read (its `BuiltModel.loss`).
+        reference_after_tp: the model hook the reference is built with (the run's `after_tp`
+            without LoRA).
+        lora: the policy carries LoRA adapters (its base is a reference for free).
     """
 
     metric_names = METRICS
 
-    def __init__(self, section: DPOSection, reference=None, reference_ctx: LossContext | None = None):
+    def __init__(self, section: DPOSection, reference=None, reference_ctx: LossContext | None = None, *,
+                 reference_after_tp=None, lora: bool = False):  # fmt: skip
         self.section, self.reference, self.reference_ctx = section, reference, reference_ctx
+        self.reference_after_tp, self.lora = reference_after_tp, lora
         self.cp_group, self.cp_size = None, 1
 
-    def use_context_parallel(self, dims) -> None:
-        """Under context parallel each rank sums its tokens' log-probs; the loss adds them up
-        over the cp ranks (differentiably) and each rank reports 1/cp of the whole."""
-        if dims.cp > 1:
-            self.cp_group, self.cp_size = dims.mesh("cp").get_group(), dims.cp
+    def setup(self, run: RunContext) -> None:
+        """Context parallel's group, then the reference of `section.ref`: the policy with its
+        adapters off (LoRA), a frozen copy, or none left once its log-probs are precomputed
+        (always under pipeline or context parallel: the whole model scores every pair once)."""
+        if run.dims.cp > 1:
+            self.cp_group, self.cp_size = run.dims.mesh("cp").get_group(), run.dims.cp
+        if not self.section.uses_reference or self.reference is not None:
+            return
+        from mindspeed_align.reference import AdaptersOff, precompute_reference
+        from mindspeed_llm.demo import cache_root
+
+        whole = run.dims.pp > 1 or run.dims.cp > 1
+        if whole:
+            self.reference, self.reference_ctx = _whole_reference(run)
+        elif self.lora and self.section.ref in ("auto", "precompute"):
+            self.reference, self.reference_ctx = AdaptersOff(run.policy.model), run.policy.loss
+        else:
+            reference = run.build_model(after_tp=self.reference_after_tp, frozen=True)
+            if run.init_state is not None:
+                reference.model.load_state_dict(run.init_state)
+            self.reference, self.reference_ctx = reference.model, reference.loss
+        if self.section.ref == "precompute" or whole:
+            precompute_reference(run.data, self.reference, self.reference_ctx, device=run.device,
+                                 micro_pairs=run.cfg.train.micro_batch,
+                                 cache_dir=run.cfg.data.cache_dir or cache_root() / "dpo")  # fmt: skip
+            self.reference = None  # the pairs carry their log-probs; the copy can go
 
     def num_units(self, batch):
         return count_pairs(batch[SLOT_KEY])
@@ -124,11 +150,6 @@ def _sum_over(group, logps, counts):
     return all_reduce(logps, group=group), counts
 
 
-def build_reference(trainer, cfg, after_tp=None):
-    """The frozen reference: the trainer's model config, layout, seed and starting weights."""
-    return trainer.build_model(after_tp=after_tp, frozen=True)
-
-
 def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
     """Run DPO in this process (one rank of a torchrun job, or alone)."""
 
@@ -144,16 +165,14 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
             from mindspeed_align.dpo_demo import warm_start
 
             start = warm_start(cfg, info)
-        objective = PreferenceObjective(cfg.dpo)
+        lora = lora_trainer_options(
+            cfg.lora, precision=cfg.train.precision, device_type=info.device.type
+        )
+        objective = PreferenceObjective(cfg.dpo, reference_after_tp=after_tp, lora=bool(lora))
         name = cfg.dpo.loss if cfg.dpo.loss in REFERENCE_FREE else "dpo"
-        lora = lora_trainer_options(cfg.lora, precision=cfg.train.precision, device_type=info.device.type)
         trainer = Trainer(cfg, info, data=PairData, objective=objective, before_tp=before_tp,
-                          after_tp=chain_hooks(after_tp, lora.pop("after_tp", None)), command=name, **lora)  # fmt: skip
-        objective.use_context_parallel(trainer.dims)
-        if start is not None:
-            _load_start(trainer.model, start, lora=bool(lora))
-        if cfg.dpo.uses_reference:
-            _attach_reference(objective, trainer, cfg, after_tp, start, lora=bool(lora))
+                          after_tp=chain_hooks(after_tp, lora.pop("after_tp", None)), command=name,
+                          init_state=start, **lora)  # fmt: skip
         before = _demo_accuracy(trainer, objective, cfg) if demo else None
         summary = trainer.run()
         if before is not None:
@@ -168,51 +187,22 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
         return summary
 
 
-def _load_start(model, start: dict, *, lora: bool) -> None:
-    """The demo's warm start into the policy; under LoRA only its adapters are not in it."""
-    missing, unexpected = model.load_state_dict(start, strict=not lora)
-    if lora and (unexpected or any("lora_" not in name for name in missing)):
-        raise RuntimeError(f"warm start does not fit the LoRA model: {missing[:3]} {unexpected[:3]}")
-
-
-def _attach_reference(objective, trainer, cfg, after_tp, start, *, lora: bool) -> None:
-    """The reference of `cfg.dpo.ref` (see `DPOSection.ref`) on `objective`."""
-    from mindspeed_align.reference import AdaptersOff, precompute_reference
-    from mindspeed_llm.demo import cache_root
-
-    if trainer.dims.pp > 1 or trainer.dims.cp > 1:  # scores every pair once, whole, everywhere
-        objective.reference, objective.reference_ctx = _whole_reference(trainer, cfg, start)
-    elif lora and cfg.dpo.ref in ("auto", "precompute"):
-        objective.reference, objective.reference_ctx = AdaptersOff(trainer.model), trainer.parts.model.loss
-    else:
-        reference = build_reference(trainer, cfg, after_tp)
-        if start is not None:
-            reference.model.load_state_dict(start)
-        objective.reference, objective.reference_ctx = reference.model, reference.loss
-    if cfg.dpo.ref == "precompute" or trainer.dims.pp > 1 or trainer.dims.cp > 1:
-        precompute_reference(trainer.data, objective.reference, objective.reference_ctx, device=trainer.device,
-                             micro_pairs=cfg.train.micro_batch,
-                             cache_dir=cfg.data.cache_dir or cache_root() / "dpo")  # fmt: skip
-        objective.reference = None  # the pairs carry their log-probs; the copy can go
-
-
-def _whole_reference(trainer, cfg, start):
+def _whole_reference(run: RunContext):
     """The starting model whole and unsplit in this process (pipeline parallel runs precompute
     the reference log-probs with it; a pipeline stage cannot score a pair alone), drawn with
-    the run's seed as `build_model` draws it, then the Hugging Face or demo weights."""
+    the run's seed as `build_model` draws it, then the Hugging Face or starting weights."""
     from mindspeed_core.training import set_seed
     from mindspeed_llm.models import get_model_spec
     from mindspeed_llm.models.hf_io import load_hf_weights
-    from mindspeed_llm.train.objectives import LossContext
 
-    config = trainer.model_cfg
-    set_seed(cfg.train.seed, trainer.dims, vary_along=())
-    with torch.device(trainer.device):
+    config, cfg = run.model_config, run.cfg
+    set_seed(cfg.train.seed, run.dims, vary_along=())
+    with torch.device(run.device):
         model = get_model_spec(config.family).build(config)
     if cfg.model.hf_path is not None:
         load_hf_weights(model, cfg.model.hf_path, config)
-    if start is not None:
-        model.load_state_dict(start)
+    if run.init_state is not None:
+        model.load_state_dict(run.init_state)
     return model.requires_grad_(False).eval(), LossContext(ops_impl=config.ops_impl)
 
 

@@ -2,7 +2,7 @@
 
 KTO is the shared trainer with unpaired examples as data (`kto_data.KTOData`: each example and
 its mismatched KL sequence in one packed row) and `KTOObjective`: one policy forward per
-micro-batch gives every sequence's log-prob, the frozen reference (`dpo.build_reference`) its
+micro-batch gives every sequence's log-prob, the frozen reference (built in `KTOObjective.setup`) its
 own, and the loss is `losses.kto_loss` with the reference point `losses.kto_kl_estimate`: the
 mean log-ratio of the mismatched sequences, detached and averaged over the data-parallel ranks
 (TRL's KTOTrainer gathers it the same way). Every section but `data` and `kto` is SFT's.
@@ -94,7 +94,7 @@ class KTOObjective(PreferenceObjective):
     Args:
         section: the `kto` config section.
         kl_group: the data-parallel process group the KL estimate is averaged over (None:
-            this process alone). Set `.reference`/`.reference_ctx` before the first step.
+            this process alone; `setup` sets it). `setup` builds the reference unless given.
     """
 
     metric_names = SUMS
@@ -110,6 +110,8 @@ class KTOObjective(PreferenceObjective):
         and the data-parallel group the KL estimate is averaged over."""
         if self.reference is None:
             reference = run.build_model(after_tp=self.reference_after_tp, frozen=True)
+            if run.init_state is not None:
+                reference.model.load_state_dict(run.init_state)
             self.reference, self.reference_ctx = reference.model, reference.loss
         mesh = run.dims.mesh("dp")
         self.kl_group = None if mesh is None else mesh.get_group()
@@ -156,10 +158,7 @@ def kto(cfg: KTOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
         start = warm_start_for_demo(cfg, info)
         objective = KTOObjective(cfg.kto, reference_after_tp=after_tp)
         trainer = Trainer(cfg, info, data=KTOData, objective=objective, before_tp=before_tp, after_tp=after_tp,
-                          command="kto")  # fmt: skip
-        if start is not None:
-            trainer.model.load_state_dict(start)
-            objective.reference.load_state_dict(start)
+                          command="kto", init_state=start)  # fmt: skip
         before = _demo_accuracy(trainer, objective, cfg) if start is not None else None
         summary = trainer.run()
         if before is not None:

@@ -1,9 +1,12 @@
-"""Run a few training steps of one layout directly through core's pieces, on this rank.
+"""Run a few training steps of one layout on this rank, through the training engine.
 
 Used by `mindspeed plan --calibrate` (step times) and by the tests that hold the memory
-estimator and the planner against measured runs. Random tokens, one document per row
-(packed with `cu_seqlens`, as the trainer feeds them), AdamW; no data pipeline and no run
-directory. Call it on every rank of a process group whose size is the layout's world size.
+estimator and the planner against measured runs. The step is the trainer's own
+(`mindspeed_llm.train`: `build_model`, `build_train_parts`, `TrainStep` with the pretraining
+objective), so what the planner calibrates is what `mindspeed pretrain` runs. Random tokens,
+one document per row (packed with `cu_seqlens`, as the trainer feeds them); no data pipeline
+and no run directory. Call it on every rank of a process group whose size is the layout's
+world size.
 """
 
 from __future__ import annotations
@@ -16,123 +19,66 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import mindspeed_ops
 from mindspeed_core import device as dev
-from mindspeed_core.optim import build_optimizers
-from mindspeed_core.parallel import (
-    ParallelDims,
-    build_pipeline_schedule,
-    gather_tokens,
-    loss_parallel_context,
-    packed_shard_index,
-)
+from mindspeed_core.optim import OptimConfig
+from mindspeed_core.parallel import ParallelConfig, ParallelDims
 from mindspeed_core.planning import Job, Layout
 from mindspeed_core.planning.measure import PeakProbe
-from mindspeed_llm.models import TransformerConfig, get_model_spec
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from mindspeed_llm.models import TransformerConfig
+from mindspeed_llm.train.build import build_model, build_train_parts
+from mindspeed_llm.train.objectives import NextToken
+from mindspeed_llm.train.step import TrainStep
 
 
 @dataclass
 class _Run:
     dims: ParallelDims
-    parts: list
-    model: torch.nn.Module | None
-    schedule: object | None
-    optimizer: object
+    step: TrainStep
     accum: int
 
 
 def _build(config: TransformerConfig, layout: Layout, job: Job, device, seed: int,
-           alone: bool = False) -> _Run:  # fmt: skip
-    dims = ParallelDims(tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
-                        dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate,
-                        world_size=layout.world_size if alone else None).build()  # fmt: skip
-    torch.manual_seed(seed)
-    spec = get_model_spec(config.family)
-    with torch.device(device):
-        model = spec.build(config)
-    dtype = _DTYPES[job.precision]
-    options = {
-        "ac_mode": layout.ac,
-        "param_dtype": None if dtype == torch.float32 else dtype,
-        "sequence_parallel": layout.sequence_parallel and layout.tp > 1,
-        "loss_parallel": layout.loss_parallel and layout.tp > 1,
-    }
-    accum = job.grad_accum(layout)
-    schedule = None
-    if layout.pp > 1:
-        pipe = spec.pipeline(model, dims, device=device, schedule=layout.pp_schedule,
-                             stages_per_rank=layout.virtual_stages, **options)  # fmt: skip
-        parts, model = pipe.model_parts, None
-        schedule = build_pipeline_schedule(pipe.stages, accum, _loss, layout.pp_schedule)
-    else:
-        model = spec.parallelize(model, dims, **options)
-        parts = [model]
-    if layout.activation_offload:
+           alone: bool = False, steps: int = 3) -> _Run:  # fmt: skip
+    tp = layout.tp > 1
+    # on CPU the host is the device: offload is applied below, where the engine refuses it
+    offload_here = layout.activation_offload and device.type == "cpu"
+    parallel = ParallelConfig(tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule,
+                              virtual_stages=layout.virtual_stages, cp=layout.cp, ep=layout.ep,
+                              dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate,
+                              sequence_parallel=layout.sequence_parallel and tp,
+                              loss_parallel=layout.loss_parallel and tp,
+                              activation_offload=layout.activation_offload and not offload_here)  # fmt: skip
+    dims = parallel.dims(world_size=layout.world_size if alone else None)
+    dims.build(device.type)
+    model = build_model(config, dims, device, parallel=parallel, precision=job.precision,
+                        ac=layout.ac, seed=seed, seq_len=job.seq_len)  # fmt: skip
+    if offload_here:
         from mindspeed_core.memory import offload_activations
 
-        for part in parts:
-            offload_activations(part, allow_cpu=device.type == "cpu")
-    optimizer = build_optimizers(parts, lr=1e-4, weight_decay=0.1)
-    return _Run(dims, parts, model, schedule, optimizer, accum)
+        for part in model.parts:
+            offload_activations(part, allow_cpu=True)
+    optim = OptimConfig(lr=1e-4, weight_decay=0.1, warmup_steps=0)
+    parts = build_train_parts(model, optim, total_steps=steps, precision=job.precision)
+    accum = job.grad_accum(layout)
+    step = TrainStep(parts, NextToken(), dims, clip_grad=optim.clip_grad,
+                     n_microbatches=accum if layout.pp > 1 else None)  # fmt: skip
+    return _Run(dims, step, accum)
 
 
-def _loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    if hasattr(logits, "full_tensor"):  # loss parallel: vocab-sharded DTensor logits
-        return torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), reduction=reduction
-        )
-    return mindspeed_ops.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction=reduction)
-
-
-def _batches(config, layout: Layout, job: Job, run: _Run, step: int) -> list[torch.Tensor]:
-    """This rank's micro-batches of (micro_batch, seq + 1) tokens for `step`."""
+def _batches(config, job: Job, run: _Run, step: int, device) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches for `step`: (micro_batch, seq) rows of random tokens."""
     gen = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, config.vocab_size, (job.global_batch, job.seq_len + 1), generator=gen)
     mine = data.chunk(run.dims.dp)[run.dims.rank("dp")]
-    return list(mine.chunk(run.accum))
-
-
-def _micro_step(run: _Run, layout: Layout, batch: torch.Tensor, device) -> None:
-    tokens, labels = batch[:, :-1].to(device), batch[:, 1:].to(device)
-    rows, seq = tokens.shape
-    cu = torch.arange(0, rows * seq + 1, seq, dtype=torch.int32, device=device)
-    positions = torch.arange(seq, device=device).repeat(rows, 1)
-    with loss_parallel_context(layout.loss_parallel and layout.tp > 1):
-        if run.dims.cp > 1:
-            index, local_cu = packed_shard_index(cu, run.dims.rank("cp"), run.dims.cp)
-            local = [gather_tokens(t.flatten(), index, pad)[None]
-                     for t, pad in ((tokens, 0), (labels, -100), (positions, 0))]  # fmt: skip
-            logits = run.model(local[0], position_ids=local[2], cu_seqlens=local_cu)
-            loss = _loss(logits, local[1], "sum") * run.dims.cp / labels.numel()
-        else:
-            logits = run.model(tokens, position_ids=positions, cu_seqlens=cu)
-            loss = _loss(logits, labels)
-        del logits
-        (loss / run.accum).backward()
-
-
-def _step(run: _Run, config, layout: Layout, job: Job, step: int, device) -> None:
-    batches = _batches(config, layout, job, run, step)
-    if run.schedule is not None:
-        batch = torch.cat(batches).to(device)
-        tokens, labels = batch[:, :-1], batch[:, 1:]
-        rows, seq = batches[0].shape[0], job.seq_len
-        cu = torch.arange(0, rows * seq + 1, seq, dtype=torch.int32, device=device)
-        positions = torch.arange(seq, device=device).repeat(rows, 1)
-        run.schedule.step(
-            arg_mbs=[(t,) for t in tokens.chunk(run.accum)],
-            kwarg_mbs=[{"position_ids": positions, "cu_seqlens": cu}] * run.accum,
-            target_mbs=list(labels.chunk(run.accum)),
-            losses=[],
-            return_outputs=False,
-        )
-    else:
-        for batch in batches:
-            _micro_step(run, layout, batch, device)
-    run.optimizer.step()
-    run.optimizer.zero_grad()
+    out = []
+    for chunk in mine.chunk(run.accum):
+        rows, seq = chunk.shape[0], job.seq_len
+        out.append({
+            "input_ids": chunk[:, :-1].to(device), "labels": chunk[:, 1:].to(device),
+            "position_ids": torch.arange(seq, device=device).repeat(rows, 1),
+            "cu_seqlens": torch.arange(0, rows * seq + 1, seq, dtype=torch.int32, device=device),
+        })  # fmt: skip
+    return out
 
 
 def run_layout(
@@ -153,13 +99,13 @@ def run_layout(
     probe = PeakProbe(device) if measure_memory else contextlib.nullcontext()
     times = []
     with probe:
-        run = _build(config, layout, job, device, seed, alone)
+        run = _build(config, layout, job, device, seed, alone, steps)
         for step in range(steps):
             _barrier()
             start = time.perf_counter()
             last = measure_memory and step == steps - 1
             with probe.window() if last else contextlib.nullcontext():
-                _step(run, config, layout, job, step, device)
+                run.step(_batches(config, job, run, step, device))
             _barrier()
             if step:
                 times.append(time.perf_counter() - start)

@@ -95,21 +95,20 @@ def _task(cfg: GRPOConfig, init_from: Path | None):
 
 def grpo(cfg: GRPOConfig) -> dict[str, float]:
     """Run GRPO in this process (one rank of a torchrun job, or alone)."""
-    from mindspeed_align.rl.grpo import attach
+    from mindspeed_align.rl.grpo import GRPOMethod
 
-    return _run(cfg, attach, "grpo")
+    return _run(cfg, GRPOMethod, "grpo")
 
 
 def ppo(cfg: PPOConfig) -> dict[str, float]:
     """Run PPO (with a critic) in this process (one rank of a torchrun job, or alone)."""
-    from mindspeed_align.rl.ppo import attach_ppo
+    from mindspeed_align.rl.ppo import PPOMethod
 
-    return _run(cfg, attach_ppo, "ppo")
+    return _run(cfg, PPOMethod, "ppo")
 
 
-def _run(cfg: RLConfig, attach, command: str) -> dict[str, float]:
+def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
     from mindspeed_align.rl.data import PromptSource
-    from mindspeed_align.rl.objective import GRPOObjective
     from mindspeed_llm.train.trainer import Trainer
 
     rewards = roles = None
@@ -133,8 +132,9 @@ def _run(cfg: RLConfig, attach, command: str) -> dict[str, float]:
                                     prompts_per_step=cfg.train.global_batch // g.n, seed=cfg.train.seed,
                                     source=str(cfg.data.prompts or "the demo prompts"))  # fmt: skip
 
-            trainer = Trainer(cfg, info, data=data, objective=GRPOObjective(), command=command)
-            step = attach(trainer, cfg, tokenizer, rewards, init_from, roles=roles)
+            objective = method(cfg, tokenizer, rewards, init_from, roles=roles)
+            trainer = Trainer(cfg, info, data=data, objective=objective, command=command)
+            step = trainer.step
             before = _evaluate(step, held_out, tokenizer, rewards, cfg)
             summary = trainer.run()
             after = _evaluate(step, held_out, tokenizer, rewards, cfg)

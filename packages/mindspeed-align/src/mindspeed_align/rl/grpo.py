@@ -32,12 +32,12 @@ from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
 from mindspeed_align.rl.weights import load_weights
 from mindspeed_core.errors import ConfigError
+from mindspeed_llm.train.objectives import RunContext
 from mindspeed_llm.train.step import StepResult, TrainStep
-from mindspeed_llm.train.trainer import Trainer
 
 logger = logging.getLogger("mindspeed.grpo")
 
-__all__ = ["GRPOStep", "compute_advantages", "evaluate_reward"]
+__all__ = ["GRPOMethod", "GRPOStep", "compute_advantages", "evaluate_reward"]
 
 
 def compute_advantages(kind: str, rewards: list[float], group: list[int], lengths: list[int],
@@ -154,7 +154,7 @@ class GRPOStep(TrainStep):
         for b, ref in zip(out, pending() if pending else [None] * len(out), strict=True):
             if ref is not None:
                 b["ref_logps"] = ref
-        self.objective.mismatch = None if recompute else mismatch
+        self.objective.watch(None if recompute else mismatch)
         return out, mismatch
 
 
@@ -254,42 +254,50 @@ def evaluate_reward(rollout: LocalRollout, records, tokenizer, rewards: Rewards,
     return sum(total) / len(total)
 
 
-def build_reference(trainer: Trainer):
-    """The frozen reference: the run's model as it starts."""
-    return trainer.build_model(frozen=True)
+class GRPOMethod(GRPOObjective):
+    """GRPO as a `Trainer`'s objective: the loss (`GRPOObjective`, from `cfg.rl`), and the
+    roles around it: `setup` loads `init_from` into the policy and creates the reference
+    (colocated, or an actor of `roles`, a `placement.RayRoles`) when the KL needs one;
+    `build_step` returns the rollout step (`step_cls`). `ppo.PPOMethod` adds a critic."""
 
+    step_cls: type[GRPOStep] = GRPOStep
 
-def attach(trainer: Trainer, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_from, *,
-           roles=None, step_cls: type[GRPOStep] | None = None, **step_options) -> GRPOStep:  # fmt: skip
-    """Puts GRPO into a built `Trainer`: weights, reference (colocated, or an actor of
-    `roles`, a `placement.RayRoles`), and the step (`step_cls`, with `step_options`: PPO's
-    step and its critic)."""
-    what = f"{cfg.rl.section}.init_from"
-    if init_from is not None:
-        load_weights(trainer.parts.model, init_from, what=what)
-    reference = None
-    if cfg.rl.kl_coef and roles is not None:
-        reference = roles.reference(trainer.model_cfg, seed=cfg.train.seed,
-                                    seq_len=cfg.data.seq_len, precision=cfg.train.precision,
-                                    hf_path=cfg.model.hf_path, init_from=init_from)  # fmt: skip
-    elif cfg.rl.kl_coef:
-        reference = LocalReference(build_reference(trainer))
-        if init_from is not None:
-            load_weights(reference.model, init_from, what=what)
-    g = cfg.rl
-    kl_in_loss = 0.0 if getattr(g, "kl_in_reward", False) else g.kl_coef
-    objective = GRPOObjective(eps_low=g.clip_low, eps_high=g.clip_high, dual_clip=g.dual_clip,
-                              kl_coef=kl_in_loss, kl_estimator=g.kl_estimator,
-                              temperature=g.temperature)  # fmt: skip
-    step = (step_cls or GRPOStep)(
-        trainer.parts, objective, trainer.dims, cfg=cfg, tokenizer=tokenizer, rewards=rewards,
-        reference=reference, accum=trainer.accum, clip_grad=cfg.optim.clip_grad,
-        max_nonfinite_steps=cfg.train.max_nonfinite_steps, **step_options,
-    )  # fmt: skip
-    if g.rollout_kv_mb:  # refused before anything is written, for the longest prompt allowed
-        try:
-            step.rollout.prompts_within_budget(cfg.data.seq_len - g.max_new_tokens, step.sampling)
-        except ConfigError as err:
-            raise ConfigError(f"{g.section}.rollout_kv_mb: {err}") from None
-    trainer.step = step
-    return step
+    def __init__(self, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_from=None, *, roles=None):
+        g = cfg.rl
+        kl_in_loss = 0.0 if getattr(g, "kl_in_reward", False) else g.kl_coef
+        super().__init__(eps_low=g.clip_low, eps_high=g.clip_high, dual_clip=g.dual_clip,
+                         kl_coef=kl_in_loss, kl_estimator=g.kl_estimator, temperature=g.temperature)  # fmt: skip
+        self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, rewards
+        self.init_from, self.roles, self.reference = init_from, roles, None
+
+    def setup(self, run: RunContext) -> None:
+        cfg, what = self.cfg, f"{self.cfg.rl.section}.init_from"
+        if self.init_from is not None:
+            load_weights(run.policy, self.init_from, what=what)
+        if cfg.rl.kl_coef and self.roles is not None:
+            self.reference = self.roles.reference(run.model_config, seed=cfg.train.seed,
+                                                  seq_len=cfg.data.seq_len, precision=cfg.train.precision,
+                                                  hf_path=cfg.model.hf_path, init_from=self.init_from)  # fmt: skip
+        elif cfg.rl.kl_coef:  # the run's model as it starts
+            reference = run.build_model(frozen=True)
+            if self.init_from is not None:
+                load_weights(reference, self.init_from, what=what)
+            self.reference = LocalReference(reference)
+
+    def step_extras(self) -> dict[str, Any]:
+        """More keyword arguments of `step_cls` (PPO's critic)."""
+        return {}
+
+    def build_step(self, run: RunContext) -> GRPOStep:
+        g = self.cfg.rl
+        step = self.step_cls(run.parts, self, run.dims, cfg=self.cfg, tokenizer=self.tokenizer,
+                             rewards=self.rewards, reference=self.reference, accum=run.accum,
+                             **run.step_options, **self.step_extras())  # fmt: skip
+        if g.rollout_kv_mb:  # refused before anything is written, for the longest prompt allowed
+            try:
+                step.rollout.prompts_within_budget(
+                    self.cfg.data.seq_len - g.max_new_tokens, step.sampling
+                )
+            except ConfigError as err:
+                raise ConfigError(f"{g.section}.rollout_kv_mb: {err}") from None
+        return step

@@ -131,6 +131,11 @@ class GRPOObjective(Objective):
         self.kl_coef, self.kl_estimator, self.temperature = kl_coef, kl_estimator, temperature
         self.mismatch: Mismatch | None = None
 
+    def watch(self, mismatch: Mismatch | None) -> None:
+        """Compare the next forwards' log-probs with the sampler's into `mismatch` (None:
+        do not; the step measured them by recomputing the old log-probs)."""
+        self.mismatch = mismatch
+
     def num_units(self, batch: Batch) -> Tensor:
         return batch["unit"].sum()
 

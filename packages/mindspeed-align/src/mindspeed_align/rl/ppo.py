@@ -30,17 +30,17 @@ from torch import Tensor
 
 from mindspeed_align.reward import add_score_head
 from mindspeed_align.rl import advantages as adv_fns
-from mindspeed_align.rl.grpo import GRPOStep, attach
+from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep
 from mindspeed_align.rl.losses import kl_estimate, value_loss
 from mindspeed_align.rl.weights import load_value_model, load_weights
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 from mindspeed_llm.train.build import BuiltModel, build_train_parts
-from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
+from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, RunContext
 from mindspeed_llm.train.step import StepResult, TrainStep
 
-__all__ = ["PPOStep", "ValueObjective", "attach_ppo", "build_critic", "packed_gae", "ppo_advantages",
+__all__ = ["PPOStep", "ValueObjective", "PPOMethod", "build_critic", "packed_gae", "ppo_advantages",
            "recompute_values", "whiten_over_ranks"]  # fmt: skip
 
 
@@ -203,27 +203,34 @@ class PPOStep(GRPOStep):
         return tensor.item()
 
 
-def build_critic(trainer, cfg, init_from) -> TrainStep:
+def build_critic(run: RunContext, cfg, init_from) -> TrainStep:
     """The critic's model (the policy's body and a value head, on the run's layout), its
     optimizer and step; its states join the run's checkpoints under `critic_*`."""
     parallel = dataclasses.replace(cfg.parallel, loss_parallel=False)  # one output: no vocab
-    model = trainer.build_model(parallel=parallel, ac=cfg.train.ac, before_tp=add_score_head,
-                                compile=cfg.train.compile, fp8=cfg.train.fp8)  # fmt: skip
+    model = run.build_model(parallel=parallel, ac=cfg.train.ac, before_tp=add_score_head,
+                            compile=cfg.train.compile, fp8=cfg.train.fp8)  # fmt: skip
     if cfg.critic.init_from is not None:  # a trained reward model: body and value head
         load_value_model(model, cfg.critic.init_from)
     elif init_from is not None:  # the policy's starting body, a new value head
         load_weights(model, init_from, what=f"{cfg.rl.section}.init_from", head=False)
     parts = build_train_parts(model, cfg.critic, total_steps=cfg.train.steps,
                               precision=cfg.train.precision)  # fmt: skip
-    states = parts.states(None, trainer.device)
-    trainer.add_states({f"critic_{k}": v for k, v in states.items() if k != "rng"})
-    return TrainStep(parts, ValueObjective(cfg.critic.value_clip), trainer.dims,
+    states = parts.states(None, run.device)
+    run.add_states({f"critic_{k}": v for k, v in states.items() if k != "rng"})
+    return TrainStep(parts, ValueObjective(cfg.critic.value_clip), run.dims,
                      clip_grad=cfg.critic.clip_grad,
                      max_nonfinite_steps=cfg.train.max_nonfinite_steps)  # fmt: skip
 
 
-def attach_ppo(trainer, cfg, tokenizer, rewards, init_from, *, roles=None) -> PPOStep:
-    """Puts PPO into a built `Trainer`: the critic, then GRPO's weights, reference and step."""
-    critic = build_critic(trainer, cfg, init_from)
-    return attach(trainer, cfg, tokenizer, rewards, init_from, roles=roles, step_cls=PPOStep,
-                  critic=critic)  # fmt: skip
+class PPOMethod(GRPOMethod):
+    """PPO as a `Trainer`'s objective: GRPO's roles and a critic (built first, so its weights
+    are drawn where they always were), stepped by `PPOStep`."""
+
+    step_cls = PPOStep
+
+    def setup(self, run: RunContext) -> None:
+        self.critic = build_critic(run, self.cfg, self.init_from)
+        super().setup(run)
+
+    def step_extras(self) -> dict[str, Any]:
+        return {"critic": self.critic}

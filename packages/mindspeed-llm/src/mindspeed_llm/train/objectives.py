@@ -39,7 +39,8 @@ from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 if TYPE_CHECKING:
     from mindspeed_core.parallel import ParallelDims
     from mindspeed_llm.models import TransformerConfig
-    from mindspeed_llm.train.build import BuiltModel
+    from mindspeed_llm.train.build import BuiltModel, TrainParts
+    from mindspeed_llm.train.step import TrainStep
 
 __all__ = ["LossContext", "LossOutput", "NextToken", "Objective", "RunContext", "segment_ids",
            "token_nll"]  # fmt: skip
@@ -64,6 +65,14 @@ class RunContext:
     reference with the policy's config, layout, seed and starting weights."""
     add_states: Callable[[dict[str, Any]], None]
     """More `Stateful`s for the run's checkpoints (`Trainer.add_states`)."""
+    parts: TrainParts | None = None
+    """The policy's model, optimizer and schedule (`build.build_train_parts`)."""
+    accum: int = 1
+    """Micro-batches per step on each data-parallel rank."""
+    step_options: dict[str, Any] = field(default_factory=dict)
+    """`TrainStep`'s keyword options for this run (clip_grad, n_microbatches, ...)."""
+    init_state: dict[str, Any] | None = None
+    """The starting weights the policy was given (`Trainer(init_state=...)`), if any."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,13 @@ class Objective(ABC):
         """Called once by `Trainer` when the policy is built, before any step: create what
         the method needs besides the policy (see `RunContext`). Default: nothing."""
         return None
+
+    def build_step(self, run: RunContext) -> TrainStep:
+        """The run's optimizer step, called once after `setup`. Default: `TrainStep` on the
+        policy with this objective; a method with its own step (RL's rollouts) returns it."""
+        from mindspeed_llm.train.step import TrainStep
+
+        return TrainStep(run.parts, self, run.dims, **run.step_options)
 
     def finish_metrics(self, metrics: dict[str, float], units: float) -> dict[str, float]:
         """The step's reported metrics from the reduced ones (each metric sum over every

@@ -25,7 +25,13 @@ from mindspeed_llm.train.pretrain_data import PretrainData
 from mindspeed_llm.train.run_dir import RunDirectory
 from mindspeed_llm.train.step import TrainingError, TrainStep
 
-__all__ = ["Trainer", "TrainingError", "grad_accum_steps", "pipeline_microbatches"]
+__all__ = [
+    "Trainer",
+    "TrainingError",
+    "grad_accum_steps",
+    "load_init_state",
+    "pipeline_microbatches",
+]
 
 
 class Trainer:
@@ -42,7 +48,14 @@ class Trainer:
         adapter_only: checkpoints hold only the trainable parameters (LoRA adapters over
             a frozen base rebuilt from `model.hf_path` or the seed); see
             `mindspeed_llm.peft.lora_trainer_options`.
+        init_state: starting weights (a model state dict, e.g. a demo's warm start) loaded
+            into the policy when it is built; under `adapter_only` the adapters may be
+            missing from it. The objective's `setup` sees it (`RunContext.init_state`).
         command: names the progress bar.
+
+    A method's extra roles (a frozen reference, a critic, a rollout step) are created by its
+    objective in `Objective.setup` and `Objective.build_step`, which get a `RunContext`;
+    nothing is assigned into a built trainer.
     """
 
     def __init__(
@@ -56,6 +69,7 @@ class Trainer:
         after_tp: ModelHook | None = None,
         command: str = "pretrain",
         adapter_only: bool = False,
+        init_state: dict[str, Any] | None = None,
     ):
         data = data or PretrainData
         self.cfg, self.device, self.command = cfg, info.device, command
@@ -72,19 +86,21 @@ class Trainer:
         self.parts = self._build_parts(before_tp, after_tp, adapter_only)
         self.model = self.parts.model.model
         self.state = self.parts.state
+        if init_state is not None:
+            load_init_state(self.model, init_state, partial=adapter_only)
         objective = objective or NextToken(cfg.train.loss_normalization)
-        self.step = TrainStep(
-            self.parts,
-            objective,
-            self.dims,
-            clip_grad=cfg.optim.clip_grad,
-            n_microbatches=n_microbatches,
-            max_nonfinite_steps=cfg.train.max_nonfinite_steps,
-        )
         self.states = self.parts.states(self.data, self.device)
         self.checkpoints = cfg.checkpoint.manager(self.states, cfg.logging.run_dir)
-        objective.setup(RunContext(cfg, self.dims, self.model_cfg, self.device, self.data,
-                                   self.parts.model, self.build_model, self.add_states))  # fmt: skip
+        self.objective = objective
+        run = RunContext(
+            cfg, self.dims, self.model_cfg, self.device, self.data, self.parts.model,
+            self.build_model, self.add_states, parts=self.parts, accum=self.accum,
+            init_state=init_state,
+            step_options={"clip_grad": cfg.optim.clip_grad, "n_microbatches": n_microbatches,
+                          "max_nonfinite_steps": cfg.train.max_nonfinite_steps},
+        )  # fmt: skip
+        objective.setup(run)
+        self.step: TrainStep = objective.build_step(run)
 
     def build_model(self, **options) -> BuiltModel:
         """Another model of this run (a frozen reference, a critic): the run's model config,
@@ -139,6 +155,17 @@ class Trainer:
             profile=self.cfg.profile,
         )
         return loop.run()
+
+
+def load_init_state(model, state: dict[str, Any], *, partial: bool = False) -> None:
+    """`state` into `model`, every key; with `partial` (a LoRA model) only the adapters may be
+    missing from it."""
+    missing, unexpected = model.load_state_dict(state, strict=not partial)
+    if partial and (unexpected or any("lora_" not in name for name in missing)):
+        raise ValueError(
+            f"the starting weights do not fit the model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
 
 
 def grad_accum_steps(train: TrainSection, dp: int) -> int:
