@@ -24,6 +24,16 @@ def test_version():
     assert proc.returncode == 0 and proc.stdout.strip() == f"mindspeed {mindspeed_core.__version__}"
 
 
+def test_runs_as_a_module():
+    """`python -m mindspeed_core.cli COMMAND` (what torchrun launches) is the `mindspeed` command."""
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "--version"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == f"mindspeed {mindspeed_core.__version__}"
+    proc = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "no-such-command"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and "unknown command 'no-such-command'" in proc.stderr
+
+
 def test_help_lists_installed_commands(capsys):
     assert run(["--help"]) == 0
     out = capsys.readouterr().out

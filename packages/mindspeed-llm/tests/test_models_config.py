@@ -199,6 +199,7 @@ PUBLISHED = {
     ("llama", "llama3-8b"): 8.030,
     ("llama", "llama3.1-8b"): 8.030,
     ("qwen2", "qwen2.5-7b"): 7.616,
+    ("qwen2", "qwen2.5-72b"): 72.706,
     ("qwen3", "qwen3-8b"): 8.191,
     ("mistral", "mistral-7b"): 7.242,
     ("mixtral", "mixtral-8x7b"): 46.703,

@@ -112,6 +112,24 @@ def test_estimator_offload_and_units():
         Layout(ac="some")
 
 
+def test_expert_parallel_gathers_only_a_ranks_experts():
+    """Under FSDP, a MoE block is gathered with the experts of its ep rank only: a block's
+    backward holds 3/4 fewer expert bytes at ep=4 than at ep=1 (the block and the next
+    gathered, its unsharded gradients and their fp32 copy), and the sharded state
+    (parameters, gradients, optimizer) does not change."""
+    from mindspeed_llm.models import build_model_config
+
+    config = build_model_config("qwen3_moe", flavor="qwen3-30b-a3b")  # every block is MoE
+    shape, job = model_shape(config), Job(seq_len=1024, global_batch=16, device="cuda")
+    one, four = (estimate_memory_per_stage(shape, Layout(dp_shard=16, ep=ep, ac="full"), job)[0]
+                 for ep in (1, 4))  # fmt: skip
+    assert (one.params, one.grads, one.optimizer) == (four.params, four.grads, four.optimizer)
+    experts = config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
+    unit = job.element_size  # FSDP gathers in the parameter dtype
+    fewer = (experts - experts // 4) * (3 * unit + 4)
+    assert one.phases["block_backward"] - four.phases["block_backward"] == fewer
+
+
 def test_parallelize_offload_options_refused_on_cpu():
     """The offload options of parallelize_decoder say why on a CPU-only machine."""
     from mindspeed_core.errors import ParallelError

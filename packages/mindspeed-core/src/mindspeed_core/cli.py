@@ -155,3 +155,7 @@ def run(argv: Sequence[str] | None = None) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
     sys.exit(run(argv))
+
+
+if __name__ == "__main__":  # `python -m mindspeed_core.cli COMMAND ...`, e.g. under torchrun
+    main()

@@ -4,6 +4,7 @@
     mindspeed plan --model llama:llama3-8b --devices 64 --memory-gb 80 \\
         --seq-len 4096 --global-batch 512 --precision bf16
     mindspeed plan --model path/to/hf_folder --devices 8 --memory-gb 24 --calibrate
+    mindspeed plan --config qwen3-8b-pretrain         # one config's (a recipe's) own layout
 
 Every layout the model, batch and trainer allow (tp, pp, cp, ep, dp_shard x dp_replicate,
 recompute, micro-batch) is scored by `mindspeed_core.planning`: predicted peak memory per
@@ -12,6 +13,9 @@ the fastest; the last line is the command that trains with the winner. `--calibr
 measures this machine (all-gathers, then a two-layer copy of the model under FSDP at two
 micro-batch sizes) and caches the constants per device name; otherwise the cached constants, or
 round defaults for the device type, are used. A budget nothing fits is one line, exit 2.
+`--config FILE` (or a recipe's name, `mindspeed recipes`) scores that training config's own
+layout instead of searching: its memory per pipeline stage and step time on `--devices` of
+`--memory-gb` (default: the recipe header's); one that does not fit is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def _parser() -> ArgumentParser:
     p.add_argument("--calibrate", action="store_true", help="measure this machine first")
     p.add_argument("--calibration", type=Path, help="a calibration JSON to use")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--config", help="score this training config's (or recipe's) layout only")
     return p
 
 
@@ -65,6 +70,8 @@ def model_config(spec: str):
 
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    if args.config is not None:
+        return _run_config(args)
     opts = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in DEFAULTS.items()}
     if opts["devices"] < 1 or opts["memory_gb"] <= 0:
         raise ConfigError(f"--devices={opts['devices']} and --memory-gb={opts['memory_gb']} must be positive")
@@ -85,6 +92,42 @@ def run(argv: list[str]) -> int:
         return 0
     print(format_table(candidates[: args.top], job, calib, len(candidates)))
     print(f"\nfastest: {command}")
+    return 0
+
+
+def _run_config(args) -> int:
+    """`--config`: the config's own layout, scored."""
+    from mindspeed_core.planning.cost import estimate_step_time
+    from mindspeed_core.planning.memory import estimate_memory_per_stage
+    from mindspeed_llm.models.shape import model_shape
+    from mindspeed_llm.train.build import model_config as config_of
+    from mindspeed_tools.preflight import check_layout_valid, layout_of, load_job
+
+    cfg, _, header, path = load_job(args.config)
+    devices = args.devices or header.get("devices")
+    memory_gb = args.memory_gb or header.get("memory_gb")
+    if not devices or not memory_gb:
+        raise ConfigError(f"{path}: say --devices and --memory-gb (the file has no recipe header)")
+    config = config_of(cfg.model)
+    check_layout_valid(cfg, config, devices)
+    layout, job = layout_of(cfg, devices)
+    job = dataclasses.replace(job, device=args.device or DEFAULTS["device"])
+    shape = model_shape(config)
+    stages = [m.peak / 2**30 for m in estimate_memory_per_stage(shape, layout, job)]
+    seconds = estimate_step_time(shape, layout, job, _calibration(args, config, job)).total
+    if args.json:
+        print(json.dumps({"config": str(path), "layout": dataclasses.asdict(layout), "devices": devices,
+                          "memory_gb": memory_gb, "peak_gib_per_stage": stages, "step_s": seconds}))  # fmt: skip
+    else:
+        print(f"{path.name}: {layout.describe()} on {devices} devices of {memory_gb:g} GiB "
+              f"({shape.num_params() / 1e9:.1f}B parameters, seq {job.seq_len}, global batch "
+              f"{job.global_batch}, {job.precision})")  # fmt: skip
+        for i, peak in enumerate(stages):
+            print(f"  stage {i}: predicted peak {peak:.1f} GiB per device")
+        print(f"  predicted step time {seconds:.2f} s (calibration: {job.device} defaults or cache)")
+    if max(stages) > memory_gb:
+        raise ConfigError(f"{path.name}: the predicted peak {max(stages):.1f} GiB per device does not fit "
+                          f"--memory-gb {memory_gb:g}")  # fmt: skip
     return 0
 
 

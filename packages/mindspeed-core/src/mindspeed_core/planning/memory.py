@@ -77,6 +77,7 @@ class _Sizes:
     """Per-block and per-head quantities of one rank (bytes unless stated)."""
 
     layer_params: int  # elements of one block on this rank (after tp, before FSDP)
+    gathered_params: int  # elements of one block as FSDP gathers it (experts: this rank's 1/ep)
     head_params: int  # embedding + output + final norm on this rank (elements)
     saved: int  # one block's saved activations, this recompute mode
     saved_none: int  # the same without recompute (live again during its backward)
@@ -181,6 +182,7 @@ def _sizes(shape: ModelShape, layout: Layout, job: Job) -> _Sizes:
     head_saved += _FP32 * tokens  # the loss's log-sum-exp
     return _Sizes(
         layer_params=layer_elems,
+        gathered_params=_tp_layer_params(shape, tp, layout.ep),
         head_params=_tp_head_params(shape, tp),
         saved=_block_saved(shape, layout, job, tokens, layout.ac),
         saved_none=saved_none,
@@ -194,13 +196,18 @@ def _sizes(shape: ModelShape, layout: Layout, job: Job) -> _Sizes:
     )
 
 
-def _tp_layer_params(shape: ModelShape, tp: int) -> int:
-    """Elements of one (dense-average) block on a tensor-parallel rank."""
+def _tp_layer_params(shape: ModelShape, tp: int, ep: int = 1) -> int:
+    """Elements of one (dense-average) block on a tensor-parallel rank; with `ep` > 1 the
+    routed experts a rank computes with (1/ep of them: expert parallel places each expert's
+    weights on one ep rank, FSDP shards the rest of the block)."""
     norms = 2 * shape.hidden_size + (2 * shape.head_dim if shape.qk_norm else 0)
     dense = (shape.layer_params(False) - norms) // tp + norms
     if not shape.num_moe_layers:
         return dense
     moe = shape.layer_params(True)
+    if ep > 1:
+        experts = shape.num_experts * 3 * shape.hidden_size * shape.moe_intermediate_size
+        moe -= experts - experts // ep
     total = (shape.num_layers - shape.num_moe_layers) * dense + shape.num_moe_layers * moe
     return total // shape.num_layers
 
@@ -309,7 +316,7 @@ def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstim
         host += int(flight * saved_blocks)
         activations -= int(flight * saved_blocks)
         before = s.saved if blocks > 1 else 0
-    gathered_block = s.layer_params * r.unit if fsdp > 1 else 0
+    gathered_block = s.gathered_params * r.unit if fsdp > 1 else 0
     phases = {}
     if blocks:  # the last block's attention kernel in forward
         phases["attention_forward"] = (r.base + grads_live + before + embed + s.attn_part
@@ -340,7 +347,7 @@ def _block_backward_extra(layout, job, s: _Sizes, r: _Rank, last: bool, grads_li
         head_grad += _FP32 * ceil_div(r.head_elems, fsdp)
     extra = max(grads_live, head_grad) + max(s.backward_mlp, s.backward_attn)
     if fsdp > 1:  # the block and the next gathered, its unsharded gradients and their copy
-        extra += 2 * s.layer_params * r.unit + s.layer_params * (r.unit + _FP32)
+        extra += 2 * s.gathered_params * r.unit + s.gathered_params * (r.unit + _FP32)
     elif layout.dp_replicate > 1:
         extra += s.layer_params * _FP32
     if layout.activation_offload and job.device == "cpu":

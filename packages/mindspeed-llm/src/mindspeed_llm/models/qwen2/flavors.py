@@ -21,4 +21,18 @@ FLAVORS = {
         qkv_bias=True,
         dtype="bfloat16",
     ),
+    "qwen2.5-72b": TransformerConfig(
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_layers=80,
+        num_heads=64,
+        num_kv_heads=8,
+        max_position_embeddings=131072,
+        rope_theta=1000000.0,
+        norm_eps=1e-5,
+        qkv_bias=True,
+        dtype="bfloat16",
+    ),
 }
