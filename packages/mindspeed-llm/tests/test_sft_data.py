@@ -141,6 +141,70 @@ def test_bad_records_are_counted_or_fatal_and_long_samples_cut(tmp_path):
     assert fit_samples(samples[1:], 4, "truncate", prompt_only) == [] and prompt_only.dropped == 1
 
 
+FORMATS = {
+    "alpaca": {"instruction": "count apples", "input": "3 and 4", "output": "7", "system": "be brief"},
+    "sharegpt": {"system": "be brief", "conversations": [{"from": "human", "value": "count apples\n3 and 4"},
+                                                         {"from": "gpt", "value": "7"}]},
+    "messages": {"messages": [{"role": "system", "content": "be brief"},
+                              {"role": "user", "content": "count apples\n3 and 4"},
+                              {"role": "assistant", "content": "7"}]},
+    "pairwise": {"prompt": "count apples", "chosen": "7", "rejected": "8"},
+    "unpaired": {"prompt": "count apples", "completion": "7", "label": True},
+    "stepwise": {"prompt": "count apples", "completions": ["3 + 4", "= 7"], "labels": [True, True]},
+}  # fmt: skip
+
+
+def test_handler_auto_recognises_each_format_and_refuses_a_mixed_file(tmp_path, caplog):
+    """`data.handler: auto`: each instruction format is told from its keys and gives the
+    samples its named handler gives (the three records say the same); preference and step
+    records are sent to their command; a mixed file and an unknown record are refused naming
+    the line and the keys."""
+    from mindspeed_llm.data.sft_records import detect_record_format
+
+    assert {fmt: detect_record_format(r)[0] for fmt, r in FORMATS.items()} == {f: f for f in FORMATS}
+    assert detect_record_format({"text": "a"})[0] is None and detect_record_format([1])[0] is None
+    folder = make_folder(tmp_path / "tok", TEMPLATES["chatml"])
+    tok, template = load_tokenizer(folder), load_chat_template(folder)
+    samples = {}
+    for fmt in ("alpaca", "sharegpt", "messages"):
+        path = tmp_path / f"{fmt}.jsonl"
+        path.write_text(json.dumps(FORMATS[fmt]) + "\n")
+        with caplog.at_level("INFO", logger="mindspeed.sft"):
+            samples[fmt] = tokenize_file(path, "auto", template, tok)[0]
+        assert f"data.handler auto: {fmt} records" in caplog.text
+        named = tokenize_file(path, fmt, template, tok)[0]
+        assert all((a[0] == b[0]).all() and (a[1] == b[1]).all() for a, b in zip(samples[fmt], named, strict=True))
+    assert (samples["alpaca"][0][0] == samples["messages"][0][0]).all()  # the same conversation
+    for fmt, command in (("pairwise", "dpo"), ("unpaired", "kto"), ("stepwise", "prm")):
+        path = tmp_path / f"{fmt}.jsonl"
+        path.write_text(json.dumps(FORMATS[fmt]) + "\n")
+        with pytest.raises(DataError, match=rf"{fmt}.jsonl:1: {fmt} records .*`mindspeed {command}`"):
+            tokenize_file(path, "auto", template, tok)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(FORMATS[f]) + "\n" for f in ("messages", "messages", "alpaca")))
+    with pytest.raises(DataError, match=r"mixed.jsonl:3: a alpaca record \(keys instruction and output\) "
+                                        r"in a file whose first record is messages"):  # fmt: skip
+        tokenize_file(mixed, "auto", template, tok)
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(DataError, match=r"unknown.jsonl:1: .*cannot tell.*\['answer', 'question'\]"):
+        tokenize_file(unknown, "auto", template, tok)
+
+
+def test_preference_loaders_name_the_command_of_other_records(tmp_path):
+    """`mindspeed dpo` on KTO records, `kto` on pairs, `prm` on chat data: one line naming
+    the file, the line and the command that trains them."""
+    from mindspeed_llm.data.sft_records import read_records
+
+    for fmt, expect, command in (("unpaired", "pairwise", "kto"), ("pairwise", "unpaired", "dpo"),
+                                 ("messages", "stepwise", "sft")):  # fmt: skip
+        path = tmp_path / f"{fmt}.jsonl"
+        path.write_text(json.dumps(FORMATS[fmt]) + "\n")
+        with pytest.raises(DataError, match=rf"{fmt}.jsonl:1: {fmt} records .* not {expect} ones: .*`mindspeed {command}`"):
+            list(read_records(path, expect=expect))
+        assert len(list(read_records(path))) == 1
+
+
 def _samples(n=6, seed=0):
     rng = np.random.default_rng(seed)
     out = []

@@ -39,7 +39,7 @@ def make_run_inputs(root, n=8):
 
 def run_args(folder, data, run_dir, *extra):
     return [f"--model.hf_path={folder}", f"--data.paths=[{data}]", "--data.seq_len=64",
-            "--data.valid_fraction=0", "--data.handler=messages", f"--data.cache_dir={run_dir}/cache",
+            "--data.valid_fraction=0", f"--data.cache_dir={run_dir}/cache",  # handler: auto (messages)
             "--model.ops_impl=reference", "--train.eval_interval=0", "--optim.warmup_steps=1",
             "--logging.log_interval=1", "--logging.progress=false",
             "--logging.tensorboard=false", f"--logging.run_dir={run_dir}", *extra]  # fmt: skip

@@ -92,8 +92,10 @@ def test_preflight_fails_a_memory_estimate_over_the_device(monkeypatch, capsys):
 
 
 def test_preflight_passes_a_moe_recipe(tmp_path, capsys):
-    """Qwen3-30B-A3B's ep=8 over FSDP, rehearsed as ep=2 over 4 processes."""
-    status, lines = _run(capsys, "qwen3-30b-a3b-pretrain", "--keep", str(tmp_path))
+    """With no config, the default recipe: Qwen3-30B-A3B's ep=8 over FSDP, rehearsed as ep=2
+    over 4 processes."""
+    assert preflight.DEFAULT_RECIPE == "qwen3-30b-a3b-pretrain"
+    status, lines = _run(capsys, "--keep", str(tmp_path))
     assert status == 0, lines
     assert "ep=2 dp_shard=4" in lines["losses equal"]
     assert all("ok" in line for line in lines.values())

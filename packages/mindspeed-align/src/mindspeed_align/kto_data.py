@@ -112,7 +112,7 @@ def load_examples(data, template, tokenizer) -> tuple[list[KTOExample], SFTStats
 def _raw(path, template, tokenizer) -> list[KTOExample]:
     return [
         encode_example(template, tokenizer, record, where)
-        for where, record in read_records(Path(path))
+        for where, record in read_records(Path(path), expect="unpaired")
     ]
 
 

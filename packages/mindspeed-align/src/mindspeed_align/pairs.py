@@ -65,7 +65,7 @@ def load_pairs(data, template, tokenizer) -> tuple[list[Pair], SFTStats]:
     (both sides together, they share a row) are left out and counted as dropped."""
     stats, pairs = SFTStats(), []
     for path in data.paths:
-        for where, record in read_records(Path(path)):
+        for where, record in read_records(Path(path), expect="pairwise"):
             stats.records += 1
             pair = encode_pair(template, tokenizer, record, where)
             if len(pair[0][0]) + len(pair[1][0]) > data.seq_len:

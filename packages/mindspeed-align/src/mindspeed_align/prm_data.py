@@ -50,7 +50,7 @@ def load_steps(data, tokenizer, separator: str) -> tuple[list[Sample], SFTStats]
 
 def _raw(path, tokenizer, separator: str) -> list[Sample]:
     samples = []
-    for where, record in read_records(Path(path)):
+    for where, record in read_records(Path(path), expect="stepwise"):
         try:
             samples.append(encode_steps(tokenizer, *stepwise_record(record), separator=separator))
         except (RecordError, DataError) as err:

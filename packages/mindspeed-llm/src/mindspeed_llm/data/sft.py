@@ -33,7 +33,10 @@ from mindspeed_core.errors import DataError
 from mindspeed_llm.chat_template import ChatTemplate, TemplateDefect, encode_chat
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 from mindspeed_llm.data.sft_records import (
+    KIND_COMMANDS,
+    RECORD_FORMATS,
     RecordError,
+    detect_record_format,
     merge_map_keys,
     read_records,
     record_messages,
@@ -121,11 +124,20 @@ def encode_steps(tokenizer, prompt: str, steps: Sequence[str], labels: Sequence[
 
 
 def _tokenize_records(path, handler, template, tokenizer, strict) -> tuple[list[Sample], SFTStats]:
-    stats, samples, keys = SFTStats(), [], merge_map_keys(handler)
+    stats, samples = SFTStats(), []
+    fmt, keys = (None, None) if handler == "auto" else (handler, merge_map_keys(handler))
     for where, record in read_records(path):
         stats.records += 1
+        if handler == "auto":
+            found, why = detect_record_format(record)
+            if fmt is None:
+                fmt, keys = _auto_format(found, why, where, record), merge_map_keys(found)
+                logger.info("%s: data.handler auto: %s records (%s)", path, fmt, why)
+            elif found is not None and found != fmt:
+                raise DataError(f"{where}: a {found} record ({why}) in a file whose first record is "
+                                f"{fmt}: data.handler auto reads one format per file")  # fmt: skip
         try:
-            messages = record_messages(record, handler, keys)
+            messages = record_messages(record, fmt, keys)
             if not any(m["role"] == "assistant" for m in messages):
                 raise DataError("the conversation has no assistant reply to train on")
             samples.append(encode_sample(template, tokenizer, messages, record_tools(record, keys)))
@@ -142,6 +154,18 @@ def _tokenize_records(path, handler, template, tokenizer, strict) -> tuple[list[
                 logger.warning("%s: skipped: %s", where, err)
     stats.samples = len(samples)
     return samples, stats
+
+
+def _auto_format(found: str | None, why: str, where: str, record) -> str:
+    """The instruction format of a file from its first record, or a DataError naming it."""
+    seen = sorted(record) if isinstance(record, dict) else type(record).__name__
+    if found is None:
+        raise DataError(f"{where}: data.handler auto cannot tell the record's format ({why}: "
+                        f"{seen}); set data.handler to one of {', '.join(RECORD_FORMATS)}")  # fmt: skip
+    if found not in RECORD_FORMATS:
+        raise DataError(f"{where}: {found} records ({why}) are not instruction data: train them "
+                        f"with `mindspeed {KIND_COMMANDS[found]}`")  # fmt: skip
+    return found
 
 
 def tokenize_file(

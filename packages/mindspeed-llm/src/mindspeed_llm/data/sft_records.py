@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_MAP_KEYS",
     "RECORD_FORMATS",
     "RecordError",
+    "detect_record_format",
     "merge_map_keys",
     "pairwise_messages",
     "read_records",
@@ -91,6 +92,34 @@ DEFAULT_MAP_KEYS: dict[str, dict[str, Any]] = {
         "rejected": "rejected",
     },
 }
+
+
+KIND_COMMANDS = {"alpaca": "sft", "sharegpt": "sft", "messages": "sft", "pairwise": "dpo",
+                 "unpaired": "kto", "stepwise": "prm"}  # fmt: skip
+"""Which command trains on each record format."""
+
+
+def detect_record_format(record: Any) -> tuple[str | None, str]:
+    """(format, why) of a raw record from its keys (default names, LLaMA-Factory's and TRL's):
+    stepwise (prompt, completions/steps, labels), pairwise (chosen, rejected), unpaired
+    (a reply and a boolean label or kto_tag), messages ([{role, content}]), sharegpt
+    (conversations [{from, value}]), alpaca (instruction, output); None when no format fits."""
+    if not isinstance(record, Mapping):
+        return None, f"a {type(record).__name__}, not a JSON object"
+    keys = set(record)
+    if {"prompt", "labels"} <= keys and keys & {"completions", "steps"}:
+        return "stepwise", "keys prompt, completions/steps and labels"
+    if {"chosen", "rejected"} <= keys:
+        return "pairwise", "keys chosen and rejected"
+    if keys & {"label", "kto_tag"} and keys & set(UNPAIRED_REPLY_KEYS):
+        return "unpaired", "a reply key and a label/kto_tag"
+    for fmt, key, role in (("messages", "messages", "role"), ("sharegpt", "conversations", "from")):
+        turns = record.get(key)
+        if isinstance(turns, list) and turns and all(isinstance(t, Mapping) and role in t for t in turns):
+            return fmt, f"key {key} holding {{{role}, ...}} turns"
+    if {"instruction", "output"} <= keys:
+        return "alpaca", "keys instruction and output"
+    return None, "no known format has these keys"
 
 
 def merge_map_keys(fmt: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -302,13 +331,31 @@ def _optional(record: Mapping, key: str | None, kind: type) -> Any:
 RAW_SUFFIXES = (".json", ".jsonl", ".parquet")
 
 
-def read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+def read_records(path: str | Path, expect: str | None = None) -> Iterator[tuple[str, Any]]:
     """(where, record) of every record of a .json (a list, or one object per line),
     .jsonl or .parquet file, in order; `where` is `file:line` or `file: row N`.
+    `expect` ("pairwise", "unpaired", "stepwise"): the first record, when its keys say it is
+    another kind (`detect_record_format`), stops the read naming the command that trains it.
 
     Raises:
-        DataError: the file is missing, has another suffix, or a line is not JSON.
+        DataError: the file is missing, has another suffix, a line is not JSON, or the
+            records are not of the `expect`ed kind.
     """
+    records = _read_records(path)
+    if expect is None:
+        yield from records
+        return
+    for i, (where, record) in enumerate(records):
+        if i == 0:
+            found, why = detect_record_format(record)
+            if found is not None and found != expect:
+                command = KIND_COMMANDS[found]
+                raise DataError(f"{where}: {found} records ({why}), not {expect} ones: train them "
+                                f"with `mindspeed {command}`")  # fmt: skip
+        yield where, record
+
+
+def _read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file does not exist: {path}")

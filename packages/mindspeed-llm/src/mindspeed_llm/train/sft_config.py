@@ -30,8 +30,10 @@ class SFTDataSection:
     `mindspeed preprocess` output prefixes (MindSpeed-LLM's names: a prefix P with
     `P_packed_input_ids_document.{bin,idx}` and `P_packed_labels_document.{bin,idx}`).
     Empty: the embedded demo task (generated and cached on first use)."""
-    handler: Literal["alpaca", "sharegpt", "messages"] = "alpaca"
-    """The record format of raw files (MindSpeed-LLM's handler names work in preprocess)."""
+    handler: Literal["auto", "alpaca", "sharegpt", "messages"] = "auto"
+    """The record format of raw files; auto: each file's, told from its first record's keys
+    (said in the log; a file mixing formats is refused at the first record of another kind).
+    MindSpeed-LLM's handler names work in preprocess."""
     tokenizer: Path | None = None
     """A tokenizer.json, sentencepiece .model or a folder holding one (default:
     model.hf_path; the demo: its own)."""
