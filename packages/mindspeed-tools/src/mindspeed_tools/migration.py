@@ -18,7 +18,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("--num-layers-per-virtual-pipeline-stage", "pretrain:parallel.virtual_stages",
      "ours counts stages per rank, not layers per stage; the schedule is `parallel.pp_schedule`"),
     ("--num-layer-list 8,8,8,8", "pretrain:parallel.layers_per_stage", ""),
-    ("--schedules-method dualpipev", "pretrain:parallel.pp_schedule", "ZBVZeroBubble, Interleaved1F1B, 1F1B, GPipe"),
+    ("--schedules-method dualpipev", "pretrain:parallel.pp_schedule", "DualPipeV (also 1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble)"),
     ("--sequence-parallel", "pretrain:parallel.sequence_parallel", ""),
     ("--context-parallel-size N", "pretrain:parallel.cp", ""),
     ("--context-parallel-algo megatron_cp_algo|ulysses_cp_algo|hybrid_cp_algo", "pretrain:parallel.cp_mode",
