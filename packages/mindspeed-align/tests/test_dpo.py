@@ -182,6 +182,57 @@ def test_a_prompt_tokenised_differently_before_the_replies_is_refused(tmp_path, 
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def _write_mmidx(prefix, rows):
+    """A `.bin`/`.idx` pair written from MindSpeed-LLM's documented layout (Megatron's MMIDIDX
+    v1, int32 tokens as MindSpeed-LLM keeps them), one document per row: not our writer."""
+    import struct
+
+    import numpy as np
+
+    arrays = [np.asarray(r, dtype=np.int32) for r in rows]
+    with open(f"{prefix}.bin", "wb") as f:
+        for a in arrays:
+            f.write(a.tobytes(order="C"))
+    lengths = np.asarray([len(a) for a in arrays], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(lengths[:-1].astype(np.int64) * 4)]).astype(np.int64)
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 4))  # dtype 4: int32
+        f.write(struct.pack("<Q", len(arrays)) + struct.pack("<Q", len(arrays) + 1))
+        f.write(lengths.tobytes() + pointers.tobytes() + np.arange(len(arrays) + 1, dtype=np.int64).tobytes())
+
+
+def test_mindspeed_llm_pairwise_prefixes_train_as_the_jsonl_does(tmp_path):
+    """MindSpeed-LLM's pairwise outputs (`{prefix}_packed_{chosen,rejected}_{input_ids,labels}
+    _document`, labels aligned with the ids and -100 on the prompt), written by the layout above,
+    give the jsonl pairs' losses; `mindspeed preprocess --handler-name pairwise` writes the same
+    bytes."""
+    import json as json_
+
+    from mindspeed_llm.chat_template import load_chat_template
+    from mindspeed_llm.tokenizer import load_tokenizer
+    from mindspeed_tools.preprocess import command as preprocess
+
+    folder, data = make_inputs(tmp_path)
+    template, tok = load_chat_template(folder), load_tokenizer(folder)
+    from mindspeed_align.pairs import encode_pair
+
+    pairs = [encode_pair(template, tok, json_.loads(line), "x") for line in data.read_text().splitlines()]
+    prefix = tmp_path / "theirs" / "pairs"
+    prefix.parent.mkdir()
+    for side, k in (("chosen", 0), ("rejected", 1)):
+        _write_mmidx(f"{prefix}_packed_{side}_input_ids_document", [p[k][0] for p in pairs])
+        unshifted = [[-100] + list(p[k][1][:-1]) for p in pairs]  # theirs: aligned with the ids
+        _write_mmidx(f"{prefix}_packed_{side}_labels_document", unshifted)
+    from_jsonl = _losses(folder, data, tmp_path / "jsonl")
+    from_prefix = _losses(folder, prefix, tmp_path / "prefix")
+    assert [m["loss"] for m in from_prefix] == [m["loss"] for m in from_jsonl]
+    ours = tmp_path / "ours" / "pairs"
+    assert preprocess.run(["--input", str(data), "--output-prefix", str(ours), "--handler-name",
+                           "AlpacaStylePairwiseHandler", "--tokenizer-name-or-path", str(folder)]) == 0  # fmt: skip
+    for name in sorted(p.name for p in prefix.parent.iterdir()):
+        assert (ours.parent / name).read_bytes() == (prefix.parent / name).read_bytes(), name
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     folder, data = make_inputs(tmp_path, n=2)
     same = tmp_path / "same.jsonl"

@@ -22,10 +22,15 @@ from mindspeed_align.reference import put_ref_logps
 from mindspeed_core.errors import DataError
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 from mindspeed_llm.data.sft import SFTStats, encode_sample
-from mindspeed_llm.data.sft_records import RecordError, pairwise_messages, read_records
+from mindspeed_llm.data.sft_records import (
+    RAW_SUFFIXES,
+    RecordError,
+    pairwise_messages,
+    read_records,
+)
 from mindspeed_llm.train.sft_data import SFTData
 
-__all__ = ["PairData", "encode_pair", "load_pairs"]
+__all__ = ["PAIRWISE_KEYS", "PairData", "encode_pair", "load_pairs", "read_pairwise_prefix"]
 
 logger = logging.getLogger("mindspeed.dpo")
 
@@ -61,13 +66,18 @@ def _prompt(sample) -> np.ndarray:
 
 
 def load_pairs(data, template, tokenizer) -> tuple[list[Pair], SFTStats]:
-    """Every pair of `data.paths` (.json/.jsonl/.parquet); pairs longer than `data.seq_len`
-    (both sides together, they share a row) are left out and counted as dropped."""
+    """Every pair of `data.paths` (.json/.jsonl/.parquet, or `preprocess --handler-name
+    pairwise` prefixes: ours or MindSpeed-LLM's); pairs longer than `data.seq_len` (both
+    sides together, they share a row) are left out and counted as dropped."""
     stats, pairs = SFTStats(), []
     for path in data.paths:
-        for where, record in read_records(Path(path), expect="pairwise"):
+        if Path(path).suffix.lower() in RAW_SUFFIXES:
+            found = (encode_pair(template, tokenizer, record, where)
+                     for where, record in read_records(Path(path), expect="pairwise"))  # fmt: skip
+        else:
+            found = read_pairwise_prefix(path)
+        for pair in found:
             stats.records += 1
-            pair = encode_pair(template, tokenizer, record, where)
             if len(pair[0][0]) + len(pair[1][0]) > data.seq_len:
                 stats.dropped += 1
                 continue
@@ -76,6 +86,38 @@ def load_pairs(data, template, tokenizer) -> tuple[list[Pair], SFTStats]:
     if not pairs:
         raise DataError(f"data.paths {data.paths}: no pair fits data.seq_len={data.seq_len} ({stats.line()})")
     return pairs, stats
+
+
+PAIRWISE_KEYS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+"""The datasets of a pairwise prefix: `{prefix}_packed_{key}_document.{bin,idx}` (MindSpeed-LLM's
+names; labels aligned with the ids, -100 on the prompt)."""
+
+
+def read_pairwise_prefix(prefix: str | Path) -> list[Pair]:
+    """The pairs of a pairwise prefix (`mindspeed preprocess --handler-name pairwise`, or
+    MindSpeed-LLM's `preprocess_data.py` with a pairwise handler); labels shifted to ours."""
+    from mindspeed_llm.data.indexed import IndexedDataset, dataset_exists
+
+    names = {k: f"{prefix}_packed_{k}_document" for k in PAIRWISE_KEYS}
+    missing = [n for n in names.values() if not dataset_exists(n)]
+    if missing:
+        raise DataError(f"data.paths: {missing[0]}.bin/.idx not found (from prefix {prefix}; a raw "
+                        "file needs .json/.jsonl/.parquet, a prefix the four pairwise datasets)")  # fmt: skip
+    sets = {k: IndexedDataset(n) for k, n in names.items()}
+    counts = {k: len(d) for k, d in sets.items()}
+    if len(set(counts.values())) != 1:
+        raise DataError(f"{prefix}: the pairwise datasets hold different numbers of samples: {counts}")
+    pairs = []
+    for i in range(counts["chosen_input_ids"]):
+        sides = []
+        for side in ("chosen", "rejected"):
+            ids = np.asarray(sets[f"{side}_input_ids"][i], np.int64)
+            labels = np.asarray(sets[f"{side}_labels"][i], np.int64)
+            if labels.shape != ids.shape:
+                raise DataError(f"{prefix}: sample {i}: {side} labels and ids differ in length")
+            sides.append((ids, np.concatenate([labels[1:], [IGNORE_INDEX]])))
+        pairs.append(tuple(sides))
+    return pairs
 
 
 class PairData(SFTData):
