@@ -1,8 +1,11 @@
-"""Per-step metrics: one JSON object per line in `metrics.jsonl`, mirrored to TensorBoard.
+"""Per-step metrics: one JSON object per line in `metrics.jsonl`, mirrored to TensorBoard
+and, when asked, to Weights & Biases.
 
 Only rank 0 writes (other ranks get a writer that does nothing), so callers need
 no rank checks. TensorBoard is optional: without the `tensorboard` package the
-JSONL file is still written and one warning says why `tb/` is empty.
+JSONL file is still written and one warning says why `tb/` is empty. W&B (`WandbOptions`,
+extra `mindspeed-core[wandb]`) gets the same scalars at the same steps; its run id is kept in
+`<run_dir>/wandb-run-id`, so a resumed run continues the same W&B run.
 """
 
 from __future__ import annotations
@@ -10,16 +13,44 @@ from __future__ import annotations
 import json
 import logging
 import math
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mindspeed_core.distributed import is_rank0
-from mindspeed_core.errors import DataError
+from mindspeed_core.errors import ConfigError, DataError
 from mindspeed_core.files import check_folder, write_file_atomically
 
 logger = logging.getLogger("mindspeed.metrics")
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
+WANDB_ID_FILE = "wandb-run-id"
+
+
+@dataclass(frozen=True)
+class WandbOptions:
+    """A W&B run for the metrics: `project`, `name` (None: the run directory's name) and
+    `mode` ("offline": files under `<run_dir>/wandb/` only, `wandb sync` uploads them later;
+    "online": streamed to the W&B server)."""
+
+    project: str = "mindspeed"
+    name: str | None = None
+    mode: str = "offline"
+
+
+def check_wandb(options: WandbOptions | None) -> None:
+    """Refuse, in one line, W&B logging without the package (before a run writes anything)."""
+    if options is None:
+        return
+    if options.mode not in ("offline", "online"):
+        raise ConfigError(f"logging.wandb_mode={options.mode!r}: choose offline or online")
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "logging.wandb=true needs the wandb package: pip install 'mindspeed-core[wandb]'"
+        ) from None
 
 
 class MetricsWriter:
@@ -38,13 +69,19 @@ class MetricsWriter:
     """
 
     def __init__(
-        self, run_dir: str | Path, *, tensorboard: bool = True, resume_step: int | None = None
+        self,
+        run_dir: str | Path,
+        *,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+        wandb: WandbOptions | None = None,
     ):
         self.enabled = is_rank0()
         self.path = check_folder(run_dir, "run directory") / METRICS_FILE
-        self._tb = None
+        self._tb = self._wandb = None
         if not self.enabled:
             return
+        check_wandb(wandb)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
             _truncate_after(self.path, resume_step)
@@ -53,6 +90,8 @@ class MetricsWriter:
         self._file = open(self.path, "a")  # noqa: SIM115 - closed in close()
         if tensorboard:
             self._tb = _tensorboard(Path(run_dir) / TB_DIR)
+        if wandb is not None:
+            self._wandb = _wandb_run(Path(run_dir), wandb, resumed=bool(resume_step))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -60,10 +99,13 @@ class MetricsWriter:
         record = {"step": step, **{k: _json_value(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, int | float) and math.isfinite(v)}  # fmt: skip
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if not self.enabled:
@@ -71,6 +113,8 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -124,6 +168,19 @@ def _drop_torn_tail(path: Path) -> None:
             return
         f.truncate(data.rfind(b"\n") + 1)
     logger.warning("%s ended in a torn line (a crash mid-write); dropped it", path)
+
+
+def _wandb_run(run_dir: Path, options: WandbOptions, *, resumed: bool):
+    """The W&B run of `run_dir`: the same one again when the run resumes (its id is kept in
+    the run directory), a new one otherwise."""
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else uuid.uuid4().hex[:16]
+    write_file_atomically(id_file, run_id + "\n")
+    return wandb.init(project=options.project, name=options.name or run_dir.resolve().name,
+                      mode=options.mode, dir=str(run_dir), id=run_id, resume="allow",
+                      settings=wandb.Settings(silent=True, console="off"))  # fmt: skip
 
 
 def _tensorboard(folder: Path):

@@ -130,6 +130,25 @@ class LoggingSection:
     tensorboard: bool = True
     progress: bool = True
     """A progress bar with loss, tokens/s, MFU and ETA on rank 0."""
+    wandb: bool = False
+    """Also log the scalars to Weights & Biases (`pip install 'mindspeed-core[wandb]'`)."""
+    wandb_project: str = "mindspeed"
+    wandb_name: str | None = None
+    """The W&B run's name (default: the run directory's name)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: files in run_dir/wandb only (`wandb sync` uploads them); online: streamed."""
+    hf_export_every: int = 0
+    """Every N steps (a multiple of checkpoint.interval) also write that step's checkpoint as a
+    Hugging Face folder, run_dir/hf/step_N (`mindspeed convert --to hf`; LoRA runs merged);
+    0: never."""
+
+    def wandb_options(self):
+        """The `WandbOptions` of this section (None when logging.wandb is off)."""
+        from mindspeed_core.training import WandbOptions
+
+        if not self.wandb:
+            return None
+        return WandbOptions(project=self.wandb_project, name=self.wandb_name, mode=self.wandb_mode)
 
 
 @dataclass(kw_only=True)

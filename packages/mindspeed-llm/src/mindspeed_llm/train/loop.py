@@ -14,7 +14,11 @@ and its position (checkpointed as "data", so a resumed run sees the same samples
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -22,13 +26,16 @@ from tqdm import tqdm
 
 from mindspeed_core import device as dev
 from mindspeed_core.checkpoint import CheckpointManager
+from mindspeed_core.distributed import is_rank0
 from mindspeed_core.profiling import ProfileConfig, build_profiler
 from mindspeed_core.training import MetricsWriter, ThroughputMeter
 from mindspeed_llm.data.collate import Batch
 from mindspeed_llm.train.build import DTYPES
 from mindspeed_llm.train.config import LoggingSection, TrainSection
 from mindspeed_llm.train.run_dir import RunDirectory, resume
-from mindspeed_llm.train.step import TrainStep
+from mindspeed_llm.train.step import TrainingError, TrainStep
+
+logger = logging.getLogger("mindspeed.train")
 
 __all__ = ["DataSource", "TrainLoop"]
 
@@ -146,6 +153,7 @@ class TrainLoop:
             first = result.loss if first is None else first
             last = result.loss
             self.checkpoints.save(self.state.step)
+            self._export_hf()
         bar.close()
         return {"first_loss": first, "final_loss": last, "steps": self.state.step}
 
@@ -164,6 +172,18 @@ class TrainLoop:
             mfu=f"{rate['mfu']:.1%}",
         )
 
+    def _export_hf(self) -> None:
+        """`logging.hf_export_every`: this step's checkpoint as a Hugging Face folder, written
+        by `mindspeed convert` on rank 0 (the others meet it at their next collective)."""
+        every, step = getattr(self.logging, "hf_export_every", 0), self.state.step
+        if not every or step % every:
+            return
+        self.checkpoints.wait()  # an asynchronous save must be whole first
+        if is_rank0():
+            lora = getattr(getattr(self.cfg, "lora", None), "rank", 0) > 0
+            export_hf(self.checkpoints.folder / f"step_{step}", self.run_dir.path / "hf" / f"step_{step}",
+                      merge_lora=lora)  # fmt: skip
+
     def _log_due(self) -> bool:
         interval = self.logging.log_interval
         return self.state.step % max(interval, 1) == 0 or self.state.step == self.train.steps
@@ -180,6 +200,20 @@ class TrainLoop:
             self.checkpoints.save(self.state.step, force=True)
         self.checkpoints.close()
         self.run_dir.finish()
+
+
+def export_hf(step_dir: Path, out: Path, *, merge_lora: bool = False) -> None:
+    """`mindspeed convert --to hf` of one checkpoint (a process of its own: the converter is
+    mindspeed-tools'); an existing `out` (a resumed run exporting again) is kept."""
+    if out.exists():
+        return
+    argv = [sys.executable, "-m", "mindspeed_core.cli", "convert", "--input", str(step_dir),
+            "--output", str(out), "--to", "hf", *(["--merge-lora"] if merge_lora else [])]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True)
+    if done.returncode:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise TrainingError(f"logging.hf_export_every: exporting {step_dir} to {out} failed: {tail}")
+    logger.info("exported %s as a Hugging Face folder: %s", step_dir.name, out)
 
 
 def _peak_per_rank(device) -> list[float]:

@@ -4,6 +4,7 @@
     <run_dir>/metrics.jsonl      one JSON object per logged step (lines after a resumed
                                  step are dropped, so a rerun never duplicates steps)
     <run_dir>/tb/                TensorBoard events
+    <run_dir>/wandb/             Weights & Biases files (logging.wandb), wandb-run-id
     <run_dir>/checkpoints/       step_<N>/ and latest (unless checkpoint.dir says otherwise)
     <run_dir>/loss_curve.png     at the end
 
@@ -38,9 +39,9 @@ __all__ = ["RunDirectory", "resume"]
 class RunDirectory:
     """Writes a run's files; only rank 0 touches the disk."""
 
-    def __init__(self, path: str | Path, *, tensorboard: bool = True):
+    def __init__(self, path: str | Path, *, tensorboard: bool = True, wandb=None):
         self.path = Path(path)
-        self.tensorboard = tensorboard
+        self.tensorboard, self.wandb = tensorboard, wandb
         self._created: list[Path] = []
 
     def lock(self, checkpoints: Path) -> list[RunLock]:
@@ -68,7 +69,7 @@ class RunDirectory:
             self.path.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.path / "config.yaml")
         return MetricsWriter(
-            self.path, tensorboard=self.tensorboard, resume_step=resumed_step or 0
+            self.path, tensorboard=self.tensorboard, resume_step=resumed_step or 0, wandb=self.wandb
         )
 
     def finish(self) -> None:

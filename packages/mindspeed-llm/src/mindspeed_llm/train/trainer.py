@@ -15,6 +15,7 @@ from typing import Any
 from mindspeed_core.distributed import DistributedInfo
 from mindspeed_core.errors import ConfigError, ParallelError
 from mindspeed_core.parallel import ParallelConfig, check_microbatches
+from mindspeed_core.training import check_wandb
 from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.common.parallelize import ModelHook
 from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts, model_config
@@ -73,6 +74,8 @@ class Trainer:
     ):
         data = data or PretrainData
         self.cfg, self.device, self.command = cfg, info.device, command
+        check_wandb(cfg.logging.wandb_options())
+        _check_hf_export(cfg)
         self.model_cfg = model_config(cfg.model)
         check_layout(
             self.model_cfg, cfg.parallel, seq_len=cfg.data.seq_len, recompute=cfg.train.ac != "none"
@@ -145,7 +148,9 @@ class Trainer:
             self.data,
             checkpoints=self.checkpoints,
             run_dir=RunDirectory(
-                self.cfg.logging.run_dir, tensorboard=self.cfg.logging.tensorboard
+                self.cfg.logging.run_dir,
+                tensorboard=self.cfg.logging.tensorboard,
+                wandb=self.cfg.logging.wandb_options(),
             ),
             cfg=self.cfg,
             train=self.cfg.train,
@@ -155,6 +160,23 @@ class Trainer:
             profile=self.cfg.profile,
         )
         return loop.run()
+
+
+def _check_hf_export(cfg) -> None:
+    """`logging.hf_export_every` exports checkpoints: it must fall on them, and the converter
+    (mindspeed-tools) must be installed."""
+    import importlib.util
+
+    every = getattr(cfg.logging, "hf_export_every", 0)
+    if not every:
+        return
+    interval = cfg.checkpoint.interval
+    if every < 0 or not interval or every % interval:
+        raise ConfigError(f"logging.hf_export_every={every} must be a positive multiple of "
+                          f"checkpoint.interval={interval} (it exports those checkpoints)")  # fmt: skip
+    if importlib.util.find_spec("mindspeed_tools") is None:
+        raise ConfigError("logging.hf_export_every needs mindspeed-tools (`mindspeed convert`): "
+                          "pip install mindspeed-tools")  # fmt: skip
 
 
 def load_init_state(model, state: dict[str, Any], *, partial: bool = False) -> None:
