@@ -105,7 +105,8 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_exactly(
         os.kill(_worker_pid(agents, rank=0), signal.SIGKILL)
     except BaseException:
         for agent in agents:
-            agent.terminate()
+            agent.terminate()  # the agent stops its workers
+            agent.wait(timeout=60)
         raise
     output = _finish(agents, tmp_path)
     assert "exitcode: -9" in output  # the agent saw its worker die
