@@ -4,6 +4,7 @@ import torch.distributed as dist
 
 from mindspeed_core.distributed import (
     destroy_distributed,
+    elastic_restart_warning,
     get_rank,
     get_world_size,
     init_distributed,
@@ -19,6 +20,18 @@ GOOD = {
     "MASTER_ADDR": "127.0.0.1",
     "MASTER_PORT": "29500",
 }
+
+
+def test_restarts_through_the_agents_store_are_warned_about():
+    """torchrun exports these to every worker (local_elastic_agent.py): a restart of a job
+    whose workers share the agent's store may fail (pytorch/pytorch#135712)."""
+    shared = {**GOOD, "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    warning = elastic_restart_warning(shared)
+    assert warning and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warning
+    own_store = {**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}  # the variable was set
+    assert elastic_restart_warning(own_store) is None
+    assert elastic_restart_warning({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+    assert elastic_restart_warning(GOOD) is None  # not under torchrun's agent
 
 
 def test_reads_torchrun_environment():

@@ -26,6 +26,7 @@ from mindspeed_core import device as dev
 from mindspeed_core.errors import ParallelError
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+logger = logging.getLogger("mindspeed.distributed")
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,28 @@ def init_distributed(
             backend, init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout
         )
         _record_peers(env)
+        if env.rank == 0 and (warning := elastic_restart_warning()):
+            logger.warning(warning)
     return DistributedInfo(env.rank, env.world_size, env.local_rank, device, backend)
+
+
+def elastic_restart_warning(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why torchrun's restarts of this job may fail, or None.
+
+    Under `--max-restarts`, torch >= 2.5 keeps its agent's store (which the workers share)
+    across restarts, and restarted workers can read the dead ones' addresses there and fail
+    to connect (pytorch/pytorch#135712); an agent started with
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each restart a store of its own.
+    """
+    environ = os.environ if environ is None else environ
+    restarts = _int_var(environ, "TORCHELASTIC_MAX_RESTARTS") or 0
+    if restarts > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return (
+            "torchrun --max-restarts with the agent's shared store: a restart may fail to "
+            "connect (pytorch/pytorch#135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "before torchrun"
+        )
+    return None
 
 
 def current_distributed(device_type: str | None = None) -> DistributedInfo:
