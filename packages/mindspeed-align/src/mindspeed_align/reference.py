@@ -8,7 +8,8 @@
   two log-probs (`RefPair.ref`), the data source puts them in the batch per token (`REF_KEY`), and the
   reference model can be dropped. The values are cached as `ref-<key>.pt` in the data cache
   folder, keyed by a hash of the encoded pairs and the reference's weights, written atomically
-  by rank 0 and read back by a resumed run (or any run with the same data and reference).
+  by each machine's local rank 0 (the folder may be shared or local to each machine) and read
+  back by a resumed run (or any run with the same data and reference).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,8 +76,8 @@ def precompute_reference(data, reference: nn.Module, ctx, *, device, micro_pairs
         values = None
     if values is None:
         values = _compute(pairs, reference, ctx, device, micro_pairs, data.seq_len, data.pad_id)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            _write(path, values)
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one writer per machine: a cache
+            _write(path, values)  # folder local to each machine fills on every machine
         logger.info("reference log-probs of %d pairs computed and cached in %s", len(pairs), path)
     else:
         logger.info("reference log-probs of %d pairs read from %s", len(pairs), path)
@@ -177,7 +179,7 @@ def _read(path: Path, expected: int) -> torch.Tensor | None:
 def _write(path: Path, values: torch.Tensor) -> None:
     """Atomically: a temporary file in the same folder, then a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")  # shared folders
     try:
         saved = {"version": CACHE_VERSION, "values": values.float(), "sha256": _digest(values)}
         torch.save(saved, tmp)
