@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from mindspeed_core.parallel import ParallelDims
     from mindspeed_llm.models import TransformerConfig
     from mindspeed_llm.train.build import BuiltModel, TrainParts
-    from mindspeed_llm.train.step import TrainStep
 
 __all__ = ["LossContext", "LossOutput", "NextToken", "Objective", "RunContext", "segment_ids",
            "token_nll"]  # fmt: skip
@@ -116,12 +115,11 @@ class Objective(ABC):
         the method needs besides the policy (see `RunContext`). Default: nothing."""
         return None
 
-    def build_step(self, run: RunContext) -> TrainStep:
-        """The run's optimizer step, called once after `setup`. Default: `TrainStep` on the
-        policy with this objective; a method with its own step (RL's rollouts) returns it."""
-        from mindspeed_llm.train.step import TrainStep
-
-        return TrainStep(run.parts, self, run.dims, **run.step_options)
+    def build_step(self, run: RunContext) -> Any:
+        """The run's optimizer step (a `train.step.TrainStep`), called once after `setup`: a
+        method with its own step (RL's rollout, then train) builds and returns it. Default
+        None: the trainer's `TrainStep(run.parts, objective, run.dims, **run.step_options)`."""
+        return None
 
     def finish_metrics(self, metrics: dict[str, float], units: float) -> dict[str, float]:
         """The step's reported metrics from the reduced ones (each metric sum over every

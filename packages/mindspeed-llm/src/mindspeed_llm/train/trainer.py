@@ -103,7 +103,9 @@ class Trainer:
                           "max_nonfinite_steps": cfg.train.max_nonfinite_steps},
         )  # fmt: skip
         objective.setup(run)
-        self.step: TrainStep = objective.build_step(run)
+        self.step: TrainStep = objective.build_step(run) or TrainStep(
+            self.parts, objective, self.dims, **run.step_options
+        )
 
     def build_model(self, **options) -> BuiltModel:
         """Another model of this run (a frozen reference, a critic): the run's model config,
