@@ -69,7 +69,6 @@ def _build_save_forward(out: str, tp: int, pp: int, torch_dist: bool):
     """One rank: build the model, run it on fixed tokens, save it; the last stage returns
     the logits (gathered over tp), the others None."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -138,7 +137,8 @@ def _build_save_forward(out: str, tp: int, pp: int, torch_dist: bool):
             dist.send(result.contiguous(), ps.get_pipeline_model_parallel_next_rank())
         else:
             parts = [torch.empty_like(result) for _ in range(tp)]
-            dist.all_gather(parts, result.contiguous(), group=ps.get_tensor_model_parallel_group())
+            group = ps.get_tensor_model_parallel_group()
+            dist.all_gather(parts, result.contiguous(), group=group)
             logits = torch.cat(parts, dim=-1)
         _save(model, Path(out), tp, pp, torch_dist)
     return logits
@@ -169,7 +169,8 @@ def _save(model, out: Path, tp: int, pp: int, torch_dist: bool) -> None:
     iteration = legacy / f"iter_{ITERATION:07d}" / rank_dir
     iteration.mkdir(parents=True, exist_ok=True)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
-    torch.save({**state, "model": model.state_dict_for_save_checkpoint()}, iteration / "model_optim_rng.pt")
+    model_state = model.state_dict_for_save_checkpoint()
+    torch.save({**state, "model": model_state}, iteration / "model_optim_rng.pt")
     if torch_dist:
         args.ckpt_format = "torch_dist"
         folder = sharded / f"iter_{ITERATION:07d}"
@@ -183,7 +184,9 @@ def _save(model, out: Path, tp: int, pp: int, torch_dist: bool) -> None:
 
 
 def _megatron_run(tmp_path: Path, tp: int, pp: int, torch_dist: bool) -> torch.Tensor:
-    results = run_distributed(_build_save_forward, tp * pp, str(tmp_path), tp, pp, torch_dist, timeout=300)
+    results = run_distributed(
+        _build_save_forward, tp * pp, str(tmp_path), tp, pp, torch_dist, timeout=300
+    )
     logits = [r for r in results if r is not None]
     torch.testing.assert_close(logits[0], logits[-1], atol=0, rtol=0)
     return logits[0]
@@ -205,7 +208,9 @@ def test_tp2_legacy_checkpoint_converts_to_hf_with_megatrons_logits(tmp_path, ca
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text("{}")
-    code, err = _cli(capsys, "--input", tmp_path / "legacy", "--output", tmp_path / "hf", "--to", "hf", "--tokenizer", tokenizer)
+    legacy, hf = tmp_path / "legacy", tmp_path / "hf"
+    code, err = _cli(capsys, "--input", legacy, "--output", hf, "--to", "hf",
+                     "--tokenizer", tokenizer)
     assert code == 0, err
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     torch.testing.assert_close(_hf_logits(tmp_path / "hf"), want, atol=ATOL, rtol=0)
@@ -221,14 +226,21 @@ def test_tp2_pp2_legacy_and_torch_dist_convert_to_hf_and_mindspeed(tmp_path, cap
         assert "holds no tokenizer" in err and "--tokenizer" in err
         torch.testing.assert_close(_hf_logits(hf), want, atol=ATOL, rtol=0)
     ours = tmp_path / "ours"
-    code, err = _cli(capsys, "--input", tmp_path / "torch_dist", "--from", "megatron", "--output", ours, "--to", "mindspeed", "--tp", "2")
+    source = tmp_path / "torch_dist"
+    code, err = _cli(
+        capsys, "--input", source, "--from", "megatron", "--output", ours, "--to", "mindspeed",
+        "--tp", "2",
+    )
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
     model, _ = load_model(ours, dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(model(_tokens()), want, atol=ATOL, rtol=0)
     # both formats hold the same tensors: the two HF folders are bit-identical
-    a, b = (transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{f}").state_dict() for f in ("legacy", "torch_dist"))
+    a, b = (
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{f}").state_dict()
+        for f in ("legacy", "torch_dist")
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -253,7 +265,37 @@ def test_split_qkv_undoes_megatrons_per_group_interleave():
     q, k, v = (torch.randn(n * d, rows) for n in (HEADS, GROUPS, GROUPS))
     per = HEADS // GROUPS
     fused = torch.cat(
-        [q.reshape(GROUPS, per * d, rows), k.reshape(GROUPS, d, rows), v.reshape(GROUPS, d, rows)], dim=1
+        [q.reshape(GROUPS, per * d, rows), k.reshape(GROUPS, d, rows), v.reshape(GROUPS, d, rows)],
+        dim=1,
     ).reshape(-1, rows)  # MindSpeed-LLM's / Megatron's layout
     for got, expected in zip(split_qkv(fused, HEADS, GROUPS, d), (q, k, v), strict=True):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.slow
+def test_training_checkpoints_enums_and_numpy_rng_load_inert(tmp_path):
+    """A training run's rank file also holds Megatron enums in its args and numpy's RNG
+    state; in a process that never imported megatron they unpickle into stand-ins."""
+    import subprocess
+    import sys
+
+    file = tmp_path / "model_optim_rng.pt"
+    script = f"""
+import argparse, pickle, random, sys, numpy as np, torch
+from megatron.core.transformer.enums import AttnBackend
+rng = {{"np_rng_state": np.random.get_state(), "random_rng_state": random.getstate()}}
+args = argparse.Namespace(attention_backend=AttnBackend.auto, num_layers=2)
+torch.save({{"args": args, "rng_state": [rng], "model": {{"w": torch.ones(2)}}}}, {str(file)!r})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+    check = f"""
+import sys
+from mindspeed_tools.megatron import safe_torch_load
+state = safe_torch_load(__import__("pathlib").Path({str(file)!r}))
+assert not any(m.startswith("megatron") for m in sys.modules), "megatron was imported"
+assert state["args"].num_layers == 2
+assert type(state["args"].attention_backend).__name__ == "AttnBackend"
+assert state["model"]["w"].tolist() == [1.0, 1.0]
+"""
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -503,7 +503,7 @@ def _parser() -> argparse.ArgumentParser:
         dest="source_format",
         choices=("hf", "mindspeed", "megatron"),
         help="source format (default: a Megatron save folder is recognised by its "
-        f"{megatron.LATEST_FILE}; otherwise Hugging Face for --to mindspeed, MindSpeed for --to hf)",
+        f"{megatron.LATEST_FILE}; otherwise hf for --to mindspeed, mindspeed for --to hf)",
     )
     p.add_argument(
         "--tokenizer", help="--from megatron: tokenizer folder or file to copy into the output"
@@ -537,8 +537,13 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--from megatron: {args.input} has no {megatron.LATEST_FILE}")
         if args.to == "mindspeed":
             megatron_to_mindspeed(
-                args.input, args.output, tokenizer=args.tokenizer,
-                tp=args.tp, pp=args.pp, ep=args.ep, dtype=dtype,
+                args.input,
+                args.output,
+                tokenizer=args.tokenizer,
+                tp=args.tp,
+                pp=args.pp,
+                ep=args.ep,
+                dtype=dtype,
             )
         else:
             if (args.tp, args.pp, args.ep) != (1, 1, 1):

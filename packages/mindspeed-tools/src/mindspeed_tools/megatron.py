@@ -10,8 +10,10 @@ number, or `release`) and `iter_NNNNNNN/` (or `release/`) in one of two formats:
   stacked along a leading axis) plus `common.pt` (the args) and `metadata.json`.
 
 Both pickles are read with `torch.load(weights_only=True)` allowing `argparse.Namespace`
-only (the args); DCP's `.metadata` goes through our `MetadataUnpickler`. Nothing a file
-names is ever called: a pickle naming anything else is refused before it is loaded.
+(the args); the data-only classes a training checkpoint also holds (Megatron's enums in
+the args, numpy's RNG state) unpickle into inert stand-ins, never into themselves. DCP's
+`.metadata` goes through our `MetadataUnpickler`. Nothing a file names is ever called: a
+pickle naming anything else (os.system, builtins.eval, ...) is refused before it loads.
 
 The model's shape comes from the saved args (Megatron-LM's argument names); the tensors
 are merged over tp/pp and renamed to the Hugging Face Llama/Qwen layout, which the
@@ -43,6 +45,7 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _SKIPPED = ("._extra_state",)
 _NAMESPACE = "argparse.Namespace"
+_STDLIB_DATA = {"types.SimpleNamespace", "pathlib.PosixPath", "io.BytesIO", "signal.Signals"}
 
 # Megatron layer tensor (local or Transformer-Engine spec) -> Hugging Face, per layer.
 _LAYER_NAMES = {
@@ -92,30 +95,56 @@ def iteration_dir(root: Path) -> Path:
     else:
         raise CheckpointError(f"{root / LATEST_FILE} holds {text[:40]!r}, not an iteration number")
     if not folder.is_dir():
-        raise CheckpointError(f"{root / LATEST_FILE} names iteration {text}, but {folder} is missing")
+        raise CheckpointError(
+            f"{root / LATEST_FILE} names iteration {text}, but {folder} is missing"
+        )
     return folder
 
 
 # -- reading pickles without running code --------------------------------------------------
 
 
+class _StandIn:
+    """What a data-only global of a Megatron pickle (an enum in the args, numpy's RNG
+    state, an OptimizerConfig) unpickles into instead of itself: it keeps its arguments
+    and state and runs nothing. The converter reads none of them."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.args}>"
+
+
+def _stand_in(name: str) -> bool:
+    """Whether global `name` may be replaced by a `_StandIn`: the data classes Megatron's own
+    loader allowlists (megatron/core/safe_globals.py), never the callables themselves."""
+    return name.startswith(("megatron.", "numpy.")) or name in _STDLIB_DATA
+
+
 def safe_torch_load(file: Path) -> Any:
     """A `torch.save` file read with weights_only (tensors, containers, numbers, strings)
-    plus `argparse.Namespace`; whatever else it names is refused unloaded.
+    plus `argparse.Namespace`. Megatron's data-only globals (its enums, numpy RNG state,
+    configs) become inert `_StandIn`s; any other global is refused before anything loads.
 
     Raises:
         CheckpointError: the file names another global, or is corrupt (named).
     """
     try:
         # lists the pickle's globals without unpickling it
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
-        refused = [g for g in unsafe if g != _NAMESPACE]
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+        unsafe = [g for g in found if g != _NAMESPACE]
+        refused = [g for g in unsafe if not _stand_in(g)]
         if refused:
             raise CheckpointError(
                 f"{file}: refused to unpickle {', '.join(refused[:3])}: Megatron checkpoints "
                 "are read without running code (only tensors, containers and argparse.Namespace)"
             )
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        stand_ins = [(type(g.rsplit(".", 1)[-1], (_StandIn,), {}), g) for g in unsafe]
+        with torch.serialization.safe_globals([argparse.Namespace, *stand_ins]):
             return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
         first = " ".join(str(err).split())[:200]
@@ -169,8 +198,9 @@ def hf_config(args: Mapping[str, Any], file: Path) -> dict[str, Any]:
     groups = _arg(args, "num_query_groups", file) if args.get("group_query_attention") else heads
     qkv_bias, qk_norm = bool(args.get("add_qkv_bias")), bool(args.get("qk_layernorm"))
     model_type = "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
+    architecture = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
     config = {
-        "architectures": [{"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type] + "ForCausalLM"],
+        "architectures": [architecture + "ForCausalLM"],
         "model_type": model_type,
         "vocab_size": _arg(args, "padded_vocab_size", file),
         "hidden_size": hidden,
@@ -211,40 +241,61 @@ def _args_of(state: Any, file: Path) -> dict[str, Any]:
     return vars(args)
 
 
-def _read_legacy(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    ranks: dict[tuple[int, int, int], Path] = {}
+def _rank_files(folder: Path) -> dict[tuple[int, int, int], Path]:
+    """(tp, pp, ep) rank -> its `model_optim_rng.pt`, from the `mp_rank_*` folder names."""
+    ranks = {}
     for sub in sorted(folder.iterdir()):
         match = _RANK_DIR.match(sub.name)
         if match and (sub / LEGACY_FILE).is_file():
             tp, pp, ep = (int(g) if g else 0 for g in match.groups())
             ranks[(tp, pp, ep)] = sub / LEGACY_FILE
     if not ranks:
-        raise CheckpointError(f"{folder} has neither {COMMON_FILE} (torch_dist) nor mp_rank_*/{LEGACY_FILE}")
+        raise CheckpointError(
+            f"{folder} has neither {COMMON_FILE} (torch_dist) nor mp_rank_*/{LEGACY_FILE}"
+        )
+    return ranks
+
+
+def _read_legacy(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    ranks = _rank_files(folder)
     first = ranks[min(ranks)]
     args = _args_of(safe_torch_load(first), first)
     tp_size = _arg(args, "tensor_model_parallel_size", first, 1)
     pp_size = _arg(args, "pipeline_model_parallel_size", first, 1)
     if _arg(args, "expert_model_parallel_size", first, 1) != 1:
-        raise ConfigError(f"{first}: args.expert_model_parallel_size > 1: MoE checkpoints are not converted yet")
-    wanted = {(t, p, 0) for t in range(tp_size) for p in range(pp_size)}
-    if missing := sorted(wanted - set(ranks)):
-        t, p, _ = missing[0]
-        raise CheckpointError(f"{folder}: rank file mp_rank_{t:02d}_{p:03d}/{LEGACY_FILE} is missing (tp={tp_size}, pp={pp_size})")
+        raise ConfigError(
+            f"{first}: args.expert_model_parallel_size > 1: MoE checkpoints are not converted yet"
+        )
+    for tp in range(tp_size):
+        for pp in range(pp_size):
+            if (tp, pp, 0) not in ranks:
+                name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pp_size > 1 else "")
+                raise CheckpointError(
+                    f"{folder}: {name}/{LEGACY_FILE} is missing (tp={tp_size}, pp={pp_size})"
+                )
     per_stage = _arg(args, "num_layers", first) // pp_size
     merged: dict[str, torch.Tensor] = {}
     for pp in range(pp_size):
-        shards: list[dict[str, torch.Tensor]] = []
-        for tp in range(tp_size):
-            state = safe_torch_load(ranks[(tp, pp, 0)])
-            model = state.get("model") if isinstance(state, dict) else None
-            if not isinstance(model, dict):
-                vpp = "model0" in state if isinstance(state, dict) else False
-                why = "virtual-pipeline chunks (model0, model1, ...) are not converted" if vpp else "it has no 'model'"
-                raise CheckpointError(f"{ranks[(tp, pp, 0)]}: {why}")
-            shards.append({k: v for k, v in model.items() if isinstance(v, torch.Tensor) and not k.endswith(_SKIPPED)})
+        shards = [_model_tensors(ranks[(tp, pp, 0)]) for tp in range(tp_size)]
         for name in shards[0]:
-            merged[_global_name(name, pp * per_stage)] = _merge_tp(name, [s[name] for s in shards], args)
+            whole = _merge_tp(name, [s[name] for s in shards], args)
+            merged[_global_name(name, pp * per_stage)] = whole
     return args, merged
+
+
+def _model_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """The `model` tensors of one rank file (Transformer Engine's `_extra_state` left out)."""
+    state = safe_torch_load(file)
+    model = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model, dict):
+        vpp = isinstance(state, dict) and "model0" in state
+        why = "virtual-pipeline chunks (model0, ...) are not converted" if vpp else "no 'model'"
+        raise CheckpointError(f"{file}: {why}")
+    return {
+        k: v
+        for k, v in model.items()
+        if isinstance(v, torch.Tensor) and not k.endswith(_SKIPPED)
+    }
 
 
 def _global_name(name: str, offset: int) -> str:
@@ -289,7 +340,9 @@ def _read_torch_dist(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
             for i in range(num_layers):
                 merged[f"decoder.layers.{i}.{rest}"] = tensor[i]
         else:
-            raise CheckpointError(f"{folder}: {name} has shape {tuple(tensor.shape)}, not {num_layers} stacked layers")
+            raise CheckpointError(
+                f"{folder}: {name} has shape {tuple(tensor.shape)}, not {num_layers} stacked layers"
+            )
     return args, merged
 
 
@@ -327,7 +380,9 @@ def to_hf_tensors(
             out[prefix + "mlp.gate_proj.weight"] = gate
             out[prefix + "mlp.up_proj.weight"] = up
         else:
-            raise CheckpointError(f"{source}: tensor {name} has no Hugging Face equivalent in a dense model")
+            raise CheckpointError(
+                f"{source}: tensor {name} has no Hugging Face equivalent in a dense model"
+            )
     if config["tie_word_embeddings"]:
         out.pop("lm_head.weight", None)
     return {n: t.contiguous() for n, t in out.items()}
