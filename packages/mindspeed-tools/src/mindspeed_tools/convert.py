@@ -5,6 +5,7 @@
     mindspeed convert --input LORA_RUN_CKPT --output HF_OUT --to hf --merge-lora
     mindspeed convert --input LORA_RUN_CKPT --output PEFT_OUT --to peft
     mindspeed convert --input MEGATRON_SAVE --output OUT --to hf [--tokenizer DIR]
+    mindspeed convert --input HF_DIR --output MEGATRON_SAVE --to megatron --tp 2 --pp 2
 
 A MindSpeed checkpoint is a DCP checkpoint: every tensor is stored once, under its
 fully-qualified name with its global shape, and DCP reshards it on load. Our parallel
@@ -48,7 +49,7 @@ from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.registry import get_model_spec
 from mindspeed_llm.models.weight_check import check_weights, model_shapes
 from mindspeed_llm.peft.checkpoint import run_lora, write_peft_adapter
-from mindspeed_tools import megatron
+from mindspeed_tools import megatron, megatron_save
 from mindspeed_tools.dcp_stream import load_streaming, save_streaming
 
 logger = logging.getLogger("mindspeed.convert")
@@ -348,6 +349,37 @@ def megatron_to_mindspeed(
     return out
 
 
+def hf_to_megatron(
+    source: str | Path,
+    output: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """A Hugging Face Llama/Mistral/Qwen2/Qwen3 folder -> Megatron's legacy per-rank checkpoint
+    at tp/pp (`mindspeed_tools.megatron_save`), with the folder's config and tokenizer files
+    copied next to it. The whole model is read into memory once.
+
+    Raises:
+        ConfigError: a model or layout Megatron's dense GPT checkpoint cannot hold (named).
+    """
+    config = hf_io.read_hf_config(source)
+    megatron_save.check_config(config, Path(source), tp, pp)
+    weights = hf_io.HFWeights(source, config)
+    check_weights(source, weights.shapes, model_shapes(config), weights.renamed)
+    hf = {n: t if dtype is None else t.to(dtype) for n, t in hf_io.iter_hf_tensors(source)}
+    stored = {t.dtype for t in hf.values() if t.is_floating_point()}
+    params_dtype = stored.pop() if len(stored) == 1 else torch.float32
+    args = megatron_save.megatron_args(config, tp, pp, params_dtype)
+    needed = sum(t.numel() * t.itemsize for t in hf.values())
+    with _staging(output, needed) as tmp:
+        megatron_save.write_legacy(tmp, hf, config, tp, pp, args)
+        _copy_hf_files(Path(source), tmp)
+    logger.info("wrote %s (Megatron legacy checkpoint, tp=%d pp=%d)", output, tp, pp)
+    return Path(output)
+
+
 def lora_to_peft(source: str | Path, output: str | Path) -> Path:
     """adapter_config.json + adapter_model.safetensors of a LoRA run, for
     `peft.PeftModel.from_pretrained(base, output)`."""
@@ -509,10 +541,16 @@ def _parser() -> argparse.ArgumentParser:
         "--tokenizer", help="--from megatron: tokenizer folder or file to copy into the output"
     )
     p.add_argument("--output", required=True, help="folder to create (must not exist)")
-    p.add_argument("--to", required=True, choices=("mindspeed", "hf", "peft"), help="target format")
+    p.add_argument(
+        "--to", required=True, choices=("mindspeed", "hf", "peft", "megatron"), help="target format"
+    )
     p.add_argument("--merge-lora", action="store_true", help="--to hf: merge a LoRA run's adapters")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree to validate")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree to validate")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tp degree to check (--to megatron: to write)"
+    )
+    p.add_argument(
+        "--pp", type=int, default=1, help="pp degree to check (--to megatron: to write)"
+    )
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree to validate")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help="stored dtype")
     p.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file")
@@ -553,10 +591,15 @@ def main(argv: list[str]) -> int:
                 args.input, args.output, tokenizer=args.tokenizer, max_shard_size=size, dtype=dtype
             )
         return 0
-    expected = {"mindspeed": "hf", "hf": "mindspeed", "peft": "mindspeed"}[args.to]
+    expected = {"mindspeed": "hf", "hf": "mindspeed", "peft": "mindspeed", "megatron": "hf"}
+    expected = expected[args.to]
     if source_format not in (None, expected):
         raise ConfigError(f"--from {source_format} --to {args.to} is not a conversion we make")
-    if args.to == "peft":
+    if args.to == "megatron":
+        if args.merge_lora or args.ep != 1:
+            raise ConfigError("--to megatron takes --tp and --pp only (dense models)")
+        hf_to_megatron(args.input, args.output, tp=args.tp, pp=args.pp, dtype=dtype)
+    elif args.to == "peft":
         lora_to_peft(args.input, args.output)
     elif args.to == "mindspeed":
         hf_to_mindspeed(args.input, args.output, tp=args.tp, pp=args.pp, ep=args.ep, dtype=dtype)

@@ -95,7 +95,7 @@ ROWS: list[tuple[str, str, str]] = [
     # tools
     ("preprocess_data.py", "mindspeed preprocess", "the same flags (--input, --handler-name, --output-prefix, ...)"),
     ("convert_ckpt.py --load-model-type hf --save-model-type mg", "mindspeed convert --to mindspeed",
-     "or no conversion: model.hf_path"),
+     "or no conversion: model.hf_path; --to megatron --tp --pp writes Megatron's mp_rank_* layout"),
     ("convert_ckpt.py --load-model-type mg --save-model-type hf", "mindspeed convert --to hf",
      "reads the mp_rank_* (or torch_dist) folder itself: --from megatron, picked automatically"),
     ("inference.py --task chat", "mindspeed chat", ""),
