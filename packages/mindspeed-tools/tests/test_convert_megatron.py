@@ -365,3 +365,34 @@ def test_qwen2_with_tied_embeddings_round_trips_through_megatron(tmp_path, capsy
     a, b = load_file(source / "model.safetensors"), load_file(back / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert "self_attn.q_proj.bias" in " ".join(a)
+
+
+def _rank_file(root: Path, rank_dir: str, args: argparse.Namespace, iteration: int = 1) -> None:
+    folder = root / f"iter_{iteration:07d}" / rank_dir
+    folder.mkdir(parents=True)
+    torch.save({"args": args, "iteration": iteration, "model": {}}, folder / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("moe", "args.num_experts=8: MoE Megatron checkpoints are not converted yet"),
+        ("missing_rank", "mp_rank_01/model_optim_rng.pt is missing (tp=2, pp=1)"),
+        ("missing_iteration", "names iteration 7, but"),
+        ("layernorm", "args.normalization='LayerNorm': only RMSNorm models are converted"),
+    ],
+)
+def test_bad_megatron_checkpoints_are_one_line(tmp_path, capsys, case, expected):
+    root = tmp_path / "megatron"
+    args = _megatron_args(tp=2 if case == "missing_rank" else 1, pp=1)
+    if case == "moe":
+        args.num_experts = 8
+    if case == "layernorm":
+        args.normalization = "LayerNorm"
+    _rank_file(root, "mp_rank_00", args)
+    if case == "missing_iteration":
+        (root / "latest_checkpointed_iteration.txt").write_text("7\n")
+    code, err = _cli(capsys, "--input", root, "--output", tmp_path / "out", "--to", "hf")
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "out").exists()
