@@ -4,6 +4,8 @@
     mindspeed convert --input CKPT --output HF_OUT --to hf [--max-shard-size 5GB]
     mindspeed convert --input LORA_RUN_CKPT --output HF_OUT --to hf --merge-lora
     mindspeed convert --input LORA_RUN_CKPT --output PEFT_OUT --to peft
+    mindspeed convert --input MEGATRON_SAVE --output OUT --to hf [--tokenizer DIR]
+    mindspeed convert --input HF_DIR --output MEGATRON_SAVE --to megatron --tp 2 --pp 2
 
 A MindSpeed checkpoint is a DCP checkpoint: every tensor is stored once, under its
 fully-qualified name with its global shape, and DCP reshards it on load. Our parallel
@@ -47,6 +49,7 @@ from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.registry import get_model_spec
 from mindspeed_llm.models.weight_check import check_weights, model_shapes
 from mindspeed_llm.peft.checkpoint import run_lora, write_peft_adapter
+from mindspeed_tools import megatron, megatron_save
 from mindspeed_tools.dcp_stream import load_streaming, save_streaming
 
 logger = logging.getLogger("mindspeed.convert")
@@ -79,6 +82,7 @@ def hf_to_mindspeed(
     pp: int = 1,
     ep: int = 1,
     dtype: torch.dtype | None = None,
+    origin: str | Path | None = None,
 ) -> Path:
     """Convert the Hugging Face folder `source` into a MindSpeed checkpoint at `output`.
 
@@ -117,7 +121,7 @@ def hf_to_mindspeed(
             "model_config": ckpt.config_fields(config),
             "layout": {"tp": tp, "pp": pp, "ep": ep},
             "dtype": stored[0] if len(stored) == 1 else stored,
-            "source": str(Path(source).resolve()),
+            "source": str(Path(origin or source).resolve()),
             "files": ["config.json", *copied],
         }
         (tmp / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -247,18 +251,132 @@ def merge_lora_to_hf(
     shards = plan_shards(entries, max_shard_size)
     needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
     with _staging(output, needed) as tmp:
-        writers = {}
-        for file, names in shards.items():
-            writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in names])
-            for name in names:
-                tensor = tensors[name]
-                writers[file].write(name, tensor if dtype is None else tensor.to(dtype))
-            writers[file].close()
-        if len(shards) > 1:
-            where = {hf: file for file, names in shards.items() for hf in names}
-            _write_index(tmp, writers, where)
+        _write_safetensors(tmp, tensors, entries, shards, dtype)
         _write_hf_config(model_source, tmp, entries)
     logger.info("wrote %s (LoRA merged, %d tensors)", output, len(entries))
+    return Path(output)
+
+
+def _write_safetensors(tmp: Path, tensors, entries, shards, dtype) -> None:
+    """Write in-memory `tensors` into the planned `shards` (and the index when several)."""
+    writers = {}
+    for file, names in shards.items():
+        writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in names])
+        for name in names:
+            tensor = tensors[name]
+            writers[file].write(name, tensor if dtype is None else tensor.to(dtype))
+        writers[file].close()
+    if len(shards) > 1:
+        where = {hf: file for file, names in shards.items() for hf in names}
+        _write_index(tmp, writers, where)
+
+
+# -- Megatron -> Hugging Face / MindSpeed ---------------------------------------------------
+
+
+def megatron_to_hf(
+    source: str | Path,
+    output: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    max_shard_size: int = 5 * 10**9,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Convert a Megatron-LM/Megatron-Core save folder (legacy per-rank files or
+    torch_dist) into a Hugging Face folder; see `mindspeed_tools.megatron`.
+
+    The tensors are merged over tp/pp in memory (the whole model once), renamed and
+    un-fused to Hugging Face's Llama/Qwen layout, written, and the folder is checked with
+    the same reader `--to mindspeed` uses. Megatron saves no tokenizer: `tokenizer` (a
+    folder or tokenizer file) is copied in; without it the folder has none (logged).
+
+    Raises:
+        ConfigError / CheckpointError: a refused pickle, a missing rank file, an
+            architecture we do not convert (each named).
+    """
+    args, state, folder = megatron.read_checkpoint(source)
+    config = megatron.hf_config(args, folder)
+    tensors = megatron.to_hf_tensors(state, config, folder)
+    del state
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise ConfigError(f"--tokenizer {tokenizer} does not exist")
+    entries = [(hf, dtype or t.dtype, tuple(t.shape)) for hf, t in tensors.items()]
+    shards = plan_shards(entries, max_shard_size)
+    dtypes = {str(d).removeprefix("torch.") for _, d, _ in entries}
+    if len(dtypes) == 1:
+        config["torch_dtype"] = dtypes.pop()
+    needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
+    with _staging(output, needed) as tmp:
+        _write_safetensors(tmp, tensors, entries, shards, dtype)
+        megatron.write_config(tmp, config)
+        generation = {"_from_model_config": True}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        checked = hf_io.read_hf_config(tmp)
+        weights = hf_io.HFWeights(tmp, checked)
+        check_weights(tmp, weights.shapes, model_shapes(checked), weights.renamed)
+        if tokenizer is not None:
+            _copy_tokenizer(Path(tokenizer), tmp)
+        else:
+            logger.warning(
+                "%s: a Megatron checkpoint holds no tokenizer, so the converted model has "
+                "none: pass --tokenizer DIR to copy one in",
+                folder,
+            )
+    logger.info("wrote %s (%d tensors from Megatron %s)", output, len(entries), folder)
+    return Path(output)
+
+
+def megatron_to_mindspeed(
+    source: str | Path,
+    output: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """A Megatron save folder -> a MindSpeed checkpoint, through a Hugging Face folder
+    staged next to `output` (removed afterwards), so both routes share every check."""
+    out = Path(output)
+    check_folder(out.parent, "--output's folder")
+    staged = out.parent / f"{owned_temp_prefix(out.name)}hf"
+    try:
+        megatron_to_hf(source, staged, tokenizer=tokenizer)
+        hf_to_mindspeed(staged, out, tp=tp, pp=pp, ep=ep, dtype=dtype, origin=source)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    return out
+
+
+def hf_to_megatron(
+    source: str | Path,
+    output: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """A Hugging Face Llama/Mistral/Qwen2/Qwen3 folder -> Megatron's legacy per-rank checkpoint
+    at tp/pp (`mindspeed_tools.megatron_save`), with the folder's config and tokenizer files
+    copied next to it. The whole model is read into memory once.
+
+    Raises:
+        ConfigError: a model or layout Megatron's dense GPT checkpoint cannot hold (named).
+    """
+    config = hf_io.read_hf_config(source)
+    megatron_save.check_config(config, Path(source), tp, pp)
+    weights = hf_io.HFWeights(source, config)
+    check_weights(source, weights.shapes, model_shapes(config), weights.renamed)
+    hf = {n: t if dtype is None else t.to(dtype) for n, t in hf_io.iter_hf_tensors(source)}
+    stored = {t.dtype for t in hf.values() if t.is_floating_point()}
+    params_dtype = stored.pop() if len(stored) == 1 else torch.float32
+    args = megatron_save.megatron_args(config, tp, pp, params_dtype)
+    needed = sum(t.numel() * t.itemsize for t in hf.values())
+    with _staging(output, needed) as tmp:
+        megatron_save.write_legacy(tmp, hf, config, tp, pp, args)
+        _copy_hf_files(Path(source), tmp)
+    logger.info("wrote %s (Megatron legacy checkpoint, tp=%d pp=%d)", output, tp, pp)
     return Path(output)
 
 
@@ -409,12 +527,30 @@ def _parser() -> argparse.ArgumentParser:
         description="Convert Hugging Face safetensors <-> MindSpeed (DCP) checkpoints, "
         "tensor by tensor. One MindSpeed checkpoint loads under any tp/pp/ep layout.",
     )
-    p.add_argument("--input", required=True, help="HF folder, or a MindSpeed checkpoint")
+    p.add_argument(
+        "--input", required=True, help="HF folder, MindSpeed checkpoint, or Megatron save folder"
+    )
+    p.add_argument(
+        "--from",
+        dest="source_format",
+        choices=("hf", "mindspeed", "megatron"),
+        help="source format (default: a Megatron save folder is recognised by its "
+        f"{megatron.LATEST_FILE}; otherwise hf for --to mindspeed, mindspeed for --to hf)",
+    )
+    p.add_argument(
+        "--tokenizer", help="--from megatron: tokenizer folder or file to copy into the output"
+    )
     p.add_argument("--output", required=True, help="folder to create (must not exist)")
-    p.add_argument("--to", required=True, choices=("mindspeed", "hf", "peft"), help="target format")
+    p.add_argument(
+        "--to", required=True, choices=("mindspeed", "hf", "peft", "megatron"), help="target format"
+    )
     p.add_argument("--merge-lora", action="store_true", help="--to hf: merge a LoRA run's adapters")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree to validate")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree to validate")
+    p.add_argument(
+        "--tp", type=int, default=1, help="tp degree to check (--to megatron: to write)"
+    )
+    p.add_argument(
+        "--pp", type=int, default=1, help="pp degree to check (--to megatron: to write)"
+    )
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree to validate")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help="stored dtype")
     p.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file")
@@ -427,7 +563,43 @@ def main(argv: list[str]) -> int:
     dtype = DTYPES[args.dtype]
     if args.merge_lora and args.to != "hf":
         raise ConfigError("--merge-lora applies to --to hf only")
-    if args.to == "peft":
+    source_format = args.source_format
+    if source_format is None and megatron.is_megatron_checkpoint(args.input):
+        source_format = "megatron"
+    if args.tokenizer is not None and source_format != "megatron":
+        raise ConfigError("--tokenizer applies to --from megatron only")
+    if source_format == "megatron":
+        if args.to == "peft" or args.merge_lora:
+            raise ConfigError("--from megatron converts to --to hf or --to mindspeed")
+        if not megatron.is_megatron_checkpoint(args.input):
+            raise ConfigError(f"--from megatron: {args.input} has no {megatron.LATEST_FILE}")
+        if args.to == "mindspeed":
+            megatron_to_mindspeed(
+                args.input,
+                args.output,
+                tokenizer=args.tokenizer,
+                tp=args.tp,
+                pp=args.pp,
+                ep=args.ep,
+                dtype=dtype,
+            )
+        else:
+            if (args.tp, args.pp, args.ep) != (1, 1, 1):
+                raise ConfigError("--tp/--pp/--ep apply to --to mindspeed only")
+            size = parse_size(args.max_shard_size)
+            megatron_to_hf(
+                args.input, args.output, tokenizer=args.tokenizer, max_shard_size=size, dtype=dtype
+            )
+        return 0
+    expected = {"mindspeed": "hf", "hf": "mindspeed", "peft": "mindspeed", "megatron": "hf"}
+    expected = expected[args.to]
+    if source_format not in (None, expected):
+        raise ConfigError(f"--from {source_format} --to {args.to} is not a conversion we make")
+    if args.to == "megatron":
+        if args.merge_lora or args.ep != 1:
+            raise ConfigError("--to megatron takes --tp and --pp only (dense models)")
+        hf_to_megatron(args.input, args.output, tp=args.tp, pp=args.pp, dtype=dtype)
+    elif args.to == "peft":
         lora_to_peft(args.input, args.output)
     elif args.to == "mindspeed":
         hf_to_mindspeed(args.input, args.output, tp=args.tp, pp=args.pp, ep=args.ep, dtype=dtype)

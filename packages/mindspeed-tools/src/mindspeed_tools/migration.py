@@ -95,8 +95,9 @@ ROWS: list[tuple[str, str, str]] = [
     # tools
     ("preprocess_data.py", "mindspeed preprocess", "the same flags (--input, --handler-name, --output-prefix, ...)"),
     ("convert_ckpt.py --load-model-type hf --save-model-type mg", "mindspeed convert --to mindspeed",
-     "or no conversion: model.hf_path"),
-    ("convert_ckpt.py --load-model-type mg --save-model-type hf", "mindspeed convert --to hf", ""),
+     "or no conversion: model.hf_path; --to megatron --tp --pp writes Megatron's mp_rank_* layout"),
+    ("convert_ckpt.py --load-model-type mg --save-model-type hf", "mindspeed convert --to hf",
+     "reads the mp_rank_* (or torch_dist) folder itself: --from megatron, picked automatically"),
     ("inference.py --task chat", "mindspeed chat", ""),
     ("inference.py --task greedy|do_sample|beam_search", "mindspeed generate", "--num-beams for beam search"),
     ("evaluation.py --task mmlu ceval boolq bbh agieval human_eval", "mindspeed eval", "the same local data layouts"),

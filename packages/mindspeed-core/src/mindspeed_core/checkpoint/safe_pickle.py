@@ -31,6 +31,15 @@ _ALLOWED = {
         "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    # Megatron-Core's torch_dist checkpoints keep every rank's save plan in `.metadata`
+    # (`all_local_plans`): DCP's own plan dataclasses and an enum, plain data.
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan",
+        "WriteItem",
+        "WriteItemType",
+        "TensorWriteData",
+        "BytesIOWriteData",
+    },
     "torch.serialization": {"_get_layout"},  # a lookup of torch.strided etc. by name
     "torch": {"Size"},
     "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},

@@ -1,0 +1,406 @@
+"""Megatron-LM / Megatron-Core checkpoints, read without running code, as Hugging Face tensors.
+
+A Megatron checkpoint folder holds `latest_checkpointed_iteration.txt` (an iteration
+number, or `release`) and `iter_NNNNNNN/` (or `release/`) in one of two formats:
+
+- legacy (`--ckpt-format torch`): `mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt` per
+  tensor/pipeline(/expert) rank, a `torch.save` of {"args": Namespace, "model": state dict,
+  ...}, each tensor the rank's shard, layers numbered within the stage;
+- `torch_dist` (Megatron's dist_checkpointing): a DCP folder of global tensors (layers
+  stacked along a leading axis) plus `common.pt` (the args) and `metadata.json`.
+
+Both pickles are read with `torch.load(weights_only=True)` allowing `argparse.Namespace`
+(the args); the data-only classes a training checkpoint also holds (Megatron's enums in
+the args, numpy's RNG state) unpickle into inert stand-ins, never into themselves. DCP's
+`.metadata` goes through our `MetadataUnpickler`. Nothing a file names is ever called: a
+pickle naming anything else (os.system, builtins.eval, ...) is refused before it loads.
+
+The model's shape comes from the saved args (Megatron-LM's argument names); the tensors
+are merged over tp/pp and renamed to the Hugging Face Llama/Qwen layout, which the
+existing `mindspeed convert` paths then write (see `convert.megatron_to_hf`).
+Dense Llama/Mistral/Qwen2/Qwen3-style models (RMSNorm, SwiGLU, RoPE) are converted;
+MoE and virtual-pipeline checkpoints are refused by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mindspeed_core.checkpoint import read_safe_metadata
+from mindspeed_core.errors import CheckpointError, ConfigError
+from mindspeed_tools.dcp_stream import load_streaming
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+LEGACY_FILE = "model_optim_rng.pt"
+COMMON_FILE = "common.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_SKIPPED = ("._extra_state",)
+_NAMESPACE = "argparse.Namespace"
+_STDLIB_DATA = {"types.SimpleNamespace", "pathlib.PosixPath", "io.BytesIO", "signal.Signals"}
+
+# Megatron layer tensor (local or Transformer-Engine spec) -> Hugging Face, per layer.
+_LAYER_NAMES = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+# How a legacy rank file's tensor is split over tensor-parallel ranks: the dim, or None
+# when every rank holds all of it.
+_TP_DIM = {
+    "embedding.word_embeddings.weight": 0,
+    "output_layer.weight": 0,
+    "self_attention.linear_qkv.weight": 0,
+    "self_attention.linear_qkv.bias": 0,
+    "self_attention.linear_proj.weight": 1,
+    "mlp.linear_fc1.weight": 0,
+    "mlp.linear_fc2.weight": 1,
+}
+
+
+def is_megatron_checkpoint(path: str | Path) -> bool:
+    """`path` holds `latest_checkpointed_iteration.txt` (a Megatron save folder)."""
+    return (Path(path) / LATEST_FILE).is_file()
+
+
+def iteration_dir(root: Path) -> Path:
+    """The folder of the iteration `latest_checkpointed_iteration.txt` names.
+
+    Raises:
+        CheckpointError: the file names neither a number nor `release`, or its folder is missing.
+    """
+    text = (root / LATEST_FILE).read_text().strip()
+    if text == "release":
+        folder = root / "release"
+    elif text.isdigit():
+        folder = root / f"iter_{int(text):07d}"
+    else:
+        raise CheckpointError(f"{root / LATEST_FILE} holds {text[:40]!r}, not an iteration number")
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"{root / LATEST_FILE} names iteration {text}, but {folder} is missing"
+        )
+    return folder
+
+
+# -- reading pickles without running code --------------------------------------------------
+
+
+class _StandIn:
+    """What a data-only global of a Megatron pickle (an enum in the args, numpy's RNG
+    state, an OptimizerConfig) unpickles into instead of itself: it keeps its arguments
+    and state and runs nothing. The converter reads none of them."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.args}>"
+
+
+def _stand_in(name: str) -> bool:
+    """Whether global `name` may be replaced by a `_StandIn`: the data classes Megatron's own
+    loader allowlists (megatron/core/safe_globals.py), never the callables themselves."""
+    return name.startswith(("megatron.", "numpy.")) or name in _STDLIB_DATA
+
+
+def safe_torch_load(file: Path) -> Any:
+    """A `torch.save` file read with weights_only (tensors, containers, numbers, strings)
+    plus `argparse.Namespace`. Megatron's data-only globals (its enums, numpy RNG state,
+    configs) become inert `_StandIn`s; any other global is refused before anything loads.
+
+    Raises:
+        CheckpointError: the file names another global, or is corrupt (named).
+    """
+    try:
+        # lists the pickle's globals without unpickling it
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+        unsafe = [g for g in found if g != _NAMESPACE]
+        refused = [g for g in unsafe if not _stand_in(g)]
+        if refused:
+            raise CheckpointError(
+                f"{file}: refused to unpickle {', '.join(refused[:3])}: Megatron checkpoints "
+                "are read without running code (only tensors, containers and argparse.Namespace)"
+            )
+        stand_ins = [(type(g.rsplit(".", 1)[-1], (_StandIn,), {}), g) for g in unsafe]
+        with torch.serialization.safe_globals([argparse.Namespace, *stand_ins]):
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
+        first = " ".join(str(err).split())[:200]
+        raise CheckpointError(f"{file} is unreadable or unsafe ({first})") from None
+
+
+# -- the model's shape, from Megatron-LM's args ---------------------------------------------
+
+
+def _arg(args: Mapping[str, Any], name: str, file: Path, default: Any = ...) -> Any:
+    if name in args and args[name] is not None:
+        return args[name]
+    if default is ...:
+        raise CheckpointError(f"{file}: the saved args have no {name}")
+    return default
+
+
+def hf_config(args: Mapping[str, Any], file: Path) -> dict[str, Any]:
+    """The Hugging Face config.json of the model Megatron-LM's args describe.
+
+    Raises:
+        ConfigError: an architecture feature we do not convert (the arg is named).
+    """
+
+    def refuse(name: str, why: str) -> ConfigError:
+        return ConfigError(f"{file}: args.{name}={args.get(name)!r}: {why}")
+
+    checks = (
+        ("normalization", lambda v: v == "RMSNorm", "only RMSNorm models are converted"),
+        ("swiglu", bool, "only SwiGLU MLPs (Llama/Qwen/Mistral) are converted"),
+        ("position_embedding_type", lambda v: v == "rope", "only RoPE models are converted"),
+    )
+    for name, ok, why in checks:
+        if not ok(args.get(name)):
+            raise refuse(name, why)
+    for name, why in (
+        ("num_experts", "MoE Megatron checkpoints are not converted yet"),
+        ("add_bias_linear", "linear-layer biases have no Hugging Face Llama/Qwen equivalent"),
+        ("rotary_interleaved", "interleaved RoPE is not converted"),
+        ("use_rope_scaling", "Llama-3.1 RoPE scaling is not converted yet"),
+        ("num_layers_per_virtual_pipeline_stage", "virtual-pipeline checkpoints are not converted"),
+        ("decoder_first_pipeline_num_layers", "uneven pipeline stages are not converted"),
+        ("decoder_last_pipeline_num_layers", "uneven pipeline stages are not converted"),
+    ):
+        if args.get(name):
+            raise refuse(name, why)
+    if _arg(args, "rotary_percent", file, 1.0) != 1.0:
+        raise refuse("rotary_percent", "partial RoPE is not converted")
+    heads = _arg(args, "num_attention_heads", file)
+    hidden = _arg(args, "hidden_size", file)
+    groups = _arg(args, "num_query_groups", file) if args.get("group_query_attention") else heads
+    qkv_bias, qk_norm = bool(args.get("add_qkv_bias")), bool(args.get("qk_layernorm"))
+    model_type = "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
+    architecture = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    config = {
+        "architectures": [architecture + "ForCausalLM"],
+        "model_type": model_type,
+        "vocab_size": _arg(args, "padded_vocab_size", file),
+        "hidden_size": hidden,
+        "intermediate_size": _arg(args, "ffn_hidden_size", file),
+        "num_hidden_layers": _arg(args, "num_layers", file),
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": _arg(args, "kv_channels", file, hidden // heads),
+        "max_position_embeddings": _arg(args, "max_position_embeddings", file),
+        "rms_norm_eps": _arg(args, "norm_epsilon", file, 1e-5),
+        "rope_theta": float(_arg(args, "rotary_base", file, 10000)),
+        "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
+        "hidden_act": "silu",
+    }
+    if model_type == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
+    config["torch_dtype"] = dtype
+    return config
+
+
+# -- tensors ---------------------------------------------------------------------------------
+
+
+def read_checkpoint(root: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
+    """(saved args, Megatron state dict of whole tensors with global layer numbers, the
+    iteration folder) of the Megatron save folder `root`."""
+    folder = iteration_dir(Path(root))
+    if (folder / COMMON_FILE).is_file():
+        return (*_read_torch_dist(folder), folder)
+    return (*_read_legacy(folder), folder)
+
+
+def _args_of(state: Any, file: Path) -> dict[str, Any]:
+    args = state.get("args") if isinstance(state, dict) else None
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(f"{file} holds no saved args (a Megatron checkpoint saves 'args')")
+    return vars(args)
+
+
+def _rank_files(folder: Path) -> dict[tuple[int, int, int], Path]:
+    """(tp, pp, ep) rank -> its `model_optim_rng.pt`, from the `mp_rank_*` folder names."""
+    ranks = {}
+    for sub in sorted(folder.iterdir()):
+        match = _RANK_DIR.match(sub.name)
+        if match and (sub / LEGACY_FILE).is_file():
+            tp, pp, ep = (int(g) if g else 0 for g in match.groups())
+            ranks[(tp, pp, ep)] = sub / LEGACY_FILE
+    if not ranks:
+        raise CheckpointError(
+            f"{folder} has neither {COMMON_FILE} (torch_dist) nor mp_rank_*/{LEGACY_FILE}"
+        )
+    return ranks
+
+
+def _read_legacy(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    ranks = _rank_files(folder)
+    first = ranks[min(ranks)]
+    args = _args_of(safe_torch_load(first), first)
+    tp_size = _arg(args, "tensor_model_parallel_size", first, 1)
+    pp_size = _arg(args, "pipeline_model_parallel_size", first, 1)
+    if _arg(args, "expert_model_parallel_size", first, 1) != 1:
+        raise ConfigError(
+            f"{first}: args.expert_model_parallel_size > 1: MoE checkpoints are not converted yet"
+        )
+    for tp in range(tp_size):
+        for pp in range(pp_size):
+            if (tp, pp, 0) not in ranks:
+                name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pp_size > 1 else "")
+                raise CheckpointError(
+                    f"{folder}: {name}/{LEGACY_FILE} is missing (tp={tp_size}, pp={pp_size})"
+                )
+    per_stage = _arg(args, "num_layers", first) // pp_size
+    merged: dict[str, torch.Tensor] = {}
+    for pp in range(pp_size):
+        shards = [_model_tensors(ranks[(tp, pp, 0)]) for tp in range(tp_size)]
+        for name in shards[0]:
+            whole = _merge_tp(name, [s[name] for s in shards], args)
+            merged[_global_name(name, pp * per_stage)] = whole
+    return args, merged
+
+
+def _model_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """The `model` tensors of one rank file (Transformer Engine's `_extra_state` left out)."""
+    state = safe_torch_load(file)
+    model = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model, dict):
+        vpp = isinstance(state, dict) and "model0" in state
+        why = "virtual-pipeline chunks (model0, ...) are not converted" if vpp else "no 'model'"
+        raise CheckpointError(f"{file}: {why}")
+    return {
+        k: v
+        for k, v in model.items()
+        if isinstance(v, torch.Tensor) and not k.endswith(_SKIPPED)
+    }
+
+
+def _global_name(name: str, offset: int) -> str:
+    match = _LAYER.match(name)
+    return f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else name
+
+
+def _merge_tp(name: str, parts: list[torch.Tensor], args: Mapping[str, Any]) -> torch.Tensor:
+    if len(parts) == 1:
+        return parts[0]
+    suffix = _LAYER.match(name).group(2) if _LAYER.match(name) else name
+    dim = _TP_DIM.get(suffix)
+    if dim is None:
+        return parts[0]
+    if suffix == "mlp.linear_fc1.weight" and args.get("swiglu"):
+        # each rank holds [gate_r; up_r]: the whole is [gate_0..gate_n; up_0..up_n]
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=dim)
+
+
+def _read_torch_dist(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    args = _args_of(safe_torch_load(folder / COMMON_FILE), folder / COMMON_FILE)
+    metadata = read_safe_metadata(folder)
+    shapes = {}
+    for name, meta in metadata.state_dict_metadata.items():
+        size = getattr(meta, "size", None)
+        wanted = name in _TOP_NAMES or name.startswith("decoder.layers.")
+        if size is not None and wanted and not name.endswith(_SKIPPED):
+            shapes[name] = (meta.properties.dtype, tuple(size))
+    if not shapes:
+        raise CheckpointError(f"{folder}: its .metadata holds no model tensors (decoder.layers.*)")
+    stacked: dict[str, torch.Tensor] = {}
+    load_streaming(folder, shapes, stacked.__setitem__)
+    merged = {}
+    num_layers = _arg(args, "num_layers", folder / COMMON_FILE)
+    for name, tensor in stacked.items():
+        rest = name.removeprefix("decoder.layers.")
+        if name in _TOP_NAMES or _LAYER.match(name):
+            merged[name] = tensor
+        elif tensor.shape[0] == num_layers:  # homogeneous layers: (num_layers, ...)
+            for i in range(num_layers):
+                merged[f"decoder.layers.{i}.{rest}"] = tensor[i]
+        else:
+            raise CheckpointError(
+                f"{folder}: {name} has shape {tuple(tensor.shape)}, not {num_layers} stacked layers"
+            )
+    return args, merged
+
+
+# -- Megatron names -> Hugging Face ------------------------------------------------------------
+
+
+def to_hf_tensors(
+    state: Mapping[str, torch.Tensor], config: Mapping[str, Any], source: Path
+) -> dict[str, torch.Tensor]:
+    """Megatron's whole tensors under Hugging Face names: the fused q/k/v un-interleaved
+    (per query group [q heads | k | v]), the fused fc1 split into gate and up.
+
+    Raises:
+        CheckpointError: a tensor Megatron saved that has no Hugging Face name (named).
+    """
+    heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["head_dim"]
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name in _TOP_NAMES:
+            out[_TOP_NAMES[name]] = tensor
+            continue
+        match = _LAYER.match(name)
+        rest = match.group(2) if match else None
+        prefix = f"model.layers.{match.group(1)}." if match else ""
+        if rest in _LAYER_NAMES:
+            out[prefix + _LAYER_NAMES[rest]] = tensor
+        elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            kind = rest.rsplit(".", 1)[1]
+            q, k, v = split_qkv(tensor, heads, groups, head_dim)
+            for part, t in (("q", q), ("k", k), ("v", v)):
+                out[f"{prefix}self_attn.{part}_proj.{kind}"] = t
+        elif rest == "mlp.linear_fc1.weight":
+            gate, up = tensor.chunk(2, dim=0)
+            out[prefix + "mlp.gate_proj.weight"] = gate
+            out[prefix + "mlp.up_proj.weight"] = up
+        else:
+            raise CheckpointError(
+                f"{source}: tensor {name} has no Hugging Face equivalent in a dense model"
+            )
+    if config["tie_word_embeddings"]:
+        out.pop("lm_head.weight", None)
+    return {n: t.contiguous() for n, t in out.items()}
+
+
+def split_qkv(
+    qkv: torch.Tensor, heads: int, groups: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron's fused q/k/v (rows per query group: its heads/groups q heads, one k, one v)
+    -> q, k, v in Hugging Face's head order."""
+    per_group = heads // groups
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, per_group + 2, head_dim, *rest)
+    q = grouped[:, :per_group].reshape(heads * head_dim, *rest)
+    k = grouped[:, per_group].reshape(groups * head_dim, *rest)
+    v = grouped[:, per_group + 1].reshape(groups * head_dim, *rest)
+    return q, k, v
+
+
+def write_config(folder: Path, config: Mapping[str, Any]) -> None:
+    (folder / "config.json").write_text(json.dumps(dict(config), indent=2) + "\n")

@@ -1,0 +1,398 @@
+"""`mindspeed convert --from megatron`: a Megatron-Core GPTModel (local spec, CPU, gloo)
+saved under tp/pp in the legacy per-rank format and with dist_checkpointing (torch_dist)
+converts to a Hugging Face folder whose transformers logits are Megatron-Core's own, and
+to a MindSpeed checkpoint that loads; a hostile pickle is refused without writing. And back:
+`--to megatron` writes per-rank files Megatron-Core's GPTModel loads strictly, with
+transformers' logits, and HF -> Megatron -> HF is bit-identical.
+
+Megatron-Core 0.16 runs on CPU with three concessions, all inside the spawned ranks:
+its inference RNG tracker (`initialize_rng_tracker(inference_rng_tracker=True)`, whose
+fork is a no-op), an explicit causal mask (its default one is made on "cuda"), and
+`torch.cuda.current_device` / `torch.cuda.synchronize` mocked while it runs (its RoPE
+moves `inv_freq` to the current CUDA device; its DCP save synchronises CUDA).
+"""
+
+import argparse
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import transformers
+
+from mindspeed_core.cli import run as cli
+from mindspeed_core.testing import run_distributed
+from mindspeed_core.testing.hostile import plant_hostile_torch_file
+from mindspeed_llm.loading import load_model
+from mindspeed_tools.megatron import split_qkv
+
+pytest.importorskip("megatron.core")
+
+VOCAB, HIDDEN, HEADS, GROUPS, FFN, LAYERS, SEQ = 128, 64, 4, 2, 96, 4, 16
+ITERATION = 10
+ATOL = 1e-4
+
+
+def _megatron_args(tp: int, pp: int) -> argparse.Namespace:
+    """The args Megatron-LM's training saves, under its argument names (the fields the
+    converter reads, and a few it ignores)."""
+    return argparse.Namespace(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=HEADS,
+        group_query_attention=True,
+        num_query_groups=GROUPS,
+        kv_channels=HIDDEN // HEADS,
+        max_position_embeddings=64,
+        seq_length=SEQ,
+        padded_vocab_size=VOCAB,
+        make_vocab_size_divisible_by=128,
+        normalization="RMSNorm",
+        norm_epsilon=1e-5,
+        swiglu=True,
+        position_embedding_type="rope",
+        rotary_base=10000,
+        rotary_percent=1.0,
+        untie_embeddings_and_output_weights=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=1,
+        params_dtype=torch.float32,
+        bf16=False,
+        fp16=False,
+        ckpt_format="torch",
+    )
+
+
+def _build_save_forward(out: str, tp: int, pp: int, torch_dist: bool, load: str | None = None):
+    """One rank: build the model (or load its rank file from the legacy checkpoint `load`,
+    strictly), run it on fixed tokens, save it; the last stage returns the logits
+    (gathered over tp), the others None."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    initialize_rng_tracker(inference_rng_tracker=True)
+    torch.manual_seed(1234)
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        init_method_std=0.05,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=VOCAB,
+        max_sequence_length=64,
+        pre_process=first,
+        post_process=last,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=10000,
+    ).eval()
+    # Megatron-Core's init gives every tp rank the same norm weights; make them differ
+    # from 1 so a wrong mapping of norms shows in the logits
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=_gen(name)))
+    if load is not None:
+        rank = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+        rank += f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else ""
+        file = Path(load) / "iter_0000001" / rank / "model_optim_rng.pt"
+        model.load_state_dict(torch.load(file, weights_only=True)["model"], strict=True)
+    tokens = _tokens()
+    positions = torch.arange(SEQ).expand(2, SEQ)
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    logits = None
+    cuda_on_cpu = (
+        mock.patch("torch.cuda.current_device", return_value="cpu"),
+        mock.patch("torch.cuda.synchronize"),
+    )
+    with torch.no_grad(), cuda_on_cpu[0], cuda_on_cpu[1]:
+        if not first:
+            hidden = torch.empty(SEQ, 2, HIDDEN)
+            dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        result = model(tokens, positions, causal)
+        if not last:
+            dist.send(result.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+        else:
+            parts = [torch.empty_like(result) for _ in range(tp)]
+            group = ps.get_tensor_model_parallel_group()
+            dist.all_gather(parts, result.contiguous(), group=group)
+            logits = torch.cat(parts, dim=-1)
+        if load is None:
+            _save(model, Path(out), tp, pp, torch_dist)
+    return logits
+
+
+def _gen(name: str) -> torch.Generator:
+    return torch.Generator().manual_seed(sum(map(ord, name)))
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _save(model, out: Path, tp: int, pp: int, torch_dist: bool) -> None:
+    """Megatron-LM's two save layouts (megatron/training/checkpointing.py, core_r0.16:
+    `get_checkpoint_name` names `iter_{:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`
+    and `save_checkpoint` torch.saves {"args", "checkpoint_version", "iteration", "model":
+    state_dict_for_save_checkpoint()} there; with --ckpt-format torch_dist it calls
+    `dist_checkpointing.save` on the same dict holding `model.sharded_state_dict()`)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    legacy, sharded = out / "legacy", out / "torch_dist"
+    args = _megatron_args(tp, pp)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    iteration = legacy / f"iter_{ITERATION:07d}" / rank_dir
+    iteration.mkdir(parents=True, exist_ok=True)
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+    model_state = model.state_dict_for_save_checkpoint()
+    torch.save({**state, "model": model_state}, iteration / "model_optim_rng.pt")
+    if torch_dist:
+        args.ckpt_format = "torch_dist"
+        folder = sharded / f"iter_{ITERATION:07d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({**state, "model": model.sharded_state_dict()}, str(folder))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for root in (legacy, sharded) if torch_dist else (legacy,):
+            (root / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
+
+
+def _megatron_run(tmp_path: Path, tp: int, pp: int, torch_dist: bool, load=None) -> torch.Tensor:
+    results = run_distributed(
+        _build_save_forward, tp * pp, str(tmp_path), tp, pp, torch_dist, load, timeout=300
+    )
+    logits = [r for r in results if r is not None]
+    torch.testing.assert_close(logits[0], logits[-1], atol=0, rtol=0)
+    return logits[0]
+
+
+def _hf_logits(folder: Path) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return model(_tokens()).logits
+
+
+def _cli(capsys, *args) -> tuple[int, str]:
+    code = cli(["convert", *map(str, args)])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_tp2_legacy_checkpoint_converts_to_hf_with_megatrons_logits(tmp_path, capsys):
+    want = _megatron_run(tmp_path, tp=2, pp=1, torch_dist=False)
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    legacy, hf = tmp_path / "legacy", tmp_path / "hf"
+    code, err = _cli(capsys, "--input", legacy, "--output", hf, "--to", "hf",
+                     "--tokenizer", tokenizer)
+    assert code == 0, err
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf"), want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_tp2_pp2_legacy_and_torch_dist_convert_to_hf_and_mindspeed(tmp_path, capsys):
+    want = _megatron_run(tmp_path, tp=2, pp=2, torch_dist=True)
+    for fmt in ("legacy", "torch_dist"):
+        hf = tmp_path / f"hf_{fmt}"
+        code, err = _cli(capsys, "--input", tmp_path / fmt, "--output", hf, "--to", "hf")
+        assert code == 0, err
+        assert "holds no tokenizer" in err and "--tokenizer" in err
+        torch.testing.assert_close(_hf_logits(hf), want, atol=ATOL, rtol=0)
+    ours = tmp_path / "ours"
+    source = tmp_path / "torch_dist"
+    code, err = _cli(
+        capsys, "--input", source, "--from", "megatron", "--output", ours, "--to", "mindspeed",
+        "--tp", "2",
+    )
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
+    model, _ = load_model(ours, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_tokens()), want, atol=ATOL, rtol=0)
+    # both formats hold the same tensors: the two HF folders are bit-identical
+    a, b = (
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{f}").state_dict()
+        for f in ("legacy", "torch_dist")
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_hostile_legacy_checkpoint_is_refused_and_nothing_is_written(tmp_path, capsys):
+    root = tmp_path / "megatron"
+    rank = root / "iter_0000001" / "mp_rank_00"
+    rank.mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("1\n")
+    marker = tmp_path / "pwned"
+    plant_hostile_torch_file(rank / "model_optim_rng.pt", marker)
+    for to in ("hf", "mindspeed"):
+        code, err = _cli(capsys, "--input", root, "--output", tmp_path / "out", "--to", to)
+        assert code == 2
+        assert err.startswith("error: ") and len(err.splitlines()) == 1
+        assert "model_optim_rng.pt" in err and "refused" in err
+        assert not marker.exists()
+        assert [p.name for p in tmp_path.iterdir()] == ["megatron"]
+
+
+def test_split_qkv_undoes_megatrons_per_group_interleave():
+    d, rows = HIDDEN // HEADS, HIDDEN
+    q, k, v = (torch.randn(n * d, rows) for n in (HEADS, GROUPS, GROUPS))
+    per = HEADS // GROUPS
+    fused = torch.cat(
+        [q.reshape(GROUPS, per * d, rows), k.reshape(GROUPS, d, rows), v.reshape(GROUPS, d, rows)],
+        dim=1,
+    ).reshape(-1, rows)  # MindSpeed-LLM's / Megatron's layout
+    for got, expected in zip(split_qkv(fused, HEADS, GROUPS, d), (q, k, v), strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.slow
+def test_training_checkpoints_enums_and_numpy_rng_load_inert(tmp_path):
+    """A training run's rank file also holds Megatron enums in its args and numpy's RNG
+    state; in a process that never imported megatron they unpickle into stand-ins."""
+    import subprocess
+    import sys
+
+    file = tmp_path / "model_optim_rng.pt"
+    script = f"""
+import argparse, pickle, random, sys, numpy as np, torch
+from megatron.core.transformer.enums import AttnBackend
+rng = {{"np_rng_state": np.random.get_state(), "random_rng_state": random.getstate()}}
+args = argparse.Namespace(attention_backend=AttnBackend.auto, num_layers=2)
+torch.save({{"args": args, "rng_state": [rng], "model": {{"w": torch.ones(2)}}}}, {str(file)!r})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+    check = f"""
+import sys
+from mindspeed_tools.megatron import safe_torch_load
+state = safe_torch_load(__import__("pathlib").Path({str(file)!r}))
+assert not any(m.startswith("megatron") for m in sys.modules), "megatron was imported"
+assert state["args"].num_layers == 2
+assert type(state["args"].attention_backend).__name__ == "AttnBackend"
+assert state["model"]["w"].tolist() == [1.0, 1.0]
+"""
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_hf_to_megatron_tp2_pp2_round_trips_and_megatron_core_loads_it(tmp_path, capsys):
+    """HF -> Megatron legacy (tp=2, pp=2) -> HF is bit-identical, and Megatron-Core's GPTModel
+    loads every rank file strictly and gives transformers' logits."""
+    from safetensors.torch import load_file
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=64,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    source = tmp_path / "hf"
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=_gen(name)))
+    model.save_pretrained(source)
+    want = _hf_logits(source)
+    mega, back = tmp_path / "megatron", tmp_path / "back"
+    code, err = _cli(capsys, "--input", source, "--output", mega, "--to", "megatron",
+                     "--tp", 2, "--pp", 2)
+    assert code == 0, err
+    assert (mega / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+    code, err = _cli(capsys, "--input", mega, "--output", back, "--to", "hf")
+    assert code == 0, err
+    a, b = load_file(source / "model.safetensors"), load_file(back / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    got = _megatron_run(tmp_path / "unused", tp=2, pp=2, torch_dist=False, load=str(mega))
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_qwen2_with_tied_embeddings_round_trips_through_megatron(tmp_path, capsys, pp):
+    """q/k/v biases fused like the weights, a tied output kept on the last stage only when
+    it is not the first: HF -> Megatron (tp=2) -> HF is bit-identical."""
+    from safetensors.torch import load_file
+
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    source, mega, back = tmp_path / "hf", tmp_path / "megatron", tmp_path / "back"
+    transformers.Qwen2ForCausalLM(config).save_pretrained(source)
+    code, err = _cli(capsys, "--input", source, "--output", mega, "--to", "megatron",
+                     "--tp", 2, "--pp", pp)
+    assert code == 0, err
+    code, err = _cli(capsys, "--input", mega, "--output", back, "--to", "hf")
+    assert code == 0, err
+    a, b = load_file(source / "model.safetensors"), load_file(back / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "self_attn.q_proj.bias" in " ".join(a)
+
+
+def _rank_file(root: Path, rank_dir: str, args: argparse.Namespace, iteration: int = 1) -> None:
+    folder = root / f"iter_{iteration:07d}" / rank_dir
+    folder.mkdir(parents=True)
+    torch.save({"args": args, "iteration": iteration, "model": {}}, folder / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text(f"{iteration}\n")
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("moe", "args.num_experts=8: MoE Megatron checkpoints are not converted yet"),
+        ("missing_rank", "mp_rank_01/model_optim_rng.pt is missing (tp=2, pp=1)"),
+        ("missing_iteration", "names iteration 7, but"),
+        ("layernorm", "args.normalization='LayerNorm': only RMSNorm models are converted"),
+    ],
+)
+def test_bad_megatron_checkpoints_are_one_line(tmp_path, capsys, case, expected):
+    root = tmp_path / "megatron"
+    args = _megatron_args(tp=2 if case == "missing_rank" else 1, pp=1)
+    if case == "moe":
+        args.num_experts = 8
+    if case == "layernorm":
+        args.normalization = "LayerNorm"
+    _rank_file(root, "mp_rank_00", args)
+    if case == "missing_iteration":
+        (root / "latest_checkpointed_iteration.txt").write_text("7\n")
+    code, err = _cli(capsys, "--input", root, "--output", tmp_path / "out", "--to", "hf")
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "out").exists()
