@@ -110,7 +110,7 @@ def layout_of(cfg, devices: int) -> tuple[Layout, Job]:
                     sequence_parallel=p.sequence_parallel and p.tp > 1,
                     loss_parallel=p.loss_parallel and p.tp > 1, ac=t.ac, micro_batch=t.micro_batch,
                     activation_offload=p.activation_offload, optimizer_offload=p.cpu_offload)  # fmt: skip
-    device = "cpu" if t.device == "cpu" else "cuda"
+    device = t.device if t.device in ("cpu", "cuda", "npu") else "cuda"  # auto: an accelerator
     return layout, Job(seq_len=cfg.data.seq_len, global_batch=t.global_batch, precision=t.precision,
                        device=device)  # fmt: skip
 
