@@ -83,6 +83,18 @@ def test_preflight_refuses_a_layout_that_cannot_divide_the_model(tmp_path, capsy
     assert all("skip" in lines[n] for n in ("memory", "losses equal", "resumes in another layout"))
 
 
+def test_preflight_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    assert cli(["preflight", str(tmp_path / "nowhere" / "run.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nowhere' / 'run.yaml'}: no such config file"
+    assert cli(["preflight", "no-such-recipe"]) == 2
+    assert "no recipe named 'no-such-recipe'" in capsys.readouterr().err
+    plain = tmp_path / "plain.yaml"  # a config without a recipe header: devices must be said
+    plain.write_text("parallel:\n  tp: 2\n")
+    assert cli(["preflight", str(plain)]) == 2
+    assert "say --devices and --memory-gb" in capsys.readouterr().err
+    assert not list(tmp_path.glob("mindspeed-preflight-*"))
+
+
 def test_preflight_fails_a_memory_estimate_over_the_device(monkeypatch, capsys):
     monkeypatch.setattr(preflight, "rehearse", lambda *a, **k: [])  # the memory check alone
     status, lines = _run(capsys, "qwen3-8b-pretrain", "--memory-gb", "16")

@@ -20,7 +20,11 @@ import torch
 from mindspeed_core.errors import ConfigError
 from mindspeed_llm.models import hf_io
 from mindspeed_llm.models.config import TransformerConfig
-from mindspeed_tools.megatron import LATEST_FILE, LEGACY_FILE
+from mindspeed_tools.megatron import (
+    _TP_DIM,  # split dims of Megatron's tensors over tp
+    LATEST_FILE,
+    LEGACY_FILE,
+)
 
 ITERATION = 1
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -31,15 +35,6 @@ _LAYER_NAMES = {  # Hugging Face (within a layer) -> Megatron-Core local spec
     "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
     "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
     "mlp.down_proj.weight": "mlp.linear_fc2.weight",
-}
-# tensor-parallel split dim of each Megatron tensor (absent: every rank holds it whole)
-_TP_DIM = {
-    "embedding.word_embeddings.weight": 0,
-    "output_layer.weight": 0,
-    "self_attention.linear_qkv.weight": 0,
-    "self_attention.linear_qkv.bias": 0,
-    "self_attention.linear_proj.weight": 1,
-    "mlp.linear_fc2.weight": 1,
 }
 
 

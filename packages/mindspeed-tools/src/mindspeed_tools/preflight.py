@@ -44,6 +44,7 @@ from mindspeed_core.cli import ArgumentParser, Command, discover_commands
 from mindspeed_core.config import dump_yaml, load_config
 from mindspeed_core.errors import ConfigError, MindSpeedError
 from mindspeed_core.planning import Job, Layout
+from mindspeed_core.training import read_metrics
 
 HELP = "rehearse a config's layout on a shrunken model in CPU processes (checks, exit 0 if all hold)"
 COMMANDS = ("pretrain", "sft")
@@ -229,12 +230,7 @@ def _first_error(log: Path) -> str:
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
     """The last record of each step (a resumed run logs its steps again)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if "loss" in record and "step" in record:
-            out[record["step"]] = record
-    return out
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
 def _compare(a: dict[int, dict], b: dict[int, dict], key: str, steps) -> tuple[bool, str]:
