@@ -9,7 +9,10 @@ Megatron-Core 0.16 runs on CPU with three concessions, all inside the spawned ra
 its inference RNG tracker (`initialize_rng_tracker(inference_rng_tracker=True)`, whose
 fork is a no-op), an explicit causal mask (its default one is made on "cuda"), and
 `torch.cuda.current_device` / `torch.cuda.synchronize` mocked while it runs (its RoPE
-moves `inv_freq` to the current CUDA device; its DCP save synchronises CUDA).
+moves `inv_freq` to the current CUDA device; its DCP save synchronises CUDA). Its MoE
+layer needs two more: the allgather token dispatcher (the alltoall one makes a CUDA
+stream) and `moe_utils.te_general_gemm` defined as None (0.16 reads the name without
+Transformer Engine installed).
 """
 
 import argparse
@@ -33,7 +36,7 @@ ITERATION = 10
 ATOL = 1e-4
 
 
-def _megatron_args(tp: int, pp: int) -> argparse.Namespace:
+def _megatron_args(tp: int, pp: int, ep: int = 1, moe: str | None = None) -> argparse.Namespace:
     """The args Megatron-LM's training saves, under its argument names (the fields the
     converter reads, and a few it ignores)."""
     return argparse.Namespace(
@@ -59,69 +62,51 @@ def _megatron_args(tp: int, pp: int) -> argparse.Namespace:
         add_qkv_bias=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=1,
+        expert_model_parallel_size=ep,
         params_dtype=torch.float32,
         bf16=False,
         fp16=False,
         ckpt_format="torch",
+        **(_moe_args(moe) if moe else {}),
     )
 
 
-def _build_save_forward(out: str, tp: int, pp: int, torch_dist: bool, load: str | None = None):
+# MoE: 4 experts of width 32, top-2, every layer; Qwen3-MoE has qk-norm, Mixtral not
+EXPERTS, TOPK, EXPERT_FFN = 4, 2, 32
+
+
+def _moe_args(moe: str) -> dict:
+    return {
+        "num_experts": EXPERTS, "moe_router_topk": TOPK, "moe_ffn_hidden_size": EXPERT_FFN,
+        "moe_router_load_balancing_type": "none", "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": "allgather", "qk_layernorm": moe == "qwen3_moe",
+        "moe_router_pre_softmax": False, "moe_layer_freq": 1,
+    }
+
+
+def _build_save_forward(
+    out: str, tp: int, pp: int, torch_dist: bool, load: str | None = None,
+    ep: int = 1, moe: str | None = None,
+):
     """One rank: build the model (or load its rank file from the legacy checkpoint `load`,
     strictly), run it on fixed tokens, save it; the last stage returns the logits
-    (gathered over tp), the others None."""
+    (gathered over tp), the others None. `moe` ("mixtral" / "qwen3_moe") makes every
+    layer's MLP `EXPERTS` experts spread over `ep` expert-parallel ranks."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
-    from megatron.core.transformer import TransformerConfig
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
     initialize_rng_tracker(inference_rng_tracker=True)
     torch.manual_seed(1234)
-    config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        num_query_groups=GROUPS,
-        ffn_hidden_size=FFN,
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-5,
-        add_bias_linear=False,
-        use_cpu_initialization=True,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-        init_method_std=0.05,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-    )
+    config = _megatron_config(tp, pp, ep, moe)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=VOCAB,
-        max_sequence_length=64,
-        pre_process=first,
-        post_process=last,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_base=10000,
-    ).eval()
-    # Megatron-Core's init gives every tp rank the same norm weights; make them differ
-    # from 1 so a wrong mapping of norms shows in the logits
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "layernorm" in name:
-                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=_gen(name)))
+    model = _gpt(config, moe, first, last)
+    _perturb(model, ep)
     if load is not None:
         rank = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
         rank += f"_{ps.get_pipeline_model_parallel_rank():03d}" if pp > 1 else ""
@@ -134,8 +119,9 @@ def _build_save_forward(out: str, tp: int, pp: int, torch_dist: bool, load: str 
     cuda_on_cpu = (
         mock.patch("torch.cuda.current_device", return_value="cpu"),
         mock.patch("torch.cuda.synchronize"),
+        mock.patch.object(moe_utils, "te_general_gemm", None, create=True),
     )
-    with torch.no_grad(), cuda_on_cpu[0], cuda_on_cpu[1]:
+    with torch.no_grad(), cuda_on_cpu[0], cuda_on_cpu[1], cuda_on_cpu[2]:
         if not first:
             hidden = torch.empty(SEQ, 2, HIDDEN)
             dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
@@ -149,8 +135,147 @@ def _build_save_forward(out: str, tp: int, pp: int, torch_dist: bool, load: str 
             dist.all_gather(parts, result.contiguous(), group=group)
             logits = torch.cat(parts, dim=-1)
         if load is None:
-            _save(model, Path(out), tp, pp, torch_dist)
+            _save(model, Path(out), tp, pp, torch_dist, ep, moe)
     return logits
+
+
+def _build_save_forward_vpp(out: str):
+    """One rank of pp=2 with two virtual-pipeline chunks of one layer each: layers 0 and 2
+    on stage 0, 1 and 3 on stage 1, run in Megatron's chunk order (chunk 0 on stage 0,
+    then 1, then chunk 1 on each); saved as Megatron-LM saves several chunks (`model0`,
+    `model1` in each legacy rank file; both under torch_dist). The last stage returns
+    the logits."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    pp, chunks = 2, 2
+    ps.initialize_model_parallel(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=chunks
+    )
+    initialize_rng_tracker(inference_rng_tracker=True)
+    torch.manual_seed(1234)
+    config = _megatron_config(1, pp, vpp=chunks)
+    models = []
+    for chunk in range(chunks):
+        first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=chunk)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=chunk)
+        models.append(_gpt(config, None, first, last, vp_stage=chunk))
+        _perturb(models[-1], salt=f"chunk{chunk}")
+    tokens, positions = _tokens(), torch.arange(SEQ).expand(2, SEQ)
+    causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
+    stage, logits = ps.get_pipeline_model_parallel_rank(), None
+    with torch.no_grad(), mock.patch("torch.cuda.current_device", return_value="cpu"), \
+            mock.patch("torch.cuda.synchronize"):
+        for chunk, model in enumerate(models):
+            if (chunk, stage) != (0, 0):
+                hidden = torch.empty(SEQ, 2, HIDDEN)
+                dist.recv(hidden, (stage - 1) % pp)
+                model.set_input_tensor(hidden)
+            result = model(tokens, positions, causal)
+            if (chunk, stage) != (chunks - 1, pp - 1):
+                dist.send(result.contiguous(), (stage + 1) % pp)
+            else:
+                logits = result
+        args = _megatron_args(1, pp)
+        args.virtual_pipeline_model_parallel_size = chunks
+        args.num_layers_per_virtual_pipeline_stage = LAYERS // pp // chunks
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
+        rank_dir = Path(out) / "legacy" / f"iter_{ITERATION:07d}" / f"mp_rank_00_{stage:03d}"
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        saved = {f"model{c}": m.state_dict_for_save_checkpoint() for c, m in enumerate(models)}
+        torch.save({**state, **saved}, rank_dir / "model_optim_rng.pt")
+        args.ckpt_format = "torch_dist"
+        folder = Path(out) / "torch_dist" / f"iter_{ITERATION:07d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        sharded = {f"model{c}": m.sharded_state_dict() for c, m in enumerate(models)}
+        dist_checkpointing.save({**state, **sharded}, str(folder))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for root in ("legacy", "torch_dist"):
+            (Path(out) / root / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
+    return logits
+
+
+def _megatron_config(tp: int, pp: int, ep: int = 1, moe: str | None = None, vpp=None):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        init_method_std=0.05,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        **(_moe_config(moe, ep) if moe else {}),
+    )
+
+
+def _gpt(config, moe: str | None, first: bool, last: bool, vp_stage: int | None = None):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", num_experts=EXPERTS if moe else None,
+            moe_grouped_gemm=False, qk_layernorm=moe == "qwen3_moe",
+        ),
+        vocab_size=VOCAB,
+        max_sequence_length=64,
+        pre_process=first,
+        post_process=last,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=10000,
+        vp_stage=vp_stage,
+    ).eval()
+
+
+def _perturb(model, ep: int = 1, salt: str = "") -> None:
+    """Megatron-Core's init gives every tp rank the same norm weights; make them differ
+    from 1 so a wrong mapping of norms shows in the logits. Each expert gets its own
+    weights wherever it lives (so a wrong expert index shows); the router is the same
+    on every rank."""
+    from megatron.core import parallel_state as ps
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.copy_(1 + 0.1 * torch.randn(param.shape, generator=_gen(name + salt)))
+            if "router" in name:
+                param.copy_(torch.randn(param.shape, generator=_gen(name)))
+            if "local_experts" in name:
+                local = int(name.split("local_experts.")[1].split(".")[0])
+                index = ps.get_expert_model_parallel_rank() * (EXPERTS // ep) + local
+                key = f"{name}{index}{ps.get_tensor_model_parallel_rank()}"
+                param.add_(0.05 * torch.randn(param.shape, generator=_gen(key)))
+
+
+def _moe_config(moe: str, ep: int) -> dict:
+    return {
+        "num_moe_experts": EXPERTS, "moe_router_topk": TOPK, "moe_ffn_hidden_size": EXPERT_FFN,
+        "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "none",
+        "expert_model_parallel_size": ep, "qk_layernorm": moe == "qwen3_moe",
+    }
 
 
 def _gen(name: str) -> torch.Generator:
@@ -161,9 +286,11 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def _save(model, out: Path, tp: int, pp: int, torch_dist: bool) -> None:
+def _save(
+    model, out: Path, tp: int, pp: int, torch_dist: bool, ep: int = 1, moe: str | None = None
+) -> None:
     """Megatron-LM's two save layouts (megatron/training/checkpointing.py, core_r0.16:
-    `get_checkpoint_name` names `iter_{:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt`
+    `get_checkpoint_name` names `iter_{:07d}/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt`
     and `save_checkpoint` torch.saves {"args", "checkpoint_version", "iteration", "model":
     state_dict_for_save_checkpoint()} there; with --ckpt-format torch_dist it calls
     `dist_checkpointing.save` on the same dict holding `model.sharded_state_dict()`)."""
@@ -172,9 +299,10 @@ def _save(model, out: Path, tp: int, pp: int, torch_dist: bool) -> None:
     from megatron.core import parallel_state as ps
 
     legacy, sharded = out / "legacy", out / "torch_dist"
-    args = _megatron_args(tp, pp)
+    args = _megatron_args(tp, pp, ep, moe)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     rank_dir = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "")
+    rank_dir += f"_{ps.get_expert_model_parallel_rank():03d}" if ep > 1 else ""
     iteration = legacy / f"iter_{ITERATION:07d}" / rank_dir
     iteration.mkdir(parents=True, exist_ok=True)
     state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION}
@@ -192,12 +320,18 @@ def _save(model, out: Path, tp: int, pp: int, torch_dist: bool) -> None:
             (root / "latest_checkpointed_iteration.txt").write_text(f"{ITERATION}\n")
 
 
-def _megatron_run(tmp_path: Path, tp: int, pp: int, torch_dist: bool, load=None) -> torch.Tensor:
+def _megatron_run(
+    tmp_path: Path, tp: int, pp: int, torch_dist: bool, load=None, ep: int = 1, moe=None
+) -> torch.Tensor:
+    """Megatron's logits (every data-parallel copy's the same); under ep the world is
+    tp x pp x ep (expert parallelism is carved from data parallelism)."""
     results = run_distributed(
-        _build_save_forward, tp * pp, str(tmp_path), tp, pp, torch_dist, load, timeout=300
+        _build_save_forward, tp * pp * ep, str(tmp_path), tp, pp, torch_dist, load, ep, moe,
+        timeout=300,
     )
     logits = [r for r in results if r is not None]
-    torch.testing.assert_close(logits[0], logits[-1], atol=0, rtol=0)
+    # the data-parallel copies sum their tokens' experts in rank order: ulp-level apart
+    torch.testing.assert_close(logits[0], logits[-1], atol=0 if ep == 1 else 1e-5, rtol=0)
     return logits[0]
 
 
@@ -223,6 +357,60 @@ def test_tp2_legacy_checkpoint_converts_to_hf_with_megatrons_logits(tmp_path, ca
     assert code == 0, err
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     torch.testing.assert_close(_hf_logits(tmp_path / "hf"), want, atol=ATOL, rtol=0)
+
+
+def test_qwen3_moe_at_ep2_converts_from_both_formats_with_megatrons_logits(tmp_path, capsys):
+    """Megatron-Core's MoE GPTModel (qk-norm, 4 experts top-2, two per expert rank) saved
+    at ep=2 in both formats -> a Qwen3-MoE folder with Megatron's logits; the experts of
+    rank 1 land at 2 and 3 (each expert's weights differ, so a wrong index shows)."""
+    want = _megatron_run(tmp_path, tp=1, pp=1, torch_dist=True, ep=2, moe="qwen3_moe")
+    assert sorted(p.name for p in (tmp_path / "legacy" / "iter_0000010").iterdir()) == [
+        "mp_rank_00_000", "mp_rank_00_001"
+    ]
+    for fmt in ("legacy", "torch_dist"):
+        hf = tmp_path / f"hf_{fmt}"
+        code, err = _cli(capsys, "--input", tmp_path / fmt, "--output", hf, "--to", "hf")
+        assert code == 0, err
+        config = transformers.AutoConfig.from_pretrained(hf)
+        assert (config.model_type, config.num_experts, config.norm_topk_prob) == (
+            "qwen3_moe", EXPERTS, True
+        )
+        torch.testing.assert_close(_hf_logits(hf), want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_mixtral_at_tp2_ep2_converts_to_hf_and_mindspeed_with_megatrons_logits(
+    tmp_path, capsys
+):
+    """No qk-norm: a Mixtral folder. Experts split over tp (gate/up halves per rank) and
+    spread over ep, from 4 legacy rank files `mp_rank_TT_EEE`; --to mindspeed at ep=2."""
+    want = _megatron_run(tmp_path, tp=2, pp=1, torch_dist=True, ep=2, moe="mixtral")
+    for fmt in ("legacy", "torch_dist"):
+        hf = tmp_path / f"hf_{fmt}"
+        code, err = _cli(capsys, "--input", tmp_path / fmt, "--output", hf, "--to", "hf")
+        assert code == 0, err
+        assert transformers.AutoConfig.from_pretrained(hf).model_type == "mixtral"
+        torch.testing.assert_close(_hf_logits(hf), want, atol=ATOL, rtol=0)
+    ours = tmp_path / "ours"
+    code, err = _cli(capsys, "--input", tmp_path / "legacy", "--output", ours,
+                     "--to", "mindspeed", "--ep", 2)
+    assert code == 0, err
+    model, _ = load_model(ours, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(_tokens()), want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.slow
+def test_virtual_pipeline_chunks_convert_with_megatrons_logits(tmp_path, capsys):
+    """pp=2 with two virtual-pipeline chunks per stage (layers 0, 2 on stage 0; 1, 3 on
+    stage 1): both formats -> HF with Megatron's logits (a wrong layer order shows)."""
+    logits = run_distributed(_build_save_forward_vpp, 2, str(tmp_path), timeout=300)
+    want = next(r for r in logits if r is not None)
+    for fmt in ("legacy", "torch_dist"):
+        hf = tmp_path / f"hf_{fmt}"
+        code, err = _cli(capsys, "--input", tmp_path / fmt, "--output", hf, "--to", "hf")
+        assert code == 0, err
+        torch.testing.assert_close(_hf_logits(hf), want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow
@@ -377,7 +565,8 @@ def _rank_file(root: Path, rank_dir: str, args: argparse.Namespace, iteration: i
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("moe", "args.num_experts=8: MoE Megatron checkpoints are not converted yet"),
+        ("shared_experts", "args.moe_shared_expert_intermediate_size=64: shared experts are"),
+        ("missing_expert_rank", "mp_rank_00_001/model_optim_rng.pt is missing (tp=1, pp=1, ep=2)"),
         ("missing_rank", "mp_rank_01/model_optim_rng.pt is missing (tp=2, pp=1)"),
         ("missing_iteration", "names iteration 7, but"),
         ("layernorm", "args.normalization='LayerNorm': only RMSNorm models are converted"),
@@ -385,12 +574,16 @@ def _rank_file(root: Path, rank_dir: str, args: argparse.Namespace, iteration: i
 )
 def test_bad_megatron_checkpoints_are_one_line(tmp_path, capsys, case, expected):
     root = tmp_path / "megatron"
-    args = _megatron_args(tp=2 if case == "missing_rank" else 1, pp=1)
-    if case == "moe":
-        args.num_experts = 8
+    moe = case in ("shared_experts", "missing_expert_rank")
+    args = _megatron_args(
+        tp=2 if case == "missing_rank" else 1, pp=1,
+        ep=2 if case == "missing_expert_rank" else 1, moe="mixtral" if moe else None,
+    )
+    if case == "shared_experts":
+        args.moe_shared_expert_intermediate_size = 64
     if case == "layernorm":
         args.normalization = "LayerNorm"
-    _rank_file(root, "mp_rank_00", args)
+    _rank_file(root, "mp_rank_00_000" if case == "missing_expert_rank" else "mp_rank_00", args)
     if case == "missing_iteration":
         (root / "latest_checkpointed_iteration.txt").write_text("7\n")
     code, err = _cli(capsys, "--input", root, "--output", tmp_path / "out", "--to", "hf")

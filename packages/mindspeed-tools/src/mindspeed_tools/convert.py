@@ -285,8 +285,9 @@ def megatron_to_hf(
     """Convert a Megatron-LM/Megatron-Core save folder (legacy per-rank files or
     torch_dist) into a Hugging Face folder; see `mindspeed_tools.megatron`.
 
-    The tensors are merged over tp/pp in memory (the whole model once), renamed and
-    un-fused to Hugging Face's Llama/Qwen layout, written, and the folder is checked with
+    The tensors are merged over tp/pp/ep and virtual-pipeline chunks in memory (the whole
+    model once), renamed and un-fused to Hugging Face's Llama/Qwen/Mixtral/Qwen3-MoE
+    layout, written, and the folder is checked with
     the same reader `--to mindspeed` uses. Megatron saves no tokenizer: `tokenizer` (a
     folder or tokenizer file) is copied in; without it the folder has none (logged).
 

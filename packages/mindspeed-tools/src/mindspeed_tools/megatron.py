@@ -18,8 +18,13 @@ pickle naming anything else (os.system, builtins.eval, ...) is refused before it
 The model's shape comes from the saved args (Megatron-LM's argument names); the tensors
 are merged over tp/pp and renamed to the Hugging Face Llama/Qwen layout, which the
 existing `mindspeed convert` paths then write (see `convert.megatron_to_hf`).
-Dense Llama/Mistral/Qwen2/Qwen3-style models (RMSNorm, SwiGLU, RoPE) are converted;
-MoE and virtual-pipeline checkpoints are refused by name.
+Dense Llama/Mistral/Qwen2/Qwen3-style models (RMSNorm, SwiGLU, RoPE) are converted, and
+their MoE kin with softmax top-k routing and no shared expert: Mixtral (no qk-norm) and
+Qwen3-MoE (qk-norm), the experts merged over expert-parallel ranks (legacy files
+`mp_rank_TT[_PPP]_EEE`; torch_dist stacks them along an expert axis). Virtual-pipeline
+chunks (`model0`, `model1`, ... in a legacy rank file) are renumbered to global layers.
+What is not converted (shared experts, sigmoid or group-limited routing, uneven stages)
+is refused by the arg that asks for it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ LEGACY_FILE = "model_optim_rng.pt"
 COMMON_FILE = "common.pt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# one expert's fc in each of Megatron's spellings -> `mlp.experts.E.linear_fcN.weight`:
+# SequentialMLP (local spec) and TEGroupedMLP (Transformer Engine) in a legacy rank file
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+_TE_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12]\.weight)(\d+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(linear_fc[12]\.weight)$")
+_STACKED_EXPERTS = "mlp.experts.experts."  # torch_dist: (layers, experts, ...)
 _SKIPPED = ("._extra_state",)
 _NAMESPACE = "argparse.Namespace"
 _STDLIB_DATA = {"types.SimpleNamespace", "pathlib.PosixPath", "io.BytesIO", "signal.Signals"}
@@ -181,13 +192,14 @@ def hf_config(args: Mapping[str, Any], file: Path) -> dict[str, Any]:
         if not ok(args.get(name)):
             raise refuse(name, why)
     for name, why in (
-        ("num_experts", "MoE Megatron checkpoints are not converted yet"),
         ("add_bias_linear", "linear-layer biases have no Hugging Face Llama/Qwen equivalent"),
         ("rotary_interleaved", "interleaved RoPE is not converted"),
         ("use_rope_scaling", "Llama-3.1 RoPE scaling is not converted yet"),
-        ("num_layers_per_virtual_pipeline_stage", "virtual-pipeline checkpoints are not converted"),
         ("decoder_first_pipeline_num_layers", "uneven pipeline stages are not converted"),
         ("decoder_last_pipeline_num_layers", "uneven pipeline stages are not converted"),
+        ("account_for_embedding_in_pipeline_split", "uneven pipeline stages are not converted"),
+        ("account_for_loss_in_pipeline_split", "uneven pipeline stages are not converted"),
+        ("pipeline_model_parallel_layout", "uneven pipeline stages are not converted"),
     ):
         if args.get(name):
             raise refuse(name, why)
@@ -198,7 +210,12 @@ def hf_config(args: Mapping[str, Any], file: Path) -> dict[str, Any]:
     groups = _arg(args, "num_query_groups", file) if args.get("group_query_attention") else heads
     qkv_bias, qk_norm = bool(args.get("add_qkv_bias")), bool(args.get("qk_layernorm"))
     model_type = "qwen3" if qk_norm else "qwen2" if qkv_bias else "llama"
-    architecture = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    experts = _moe_config(args, file, qk_norm, qkv_bias, refuse) if args.get("num_experts") else {}
+    model_type = experts.pop("model_type", model_type)
+    architecture = {
+        "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3",
+        "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe",
+    }[model_type]
     config = {
         "architectures": [architecture + "ForCausalLM"],
         "model_type": model_type,
@@ -214,12 +231,58 @@ def hf_config(args: Mapping[str, Any], file: Path) -> dict[str, Any]:
         "rope_theta": float(_arg(args, "rotary_base", file, 10000)),
         "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
         "hidden_act": "silu",
+        **experts,
     }
     if model_type == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     dtype = "bfloat16" if args.get("bf16") else "float16" if args.get("fp16") else "float32"
     config["torch_dtype"] = dtype
     return config
+
+
+def _moe_config(
+    args: Mapping[str, Any], file: Path, qk_norm: bool, qkv_bias: bool, refuse: Any
+) -> dict[str, Any]:
+    """The experts' part of the Hugging Face config: Qwen3-MoE when the attention has
+    qk-norm, Mixtral otherwise. Megatron's default routing (top-k of the router's logits,
+    softmax over those k) is Mixtral's and Qwen3-MoE's `norm_topk_prob`; with
+    `moe_router_pre_softmax` (softmax over all experts, then top-k) it is Qwen3-MoE's
+    un-normalised routing."""
+    for name, why in (
+        ("moe_shared_expert_intermediate_size", "shared experts are not converted yet"),
+        ("moe_router_enable_expert_bias", "aux-loss-free expert bias is not converted yet"),
+        ("moe_router_num_groups", "group-limited routing is not converted yet"),
+        ("moe_router_topk_scaling_factor", "scaled routing weights are not converted yet"),
+    ):
+        if args.get(name):
+            raise refuse(name, why)
+    if args.get("moe_router_score_function", "softmax") != "softmax":
+        raise refuse("moe_router_score_function", "only softmax routing is converted")
+    freq = args.get("moe_layer_freq", 1)
+    if not (freq == 1 or (isinstance(freq, list) and set(freq) == {1})):
+        raise refuse("moe_layer_freq", "only models whose every layer is MoE are converted")
+    if qkv_bias:
+        raise refuse("add_qkv_bias", "MoE with q/k/v biases (Qwen2-MoE) is not converted yet")
+    num = _arg(args, "num_experts", file)
+    topk = _arg(args, "moe_router_topk", file, 2)
+    width = _arg(args, "moe_ffn_hidden_size", file, None) or _arg(args, "ffn_hidden_size", file)
+    pre_softmax = bool(args.get("moe_router_pre_softmax"))
+    if qk_norm:
+        return {
+            "model_type": "qwen3_moe", "num_experts": num, "num_experts_per_tok": topk,
+            "moe_intermediate_size": width, "norm_topk_prob": not pre_softmax,
+            "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "router_aux_loss_coef": float(args.get("moe_aux_loss_coeff") or 0.0),
+        }
+    if pre_softmax:
+        raise refuse(
+            "moe_router_pre_softmax", "Mixtral renormalises its top-k (qk-norm models only)"
+        )
+    return {
+        "model_type": "mixtral", "num_local_experts": num, "num_experts_per_tok": topk,
+        "intermediate_size": width, "sliding_window": None,
+        "router_aux_loss_coef": float(args.get("moe_aux_loss_coeff") or 0.0),
+    }
 
 
 # -- tensors ---------------------------------------------------------------------------------
@@ -241,14 +304,14 @@ def _args_of(state: Any, file: Path) -> dict[str, Any]:
     return vars(args)
 
 
-def _rank_files(folder: Path) -> dict[tuple[int, int, int], Path]:
-    """(tp, pp, ep) rank -> its `model_optim_rng.pt`, from the `mp_rank_*` folder names."""
+def _rank_files(folder: Path) -> dict[tuple[int, ...], Path]:
+    """The `mp_rank_TT[_AAA][_BBB]` numbers -> that rank's `model_optim_rng.pt`. Which of
+    AAA/BBB is the pipeline and which the expert rank depends on the args (`_layout`)."""
     ranks = {}
     for sub in sorted(folder.iterdir()):
         match = _RANK_DIR.match(sub.name)
         if match and (sub / LEGACY_FILE).is_file():
-            tp, pp, ep = (int(g) if g else 0 for g in match.groups())
-            ranks[(tp, pp, ep)] = sub / LEGACY_FILE
+            ranks[tuple(int(g) for g in match.groups() if g is not None)] = sub / LEGACY_FILE
     if not ranks:
         raise CheckpointError(
             f"{folder} has neither {COMMON_FILE} (torch_dist) nor mp_rank_*/{LEGACY_FILE}"
@@ -256,57 +319,119 @@ def _rank_files(folder: Path) -> dict[tuple[int, int, int], Path]:
     return ranks
 
 
+def _layout(
+    folder: Path, ranks: dict[tuple[int, ...], Path], tp: int, pp: int, ep: int
+) -> dict[tuple[int, int, int], Path]:
+    """(tp, pp, ep) rank -> its file, as Megatron-LM's `get_checkpoint_name` names them:
+    `mp_rank_TT`, then `_PPP` when pp > 1, then `_EEE` when ep > 1.
+
+    Raises:
+        CheckpointError: a rank file is missing (named with the degrees the args give).
+    """
+    files = {}
+    for t in range(tp):
+        for p in range(pp):
+            for e in range(ep):
+                numbers = (t, *((p,) if pp > 1 else ()), *((e,) if ep > 1 else ()))
+                name = f"mp_rank_{t:02d}" + "".join(f"_{n:03d}" for n in numbers[1:])
+                if numbers not in ranks:
+                    raise CheckpointError(
+                        f"{folder}: {name}/{LEGACY_FILE} is missing (tp={tp}, pp={pp}"
+                        + (f", ep={ep})" if ep > 1 else ")")
+                    )
+                files[(t, p, e)] = ranks[numbers]
+    return files
+
+
 def _read_legacy(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    ranks = _rank_files(folder)
-    first = ranks[min(ranks)]
+    found = _rank_files(folder)
+    first = found[min(found)]
     args = _args_of(safe_torch_load(first), first)
     tp_size = _arg(args, "tensor_model_parallel_size", first, 1)
     pp_size = _arg(args, "pipeline_model_parallel_size", first, 1)
-    if _arg(args, "expert_model_parallel_size", first, 1) != 1:
+    ep_size = _arg(args, "expert_model_parallel_size", first, 1)
+    etp_size = _arg(args, "expert_tensor_parallel_size", first, tp_size)
+    if etp_size not in (1, tp_size):
         raise ConfigError(
-            f"{first}: args.expert_model_parallel_size > 1: MoE checkpoints are not converted yet"
+            f"{first}: args.expert_tensor_parallel_size={etp_size} with tp={tp_size}: only "
+            "experts split like the rest (etp = tp) or whole on every rank (etp = 1) are converted"
         )
-    for tp in range(tp_size):
-        for pp in range(pp_size):
-            if (tp, pp, 0) not in ranks:
-                name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pp_size > 1 else "")
-                raise CheckpointError(
-                    f"{folder}: {name}/{LEGACY_FILE} is missing (tp={tp_size}, pp={pp_size})"
-                )
-    per_stage = _arg(args, "num_layers", first) // pp_size
+    ranks = _layout(folder, found, tp_size, pp_size, ep_size)
+    num_layers = _arg(args, "num_layers", first)
+    chunks = _arg(args, "virtual_pipeline_model_parallel_size", first, 1)
+    if args.get("num_layers_per_virtual_pipeline_stage"):
+        chunks = num_layers // pp_size // args["num_layers_per_virtual_pipeline_stage"]
+    per_chunk = num_layers // pp_size // chunks
+    num_experts = args.get("num_experts") or 0
+    local_experts = num_experts // ep_size
     merged: dict[str, torch.Tensor] = {}
     for pp in range(pp_size):
-        shards = [_model_tensors(ranks[(tp, pp, 0)]) for tp in range(tp_size)]
-        for name in shards[0]:
-            whole = _merge_tp(name, [s[name] for s in shards], args)
-            merged[_global_name(name, pp * per_stage)] = whole
+        for ep in range(ep_size):
+            shards = [_model_chunks(ranks[(tp, pp, ep)], chunks) for tp in range(tp_size)]
+            for chunk in range(chunks):
+                offset = (chunk * pp_size + pp) * per_chunk  # Megatron's layer offset
+                parts = [s[chunk] for s in shards]
+                for name in parts[0]:
+                    glob = _global_name(name, offset, ep * local_experts)
+                    if ep > 0 and not _is_expert(glob):
+                        continue  # every expert rank holds the same dense tensors
+                    split = etp_size > 1 or not _is_expert(glob)
+                    tensors = [q[name] for q in parts] if split else [parts[0][name]]
+                    merged[glob] = _merge_tp(glob, tensors, args)
     return args, merged
 
 
-def _model_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """The `model` tensors of one rank file (Transformer Engine's `_extra_state` left out)."""
+def _model_chunks(file: Path, chunks: int) -> list[dict[str, torch.Tensor]]:
+    """The `model` tensors of one rank file (Transformer Engine's `_extra_state` left out),
+    one dict per virtual-pipeline chunk (`model0`, `model1`, ... when there are several)."""
     state = safe_torch_load(file)
-    model = state.get("model") if isinstance(state, dict) else None
-    if not isinstance(model, dict):
-        vpp = isinstance(state, dict) and "model0" in state
-        why = "virtual-pipeline chunks (model0, ...) are not converted" if vpp else "no 'model'"
-        raise CheckpointError(f"{file}: {why}")
-    return {
-        k: v
-        for k, v in model.items()
-        if isinstance(v, torch.Tensor) and not k.endswith(_SKIPPED)
-    }
+    keys = ["model"] if chunks == 1 else [f"model{c}" for c in range(chunks)]
+    out = []
+    for key in keys:
+        model = state.get(key) if isinstance(state, dict) else None
+        if not isinstance(model, dict):
+            vpp = isinstance(state, dict) and "model0" in state
+            why = (
+                "virtual-pipeline chunks (model0, ...) but the args give none" if vpp
+                else f"no {key!r} (the args give {chunks} virtual-pipeline chunk(s))"
+            )
+            raise CheckpointError(f"{file}: {why}")
+        out.append({
+            k: v for k, v in model.items()
+            if isinstance(v, torch.Tensor) and not k.endswith(_SKIPPED)
+        })
+    return out
 
 
-def _global_name(name: str, offset: int) -> str:
+def _is_expert(name: str) -> bool:
     match = _LAYER.match(name)
-    return f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else name
+    return bool(match and _EXPERT.match(match.group(2)))
+
+
+def _global_name(name: str, offset: int, first_expert: int = 0) -> str:
+    """A rank file's name with its layer numbered in the whole model (`offset` layers
+    before its chunk) and its experts in the whole set (`first_expert` before its rank's),
+    in one spelling `decoder.layers.L.mlp.experts.E.linear_fcN.weight`."""
+    match = _LAYER.match(name)
+    if not match:
+        return name
+    rest = match.group(2)
+    local = _LOCAL_EXPERT.match(rest)
+    grouped = _TE_EXPERT.match(rest)
+    if local:
+        rest = f"mlp.experts.{int(local.group(1)) + first_expert}.{local.group(2)}"
+    elif grouped:
+        rest = f"mlp.experts.{int(grouped.group(2)) + first_expert}.{grouped.group(1)}"
+    return f"decoder.layers.{int(match.group(1)) + offset}.{rest}"
 
 
 def _merge_tp(name: str, parts: list[torch.Tensor], args: Mapping[str, Any]) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0]
     suffix = _LAYER.match(name).group(2) if _LAYER.match(name) else name
+    expert = _EXPERT.match(suffix)
+    if expert:  # each expert is split over tp like the dense MLP
+        suffix = f"mlp.{expert.group(2)}"
     dim = _TP_DIM.get(suffix)
     if dim is None:
         return parts[0]
@@ -338,7 +463,12 @@ def _read_torch_dist(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
             merged[name] = tensor
         elif tensor.shape[0] == num_layers:  # homogeneous layers: (num_layers, ...)
             for i in range(num_layers):
-                merged[f"decoder.layers.{i}.{rest}"] = tensor[i]
+                if rest.startswith(_STACKED_EXPERTS):  # (num_layers, num_experts, ...)
+                    fc = rest.removeprefix(_STACKED_EXPERTS)
+                    for e in range(tensor.shape[1]):
+                        merged[f"decoder.layers.{i}.mlp.experts.{e}.{fc}"] = tensor[i, e]
+                else:
+                    merged[f"decoder.layers.{i}.{rest}"] = tensor[i]
         else:
             raise CheckpointError(
                 f"{folder}: {name} has shape {tuple(tensor.shape)}, not {num_layers} stacked layers"
@@ -353,13 +483,15 @@ def to_hf_tensors(
     state: Mapping[str, torch.Tensor], config: Mapping[str, Any], source: Path
 ) -> dict[str, torch.Tensor]:
     """Megatron's whole tensors under Hugging Face names: the fused q/k/v un-interleaved
-    (per query group [q heads | k | v]), the fused fc1 split into gate and up.
+    (per query group [q heads | k | v]), the fused fc1 (dense or each expert's) split into
+    gate and up, the router as the MoE block's gate.
 
     Raises:
         CheckpointError: a tensor Megatron saved that has no Hugging Face name (named).
     """
     heads, groups = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config["head_dim"]
+    moe = _HF_EXPERTS.get(config["model_type"])
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         if name in _TOP_NAMES:
@@ -379,13 +511,33 @@ def to_hf_tensors(
             gate, up = tensor.chunk(2, dim=0)
             out[prefix + "mlp.gate_proj.weight"] = gate
             out[prefix + "mlp.up_proj.weight"] = up
+        elif rest == "mlp.router.weight" and moe:
+            out[prefix + f"{moe[0]}.gate.weight"] = tensor
+        elif rest is not None and moe and _EXPERT.match(rest):
+            expert, fc = _EXPERT.match(rest).groups()
+            block, (gate_name, up_name, down_name) = moe
+            at = f"{prefix}{block}.experts.{expert}."
+            if fc == "linear_fc1.weight":
+                gate, up = tensor.chunk(2, dim=0)
+                out[at + f"{gate_name}.weight"] = gate
+                out[at + f"{up_name}.weight"] = up
+            else:
+                out[at + f"{down_name}.weight"] = tensor
         else:
+            kind = "an MoE" if moe else "a dense"
             raise CheckpointError(
-                f"{source}: tensor {name} has no Hugging Face equivalent in a dense model"
+                f"{source}: tensor {name} has no Hugging Face equivalent in {kind} model"
             )
     if config["tie_word_embeddings"]:
         out.pop("lm_head.weight", None)
     return {n: t.contiguous() for n, t in out.items()}
+
+
+# model type -> (the block holding router and experts, its gate / up / down names)
+_HF_EXPERTS = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
 
 
 def split_qkv(
