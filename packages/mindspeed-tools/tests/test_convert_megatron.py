@@ -570,6 +570,7 @@ def _rank_file(root: Path, rank_dir: str, args: argparse.Namespace, iteration: i
         ("missing_rank", "mp_rank_01/model_optim_rng.pt is missing (tp=2, pp=1)"),
         ("missing_iteration", "names iteration 7, but"),
         ("layernorm", "args.normalization='LayerNorm': only RMSNorm models are converted"),
+        ("mla", "args.multi_latent_attention=True: DeepSeek's multi-latent attention is not"),
     ],
 )
 def test_bad_megatron_checkpoints_are_one_line(tmp_path, capsys, case, expected):
@@ -581,6 +582,8 @@ def test_bad_megatron_checkpoints_are_one_line(tmp_path, capsys, case, expected)
     )
     if case == "shared_experts":
         args.moe_shared_expert_intermediate_size = 64
+    if case == "mla":
+        args.multi_latent_attention = True
     if case == "layernorm":
         args.normalization = "LayerNorm"
     _rank_file(root, "mp_rank_00_000" if case == "missing_expert_rank" else "mp_rank_00", args)

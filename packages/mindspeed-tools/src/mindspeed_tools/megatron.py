@@ -193,6 +193,7 @@ def hf_config(args: Mapping[str, Any], file: Path) -> dict[str, Any]:
             raise refuse(name, why)
     for name, why in (
         ("add_bias_linear", "linear-layer biases have no Hugging Face Llama/Qwen equivalent"),
+        ("multi_latent_attention", "DeepSeek's multi-latent attention is not converted yet"),
         ("rotary_interleaved", "interleaved RoPE is not converted"),
         ("use_rope_scaling", "Llama-3.1 RoPE scaling is not converted yet"),
         ("decoder_first_pipeline_num_layers", "uneven pipeline stages are not converted"),
