@@ -69,6 +69,14 @@ class GRPOSection:
     recompute); false: the training forward's own, detached (TRL's on-policy shortcut: one
     update per rollout gives the same numbers with one forward fewer). The rollout/trainer
     mismatch is measured either way."""
+    epochs: int = 1
+    """Passes over each rollout's samples (verl's and TRL's PPO `ppo_epochs`, TRL's GRPO
+    `num_iterations`). More than one pass (or mini-batch) fixes the old log-probs before
+    the first update (as if recompute_old_logps), so the ratio moves off 1 after it."""
+    mini_batches: int = 1
+    """Optimizer updates per pass: each rank's samples of the step, shuffled per pass, in
+    this many mini-batches (verl's ppo_mini_batch_size = samples / mini_batches). The LR
+    schedule counts training steps (rollouts), not updates."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     loss_agg: str = "token-mean"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
@@ -119,6 +127,9 @@ class GRPOSection:
                               "per prompt")  # fmt: skip
         if self.n < 1:
             raise ConfigError(f"{name}.n={self.n} must be positive")
+        for field_name in ("epochs", "mini_batches"):
+            if getattr(self, field_name) < 1:
+                raise ConfigError(f"{name}.{field_name}={getattr(self, field_name)} must be >= 1")
         if self.loss_agg not in AGGREGATIONS:
             raise ConfigError(f"{name}.loss_agg={self.loss_agg!r} is not one of {AGGREGATIONS}")
         if self.kl_estimator not in KL_ESTIMATORS:

@@ -8,7 +8,8 @@ One optimizer step = one rollout:
     rewards (worker processes, timeout) -> advantages -> [drop zero-variance groups]
     pack into micro-batches; old log-probs recomputed by the policy (teacher-forced),
     reference log-probs when grpo.kl_coef > 0
-    TrainStep on GRPOObjective (clipped policy gradient + KL, aggregated by grpo.loss_agg)
+    TrainStep on GRPOObjective (clipped policy gradient + KL, aggregated by grpo.loss_agg),
+    or grpo.epochs passes of grpo.mini_batches updates on the same samples (`updates`)
 
 `GRPOStep` is a `TrainStep` whose input is the prompts; `TrainLoop` runs it unchanged
 (metrics.jsonl, checkpoints, exact resume: the sampling seed is derived from the step).
@@ -32,6 +33,7 @@ from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
 from mindspeed_align.rl.weights import load_weights
 from mindspeed_core.errors import ConfigError
+from mindspeed_llm.data.collate import IGNORE_INDEX
 from mindspeed_llm.train.objectives import RunContext
 from mindspeed_llm.train.step import StepResult, TrainStep
 
@@ -84,9 +86,68 @@ class GRPOStep(TrainStep):
         if self.rl.dynamic_sampling and not all(rollout.flat):
             keep = [i for i in keep if not rollout.flat[batch.group[i]]]
         micro, mismatch = self._micro_batches(batch, {"advantages": advantages}, keep)
-        result = super().__call__(micro)
+        result = self.updates(batch, micro, keep, lambda mb, last: TrainStep.__call__(
+            self, mb, schedule=last))  # fmt: skip
         result.metrics.update(self._rollout_metrics(rollout, len(keep), mismatch))
         return result
+
+    @property
+    def num_updates(self) -> int:
+        return self.rl.epochs * self.rl.mini_batches
+
+    def updates(self, batch: RolloutBatch, micro: list, keep: list[int], update) -> StepResult:
+        """`update(micro_batches, last)` once on the step's micro-batches, or rl.epochs
+        passes of rl.mini_batches updates: every per-token value of `micro` (advantages,
+        old and reference log-probs, PPO's old values and returns) is fixed per sample
+        first, each pass shuffles this rank's samples (seeded by step, rank and pass) and
+        repacks each mini-batch into `accum` micro-batches. The result: the mean loss and
+        grad norm of the updates, their summed units and tokens, each metric's mean, and
+        with several updates `loss/epoch_k`, `kl/epoch_k`, `clip_fraction/epoch_k` and
+        `ratio/epoch_k` (k from 1)."""
+        if self.num_updates == 1:
+            return update(micro, True)
+        fixed = _per_sample(micro, self._rows(keep), batch.response_ids)
+        count = self._min_over_ranks(len(keep))  # the same number of updates on every rank
+        parts = max(1, min(self.rl.mini_batches, count))
+        results, epochs = [], []
+        for epoch in range(self.rl.epochs):
+            gen = torch.Generator().manual_seed(
+                sampling_seed(self.cfg.train.seed, self.state.step, self.dims.rank("dp")) + epoch
+            )
+            order = [keep[i] for i in torch.randperm(len(keep), generator=gen).tolist()]
+            size = math.ceil(len(order) / parts)
+            for m in range(parts):
+                mb = self._pack(batch, fixed, order[m * size : (m + 1) * size])
+                last = epoch == self.rl.epochs - 1 and m == parts - 1
+                results.append(update(mb, last))
+                epochs.append(epoch)
+        return combine_results(results, epochs)
+
+    def _min_over_ranks(self, value: int) -> int:
+        mesh = self.dims.mesh("dp")
+        if mesh is None:
+            return value
+        tensor = torch.tensor(value, dtype=torch.int64, device=mesh.device_type)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=mesh.get_group())
+        return int(tensor.item())
+
+    def _rows(self, keep: list[int]) -> list[list[int]]:
+        """`keep` in `accum` consecutive parts (some may be empty)."""
+        size = math.ceil(len(keep) / self.accum)
+        return [keep[k * size : (k + 1) * size] for k in range(self.accum)]
+
+    def _pack(self, batch: RolloutBatch, per_token: dict[str, Any], keep: list[int]) -> list:
+        """`accum` packed micro-batches of the samples `keep` with `per_token` values (per
+        sample, a value per response token)."""
+        return [
+            pack_samples(
+                [batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows],
+                {}, {k: [v[i] for i in rows] for k, v in per_token.items()},
+                agg=self.rl.loss_agg, max_new_tokens=self.rl.max_new_tokens,
+                pad_multiple=self.pad_multiple,
+            )
+            for rows in self._rows(keep)
+        ]  # fmt: skip
 
     def _sample(self, records: list[dict[str, Any]]) -> _Rollout:
         """Sync, sample this rank's completions, score them (with the overlong penalty)."""
@@ -131,21 +192,13 @@ class GRPOStep(TrainStep):
         """`accum` packed micro-batches (always that many: FSDP's collectives pair up
         across ranks) of the samples `keep`, with `per_token` values (one list per sample,
         a value per response token), the sampler's log-probs, the reference's, and the
-        old ones when rl.recompute_old_logps; and the sampler/trainer `Mismatch`, measured
-        here by the recompute, else by the training forward (the objective fills it)."""
-        size = math.ceil(len(keep) / self.accum)
-        out, mismatch = [], Mismatch()
-        recompute = self.rl.recompute_old_logps
-        for k in range(self.accum):
-            rows = keep[k * size : (k + 1) * size]
-            b = pack_samples(
-                [batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows],
-                {}, {**{k: [v[i] for i in rows] for k, v in per_token.items()},
-                     "sampler_logps": [batch.sampler_logprobs[i] for i in rows]},
-                agg=self.rl.loss_agg, max_new_tokens=self.rl.max_new_tokens,
-                pad_multiple=self.pad_multiple,
-            )  # fmt: skip
-            out.append(b)
+        old ones when rl.recompute_old_logps or several updates; and the sampler/trainer
+        `Mismatch`, measured here by the recompute, else by the training forward (the
+        objective fills it)."""
+        mismatch = Mismatch()
+        recompute = self.rl.recompute_old_logps or self.num_updates > 1
+        sampler = {"sampler_logps": batch.sampler_logprobs}
+        out = self._pack(batch, {**per_token, **sampler}, keep)
         # the reference's log-probs are asked for first: a Ray reference works meanwhile
         pending = None if self.reference is None else self.reference.submit(out, self.rl.temperature)
         for b in out if recompute else ():
@@ -156,6 +209,41 @@ class GRPOStep(TrainStep):
                 b["ref_logps"] = ref
         self.objective.watch(None if recompute else mismatch)
         return out, mismatch
+
+
+def _per_sample(micro: list, rows: list[list[int]], responses) -> dict[str, dict[int, list]]:
+    """Every per-token float value of the packed `micro` (rows[k]: micro[k]'s samples),
+    per sample: {key: {sample: one value per response token}}."""
+    skip = {"input_ids", "labels", "position_ids", "cu_seqlens", "weights", "metric_weights",
+            "unit", "sampler_logps"}  # fmt: skip
+    out: dict[str, dict[int, list]] = {}
+    for b, samples in zip(micro, rows, strict=True):
+        mask = (b["labels"] != IGNORE_INDEX).flatten()
+        lengths = [len(responses[i]) for i in samples]
+        for key, value in b.items():
+            if key in skip:
+                continue
+            pieces = value.flatten()[mask].split(lengths)
+            out.setdefault(key, {}).update(
+                {i: p.tolist() for i, p in zip(samples, pieces, strict=True)}
+            )
+    return out
+
+
+def combine_results(results: list[StepResult], epochs: list[int]) -> StepResult:
+    """Several updates' results as one step's (see `GRPOStep.updates`)."""
+    n = len(results)
+    metrics = {k: sum(r.metrics[k] for r in results) / n for k in results[0].metrics}
+    for epoch in sorted(set(epochs)):
+        mine = [r for r, e in zip(results, epochs, strict=True) if e == epoch]
+        metrics[f"loss/epoch_{epoch + 1}"] = sum(r.loss for r in mine) / len(mine)
+        for key in ("kl", "clip_fraction", "ratio"):
+            if key in mine[0].metrics:
+                metrics[f"{key}/epoch_{epoch + 1}"] = sum(r.metrics[key] for r in mine) / len(mine)
+    return StepResult(
+        sum(r.loss for r in results) / n, sum(r.grad_norm for r in results) / n,
+        sum(r.num_units for r in results), sum(r.num_tokens for r in results), metrics,
+    )
 
 
 @dataclass

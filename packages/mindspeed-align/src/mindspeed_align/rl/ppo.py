@@ -1,6 +1,7 @@
 """`mindspeed ppo`: PPO with a critic (GAE), colocated, on the shared engine.
 
-One optimizer step = one rollout, as in `grpo`, with a second model, the critic (the
+One training step = one rollout (ppo.epochs x ppo.mini_batches updates, 1 x 1 by default), as
+in `grpo`, with a second model, the critic (the
 policy's decoder with a one-output value head, `reward.add_score_head`, its own AdamW):
 
     sample ppo.n completions per prompt; rewards (+ DAPO's overlong penalty)
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from mindspeed_align.reward import add_score_head
 from mindspeed_align.rl import advantages as adv_fns
-from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep
+from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep, combine_results
 from mindspeed_align.rl.losses import kl_estimate, value_loss
 from mindspeed_align.rl.weights import load_value_model, load_weights
 from mindspeed_core.parallel import loss_parallel_context
@@ -171,7 +172,8 @@ def ppo_advantages(micro: list[Batch], critic: BuiltModel, rl, dp_mesh) -> tuple
 
 class PPOStep(GRPOStep):
     """`GRPOStep` with a critic: GAE advantages, then a critic step and a policy step on the
-    same micro-batches (see the module docstring)."""
+    same micro-batches (see the module docstring); with ppo.epochs / ppo.mini_batches, a
+    critic update and a policy update per mini-batch."""
 
     def __init__(self, *args, critic: TrainStep, **kwargs):
         super().__init__(*args, **kwargs)
@@ -185,8 +187,14 @@ class PPOStep(GRPOStep):
         micro, mismatch = self._micro_batches(rollout.batch, {"scores": scores, "advantages": zeros},
                                               keep)  # fmt: skip
         kl_sum, kl_count = ppo_advantages(micro, self.critic.model, self.rl, self.dims.mesh("dp"))
-        critic = self.critic(micro)
-        result = TrainStep.__call__(self, micro)
+        critics = []
+
+        def update(mini: list[Batch], last: bool) -> StepResult:
+            critics.append(self.critic(mini, schedule=last))
+            return TrainStep.__call__(self, mini, schedule=last)
+
+        result = self.updates(rollout.batch, micro, keep, update)
+        critic = combine_results(critics, [0] * len(critics))
         result.metrics.update(self._rollout_metrics(rollout, len(keep), mismatch))
         if self.rl.kl_in_reward:  # the objective's KL is 0: report the reward's
             result.metrics["kl"] = self._dp_sum(kl_sum) / max(self._dp_sum(kl_count), 1.0)

@@ -110,8 +110,10 @@ class TrainStep:
     def state(self) -> TrainState:
         return self.parts.state
 
-    def __call__(self, micro_batches: Sequence[Batch]) -> StepResult:
-        """One optimizer step on this rank's micro-batches of the step."""
+    def __call__(self, micro_batches: Sequence[Batch], *, schedule: bool = True) -> StepResult:
+        """One optimizer step on this rank's micro-batches of the step; `schedule`: the
+        LR schedule moves on too (false for all but the last of several updates that
+        make one training step, e.g. RL's mini-batches)."""
         self.parts.optimizer.zero_grad()
         units, tokens = self._count(micro_batches)
         weight = self.dims.degree("loss") / units if units else 0.0
@@ -123,7 +125,7 @@ class TrainStep:
         metrics = self.objective.finish_metrics(metrics, units)
         metrics.update(self._router_step())
         metrics.update(self._mtp_step())
-        grad_norm = self._optimizer_step(loss)
+        grad_norm = self._optimizer_step(loss, schedule)
         return StepResult(loss, grad_norm, units, int(tokens), metrics)
 
     @torch.no_grad()
@@ -252,9 +254,9 @@ class TrainStep:
 
     # -- the optimizer step ---------------------------------------------------------
 
-    def _optimizer_step(self, loss: float) -> float:
-        """Unscale, clip, step and schedule; nan (and no step) for a non-finite loss or
-        fp16 gradients that overflowed."""
+    def _optimizer_step(self, loss: float, schedule: bool = True) -> float:
+        """Unscale, clip, step and schedule (unless not `schedule`); nan (and no step)
+        for a non-finite loss or fp16 gradients that overflowed."""
         parts = self.parts
         if not math.isfinite(loss):
             return self._skip(loss)
@@ -265,7 +267,8 @@ class TrainStep:
             parts.scaler.update(found_inf)
             if found_inf:  # the fp16 gradients overflowed: skip, the scale went down
                 parts.optimizer.zero_grad()
-                parts.scheduler.step()
+                if schedule:
+                    parts.scheduler.step()
                 return float("nan")
         if self._tied is not None:
             self._tied()
@@ -274,7 +277,8 @@ class TrainStep:
             params, self.clip_grad, pp_mesh=self.dims.mesh("pp"), exclude=exclude
         )
         parts.optimizer.step()
-        parts.scheduler.step()
+        if schedule:
+            parts.scheduler.step()
         return float(grad_norm)
 
     def _skip(self, loss: float) -> float:

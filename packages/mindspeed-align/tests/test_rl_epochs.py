@@ -1,0 +1,184 @@
+"""Several updates per rollout (`grpo.epochs`, `grpo.mini_batches`; PPO's the same): the
+old log-probs are fixed before the first update, so the second epoch's ratio moves off 1,
+and its loss equals the clipped surrogate computed here by hand from the policy as the
+first update left it; mini-batches split the samples and the LR schedule moves once per
+rollout; one epoch of one mini-batch is today's single update."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from mindspeed_align.rl.config import GRPOConfig, GRPOSection
+from mindspeed_align.rl.grpo import GRPOStep
+from mindspeed_align.rl.objective import GRPOObjective
+from mindspeed_align.rl.rollout import RolloutBatch
+from mindspeed_core.optim import OptimConfig
+from mindspeed_core.parallel import ParallelConfig
+from mindspeed_llm.models import build_model_config
+from mindspeed_llm.train.build import build_model, build_train_parts
+
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28
+# two prompts, two samples each; rewards 1/0 per group: advantages +-0.707 (grpo, n=2)
+PROMPTS = [[5, 9, 14], [5, 9, 14], [7, 3, 22, 8], [7, 3, 22, 8]]
+RESPONSES = [[31, 40, 2], [12, 6], [44, 45, 46, 47], [19, 3]]
+REWARDS = [1.0, 0.0, 0.0, 1.0]
+
+
+class _FixedRollout:
+    """Stands in for the sampler: the same samples every step."""
+
+    def sync_weights(self) -> float:
+        return 0.0
+
+    def generate(self, prompts, sampling, seed):
+        return RolloutBatch(
+            prompt_ids=PROMPTS, response_ids=RESPONSES,
+            sampler_logprobs=[[-1.0] * len(r) for r in RESPONSES], group=[0, 0, 1, 1],
+            stopped=[True] * len(RESPONSES),
+        )  # fmt: skip
+
+
+class _FixedRewards:
+    def __call__(self, prompts, completions, columns):
+        return list(REWARDS), {"reward/failures": 0.0}
+
+
+class _Tokenizer:
+    eod_id = None
+
+    def decode(self, ids) -> str:
+        return " ".join(map(str, ids))
+
+
+def _step(epochs: int, mini_batches: int):
+    config = build_model_config("llama", flavor="debug", ops_impl="reference")
+    dims = ParallelConfig().dims(1).build("cpu")
+    torch.manual_seed(0)
+    policy = build_model(config, dims, torch.device("cpu"), parallel=ParallelConfig(), seq_len=32)
+    start = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    optim = OptimConfig(lr=2e-2, warmup_steps=0, weight_decay=0.0)
+    parts = build_train_parts(policy, optim, total_steps=10)
+    rl = GRPOSection(n=2, epochs=epochs, mini_batches=mini_batches, clip_low=CLIP_LOW,
+                     clip_high=CLIP_HIGH, max_new_tokens=4, reward_workers=0)  # fmt: skip
+    cfg = dataclasses.replace(GRPOConfig(), grpo=rl)
+    objective = GRPOObjective(eps_low=CLIP_LOW, eps_high=CLIP_HIGH)
+    step = GRPOStep(parts, objective, dims, cfg=cfg, tokenizer=_Tokenizer(),
+                    rewards=_FixedRewards(), clip_grad=0.0)  # fmt: skip
+    step.rollout = _FixedRollout()
+    # the weights each training forward (grad enabled) starts from
+    seen = []
+    policy.model.register_forward_pre_hook(
+        lambda module, args: seen.append(
+            {k: v.detach().clone() for k, v in module.state_dict().items()}
+        ) if torch.is_grad_enabled() else None
+    )  # fmt: skip
+    records = [{"prompt": "a", "prompt_ids": PROMPTS[0]}, {"prompt": "b", "prompt_ids": PROMPTS[2]}]
+    return step, policy, records, start, seen
+
+
+def _logps(policy, weights) -> list[torch.Tensor]:
+    """Each sample's response-token log-probs, one plain forward per sample."""
+    model = policy.model
+    keep = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(weights)
+    out = []
+    with torch.no_grad():
+        for p, r in zip(PROMPTS, RESPONSES, strict=True):
+            ids = torch.tensor([p + r])
+            logits = model(ids).float()[0, len(p) - 1 : -1]
+            out.append(torch.log_softmax(logits, -1).gather(-1, torch.tensor(r)[:, None])[:, 0])
+    model.load_state_dict(keep)
+    return out
+
+
+def _surrogate(new: list[torch.Tensor], old: list[torch.Tensor]) -> tuple[float, float]:
+    """(token-mean clipped surrogate, mean ratio), by hand: GRPO's advantage per group of 2
+    is +-1/sqrt(2) (std of {0, 1} is 1/sqrt(2) unbiased), spread over each response."""
+    adv = [1 / math.sqrt(2) if r else -1 / math.sqrt(2) for r in REWARDS]
+    losses, ratios = [], []
+    for n, o, a in zip(new, old, adv, strict=True):
+        ratio = torch.exp(n.double() - o.double())
+        clipped = ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)
+        losses.append(-torch.minimum(ratio * a, clipped * a))
+        ratios.append(ratio)
+    return torch.cat(losses).mean().item(), torch.cat(ratios).mean().item()
+
+
+def test_one_epoch_of_one_mini_batch_is_the_single_on_policy_update():
+    step, policy, records, start, seen = _step(epochs=1, mini_batches=1)
+    result = step(records)
+    old = _logps(policy, start)
+    loss, ratio = _surrogate(old, old)
+    assert result.loss == pytest.approx(loss, abs=1e-6)
+    assert result.metrics["ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert len(seen) == 1 and not any(k.startswith("loss/epoch") for k in result.metrics)
+
+
+def test_second_epoch_ratio_moves_and_its_loss_is_the_hand_computed_surrogate():
+    step, policy, records, start, seen = _step(epochs=2, mini_batches=1)
+    result = step(records)
+    assert len(seen) == 2  # one training forward per update
+    old = _logps(policy, start)  # fixed before the first update
+    first, ratio1 = _surrogate(_logps(policy, seen[0]), old)
+    second, ratio2 = _surrogate(_logps(policy, seen[1]), old)
+    assert ratio1 == pytest.approx(1.0, abs=1e-6)
+    assert abs(ratio2 - 1.0) > 1e-3  # the policy moved: the ratio is off 1
+    m = result.metrics
+    assert m["loss/epoch_1"] == pytest.approx(first, abs=1e-6)
+    assert m["loss/epoch_2"] == pytest.approx(second, abs=1e-6)
+    assert m["ratio/epoch_2"] == pytest.approx(ratio2, abs=1e-6)
+    assert result.loss == pytest.approx((first + second) / 2, abs=1e-6)
+    assert "clip_fraction/epoch_2" in m and "kl/epoch_1" in m
+    assert step.parts.scheduler.schedulers[0].last_epoch == 1  # the LR schedule counts rollouts
+
+
+def test_mini_batches_split_the_samples_and_each_update_sees_the_moved_policy():
+    step, policy, records, start, seen = _step(epochs=1, mini_batches=2)
+    result = step(records)
+    assert len(seen) == 2
+    assert result.num_units == 3 + 2 + 4 + 2  # each response token once over the pass
+    assert not torch.equal(seen[0]["layers.0.attention.wq.weight"],
+                           seen[1]["layers.0.attention.wq.weight"])  # fmt: skip
+    assert step.parts.scheduler.schedulers[0].last_epoch == 1
+
+
+def test_bad_epochs_and_mini_batches_name_the_field():
+    from mindspeed_core.errors import ConfigError
+
+    for field, value in (("epochs", 0), ("mini_batches", -1)):
+        with pytest.raises(ConfigError, match=f"grpo.{field}={value} must be >= 1"):
+            GRPOSection(**{field: value})
+
+
+def test_ppo_command_with_two_epochs_of_two_mini_batches(tmp_path):
+    """`mindspeed ppo --ppo.epochs 2 --ppo.mini_batches 2`: a critic and a policy update
+    per mini-batch; the per-epoch metrics are logged and the second epoch's ratio is off 1."""
+    import json
+
+    from mindspeed_align.rl.cli import ppo_main
+    from mindspeed_align.rl.data import demo_records
+    from mindspeed_core.cli import guarded
+    from mindspeed_core.training import read_metrics
+    from mindspeed_llm.demo import ensure_demo_data
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in demo_records(16, seed=7)))
+    args = [
+        f"--data.prompts={prompts}", f"--data.tokenizer={ensure_demo_data().tokenizer}",
+        "--data.eval_prompts=0", "--data.seq_len=48", "--ppo.n=2", "--ppo.max_new_tokens=3",
+        "--ppo.reward_workers=0", "--ppo.epochs=2", "--ppo.mini_batches=2",
+        "--train.global_batch=8", "--train.micro_batch=8", "--train.steps=2",
+        "--model.ops_impl=reference", f"--logging.run_dir={tmp_path / 'run'}",
+        "--logging.log_interval=1", "--logging.progress=false", "--logging.tensorboard=false",
+    ]  # fmt: skip
+    assert guarded(ppo_main, args) == 0
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["ratio/epoch_1"] == pytest.approx(1.0, abs=0.05)  # first update: mostly 1
+        assert abs(m["ratio/epoch_2"] - 1.0) > 1e-4
+        assert math.isfinite(m["critic/loss"]) and "clip_fraction/epoch_2" in m
