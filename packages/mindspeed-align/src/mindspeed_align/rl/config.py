@@ -319,6 +319,9 @@ class DAPOConfig(GRPOConfig):
     logging: LoggingSection = field(default_factory=DAPOLoggingSection)
     grpo: GRPOSection = field(default_factory=_dapo_section)
     """The method (DAPO's defaults; the section keeps its `mindspeed grpo` name)."""
+    train: GRPOTrainSection = field(default_factory=lambda: GRPOTrainSection(steps=450))
+    """450 demo steps: without a KL anchor and with dynamic sampling DAPO's demo rises more
+    slowly than GRPO's (at 300 steps: sampled 0.27 -> 0.69; at 450: -> 0.93)."""
 
 
 @dataclass(kw_only=True)
