@@ -90,6 +90,15 @@ def _task(cfg: GRPOConfig, init_from: Path | None):
                 f"data.tokenizer is needed with data.prompts (or {cfg.rl.section}.init_from)"
             )
         path = ensure_demo_data().tokenizer
+    if cfg.data.chat_template is not None or any("messages" in r for r in records + held_out):
+        from mindspeed_align.rl.data import render_prompts
+        from mindspeed_llm.data.sft_templates import resolve_template
+
+        template = resolve_template(cfg.data.chat_template, path)
+        source = str(cfg.data.prompts or "the demo prompts")
+        render_prompts(records, template, source=source)
+        render_prompts(held_out, template, source=f"{source} (held out)")
+        logger.info("prompts rendered by the chat template %s", template.origin)
     return load_tokenizer(path), path, records, held_out
 
 

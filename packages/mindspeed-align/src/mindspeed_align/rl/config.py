@@ -28,6 +28,12 @@ class PromptDataSection:
     go to the reward functions. None: the demo task (generated)."""
     tokenizer: Path | None = None
     """A sentencepiece .model, a tokenizer.json or a folder (None: the demo's)."""
+    chat_template: str | None = None
+    """How {"messages": [...]} records become prompt text: a template name (qwen, qwen3,
+    llama2, llama3, chatml, mistral, deepseek3, glm4, gemma, phi3), a .jinja file, or
+    None: the tokenizer folder's own (ChatML when it has none); rendered with the
+    generation prompt. When set, {"prompt": ...} records are rendered too, as one user
+    turn (unset: they stay raw text, as the demo's)."""
     seq_len: int = 64
     """Longest prompt + grpo.max_new_tokens; a longer prompt is refused at load."""
     eval_prompts: int = 64

@@ -1,9 +1,11 @@
 """Prompts for online RL: a JSONL file or the demo task, tokenized once, served per
 data-parallel rank in a resumable order.
 
-Record: {"prompt": str, ...}; every other field is a column the reward functions get
-(one value per completion, e.g. "answer"). The last `data.eval_prompts` records are held
-out for the before/after evaluation.
+Record: {"prompt": str, ...} or {"messages": [{"role": ..., "content": ...}, ...], ...};
+every other field is a column the reward functions get (one value per completion, e.g.
+"answer"). Chat records are rendered by `data.chat_template` with the generation prompt
+(`render_prompts`); the rendered text is the prompt the model continues and the reward
+sees. The last `data.eval_prompts` records are held out for the before/after evaluation.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.errors import DataError
+from mindspeed_llm.chat_template import encode_text
 from mindspeed_llm.demo import COLORS, NAMES, NUMBER_WORDS, PLACES, THINGS
 
-__all__ = ["PromptSource", "demo_records", "read_prompts"]
+__all__ = ["PromptSource", "demo_records", "read_prompts", "render_prompts"]
 
 
 def demo_records(count: int, seed: int) -> list[dict[str, Any]]:
@@ -50,8 +53,14 @@ def read_prompts(path: Path, required: dict[str, str] | None = None) -> list[dic
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}:{number}: not JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise DataError(f'{path}:{number}: a record needs a "prompt" string')
+            if not isinstance(record, dict):
+                raise DataError(f"{path}:{number}: a record must be a JSON object")
+            if "messages" in record:
+                _check_messages(record["messages"], f"{path}:{number}")
+            elif not isinstance(record.get("prompt"), str):
+                raise DataError(
+                    f'{path}:{number}: a record needs a "prompt" string or a "messages" list'
+                )
             for column, spec in (required or {}).items():
                 if column not in record:
                     raise DataError(f'{path}:{number}: no "{column}" field, which the reward '
@@ -60,6 +69,35 @@ def read_prompts(path: Path, required: dict[str, str] | None = None) -> list[dic
     if not records:
         raise DataError(f"{path}: no prompts")
     return records
+
+
+def _check_messages(messages: Any, where: str) -> None:
+    """A chat prompt: a list of {"role": str, "content": str} with a user turn."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f'{where}: "messages" must be a non-empty list of turns')
+    for i, turn in enumerate(messages):
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str)
+                and isinstance(turn.get("content"), str)):  # fmt: skip
+            raise DataError(f'{where}: messages[{i}] needs a "role" and a "content" string')
+    if not any(turn["role"] == "user" for turn in messages):
+        raise DataError(f"{where}: the messages have no user turn")
+
+
+def render_prompts(records: list[dict[str, Any]], template, *, source: str) -> None:
+    """Each record's prompt text, in place: its "messages" (or, for a {"prompt": ...}
+    record, the prompt as one user turn) rendered by `template` (a `ChatTemplate`) with
+    the generation prompt, as transformers' `apply_chat_template(add_generation_prompt=
+    True, tokenize=False)` renders them. The rendered text goes in "prompt".
+
+    Raises:
+        DataError: the template refuses a record (named by its index in `source`).
+    """
+    for i, record in enumerate(records):
+        turns = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+        try:
+            record["prompt"] = template.render(turns, add_generation_prompt=True)
+        except DataError as err:
+            raise DataError(f"{source}: record {i}: {err}") from None
 
 
 class PromptSource:
@@ -76,7 +114,7 @@ class PromptSource:
     def __init__(self, records, tokenizer, *, max_prompt_len: int, prompts_per_step: int,
                  seed: int, source: str = "data.prompts"):  # fmt: skip
         self.records, self.tokenizer = records, tokenizer
-        self.ids = [tokenizer.encode(r["prompt"]) for r in records]
+        self.ids = [encode_text(tokenizer, r["prompt"]) for r in records]
         for i, ids in enumerate(self.ids):
             if not ids:
                 raise DataError(f"{source}: prompt {i} is empty after tokenization")

@@ -33,6 +33,7 @@ from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
 from mindspeed_align.rl.weights import load_weights
 from mindspeed_core.errors import ConfigError
+from mindspeed_llm.chat_template import encode_text
 from mindspeed_llm.data.collate import IGNORE_INDEX
 from mindspeed_llm.train.objectives import RunContext
 from mindspeed_llm.train.step import StepResult, TrainStep
@@ -332,7 +333,7 @@ def evaluate_reward(rollout: LocalRollout, records, tokenizer, rewards: Rewards,
     total = []
     for lo in range(0, len(records), 64):
         chunk = records[lo : lo + 64]
-        batch = rollout.generate([tokenizer.encode(r["prompt"]) for r in chunk], cfg, seed=seed)
+        batch = rollout.generate([encode_text(tokenizer, r["prompt"]) for r in chunk], cfg, seed=seed)
         rows = [chunk[g] for g in batch.group]
         texts = [tokenizer.decode([t for t in r if t not in stops]) for r in batch.response_ids]
         names = [k for k in chunk[0] if k != "prompt"]
