@@ -91,3 +91,27 @@ def _exit_hard():
 def test_a_rank_that_dies_without_a_result_is_reported():
     with pytest.raises(RankFailure, match="rank 1 failed:\nprocess exited with code 3"):
         run_distributed(_exit_hard, 2, timeout=60)
+
+
+def _start_a_helper() -> int:
+    """A rank that leaves a process of its own behind (as a library's Manager does)."""
+    import subprocess
+
+    return subprocess.Popen(["sleep", "120"]).pid
+
+
+def test_what_a_rank_started_dies_with_it():
+    pids = run_distributed(_start_a_helper, 2, timeout=60)
+    deadline = time.monotonic() + 10
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        for pid in list(alive):
+            try:
+                os.kill(pid, 0)
+                with open(f"/proc/{pid}/stat") as f:  # a zombie waits for init: it is gone
+                    if f.read().split(")")[1].split()[0] == "Z":
+                        alive.discard(pid)
+            except (ProcessLookupError, FileNotFoundError):
+                alive.discard(pid)
+        time.sleep(0.1)
+    assert not alive, f"helper processes {sorted(alive)} outlived their ranks"

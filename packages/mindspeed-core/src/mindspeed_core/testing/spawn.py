@@ -8,6 +8,7 @@ The function and its arguments must be picklable (define it at module level).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import io
@@ -15,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import sys
 import time
@@ -82,6 +84,8 @@ def _rank_main(module_name, module_file, payload, results) -> None:
     from mindspeed_core.distributed import destroy_distributed, init_distributed
 
     rank = int(os.environ["RANK"])
+    if hasattr(os, "setpgid"):  # its own process group: `_kill` takes its helpers along
+        os.setpgid(0, 0)
     try:
         _ensure_module(module_name, module_file)
         fn, args, kwargs = _Unpickler(io.BytesIO(payload)).load()
@@ -143,7 +147,13 @@ def _start_ranks(fn, world_size, args, kwargs, results, timeout, ctx) -> list:
 
 
 def _kill(procs) -> None:
+    """Kill every rank and what it started (a rank leads its own process group: a
+    library's helper process, e.g. a multiprocessing Manager, would otherwise outlive
+    the rank that is killed before its exit handlers run)."""
     for p in procs:
+        if p.pid is not None and hasattr(os, "killpg"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
         if p.is_alive():
             p.kill()
     for p in procs:
