@@ -40,7 +40,9 @@ def sft(
         lora = lora_trainer_options(cfg.lora, precision=cfg.train.precision,
                                     device_type=info.device.type)  # fmt: skip
         after_tp = chain_hooks(after_tp, lora.pop("after_tp", None))
-        trainer = Trainer(cfg, info, data=SFTData, objective=NextToken(cfg.train.loss_normalization),
+        # the loss reads the replies' logits only: the prompts' are never projected
+        objective = NextToken(cfg.train.loss_normalization, supervised_logits_only=True)
+        trainer = Trainer(cfg, info, data=SFTData, objective=objective,
                           before_tp=before_tp, after_tp=after_tp, command="sft", **lora)  # fmt: skip
         before = _demo_accuracy(trainer) if demo else None
         summary = trainer.run()

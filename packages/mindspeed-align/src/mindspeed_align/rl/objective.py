@@ -124,6 +124,7 @@ class GRPOObjective(Objective):
     """
 
     metric_names = ("kl", "clip_fraction", "entropy", "ratio")
+    supervised_logits_only = True  # every target is per response token
 
     def __init__(self, *, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0,
                  kl_estimator="k3", temperature=1.0):  # fmt: skip

@@ -98,6 +98,12 @@ class Objective(ABC):
     metric_names: tuple[str, ...] = ()
     """The keys of `LossOutput.metrics` (every rank reduces them, in this order)."""
 
+    supervised_logits_only: bool = False
+    """The loss reads the outputs only where the label is not -100, and every target is
+    per position: the step then projects those positions only (`Transformer.forward(keep=
+    ...)`) and `loss` gets (supervised positions, vocab) logits and targets cut to the same
+    positions. Used without tensor, context or pipeline parallelism (else every position)."""
+
     @abstractmethod
     def num_units(self, batch: Batch) -> Tensor:
         """Scalar count (int or float) of the units `batch` supervises."""
@@ -153,12 +159,18 @@ class NextToken(Objective):
             is the mean over its supervised tokens); "sample": the mean over each
             sequence (a packed document of `cu_seqlens`) first, then the mean over the
             sequences that have a supervised token, as MindSpeed-LLM weighs SFT data.
+        supervised_logits_only: project only the labelled positions (SFT: the replies;
+            pretraining reads nearly every position, so it keeps them all).
     """
 
-    def __init__(self, normalization: Literal["token", "sample"] = "token"):
+    def __init__(
+        self, normalization: Literal["token", "sample"] = "token", *,
+        supervised_logits_only: bool = False,
+    ):
         if normalization not in ("token", "sample"):
             raise ValueError(f"normalization={normalization!r} is not 'token' or 'sample'")
         self.normalization = normalization
+        self.supervised_logits_only = supervised_logits_only
 
     def num_units(self, batch: Batch) -> Tensor:
         supervised = batch["labels"] != IGNORE_INDEX

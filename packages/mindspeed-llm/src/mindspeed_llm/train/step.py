@@ -28,6 +28,7 @@ from mindspeed_core.optim import clip_grad_norm_
 from mindspeed_core.parallel import ParallelDims, build_pipeline_schedule, loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import (
+    IGNORE_INDEX,
     Batch,
     concat_batches,
     forward_packed,
@@ -105,6 +106,11 @@ class TrainStep:
         self._mtp = [] if self.model.config.num_nextn_predict_layers else None
         # tied embeddings under pp: the first and last stage's copies sum their gradients
         self._tied = tied_embedding_grads(self.model.parts, dims)
+        # logits at the supervised positions only (see Objective.supervised_logits_only)
+        self._supervised_only = bool(
+            getattr(objective, "supervised_logits_only", False) and self.schedule is None
+            and dims.tp == 1 and dims.cp == 1 and not self.model.loss.loss_parallel
+        )  # fmt: skip
 
     @property
     def state(self) -> TrainState:
@@ -175,8 +181,12 @@ class TrainStep:
             batch, targets = shard_context_parallel(
                 batch, self.dims.rank("cp"), self.dims.cp, targets
             )
-        mtp = {"mtp_labels": batch["labels"]} if train and self._mtp is not None else {}
-        outputs = forward_packed(self.model.model, batch, **mtp)
+        extra = {"mtp_labels": batch["labels"]} if train and self._mtp is not None else {}
+        if self._supervised_only:
+            keep = batch["labels"] != IGNORE_INDEX
+            targets = {k: v[keep] for k, v in targets.items()}
+            extra["keep"] = keep
+        outputs = forward_packed(self.model.model, batch, **extra)
         return self.objective.loss(outputs, targets, self.model.loss)
 
     def _forward_backward(self, micro_batches, weight: float) -> tuple[torch.Tensor, dict]:

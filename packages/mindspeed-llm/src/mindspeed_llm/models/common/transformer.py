@@ -183,6 +183,7 @@ class Transformer(nn.Module):
         logits_to_keep: int = 0,
         return_hidden: bool = False,
         mtp_labels: Tensor | None = None,
+        keep: Tensor | None = None,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -204,6 +205,9 @@ class Transformer(nn.Module):
                 labels; the forward also runs the MTP modules and keeps their weighted
                 loss in `last_mtp_loss` (`common.mtp.take_mtp_loss`), as MoE keeps its
                 router statistics, so the return value stays the logits.
+            keep: (batch, seq) bool: the logits of those positions only, (kept, vocab),
+                in row-major order; a loss that reads few positions (SFT's replies, RL's
+                responses) then never holds a (tokens x vocab) tensor for the rest.
 
         Returns:
             (batch, seq, vocab_size) logits (vocab-sharded DTensor under loss parallel).
@@ -245,6 +249,8 @@ class Transformer(nn.Module):
             self.last_mtp_loss = mtp_loss(self, tokens, mtp_labels, h, position_ids, cu_seqlens)
         if return_hidden:
             return h
+        if keep is not None and self.output is not None:
+            return self.project(h[keep])
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         return h if self.output is None else self.project(h)
