@@ -115,7 +115,11 @@ def _ours(folder: Path, data: Path, args) -> dict:
         f"--lora.rank={args.lora}", f"--lora.alpha={2 * args.lora}"])  # fmt: skip
     info = init_distributed(device_type="cpu")
     baseline = _rss_mb()
-    trainer = Trainer(cfg, info, data=SFTData, objective=NextToken(), command="sft",
+    # as `mindspeed sft` runs it: logits of the replies only (MINDSPEED_ALL_LOGITS=1: every
+    # position, the figure before A3)
+    every = os.environ.get("MINDSPEED_ALL_LOGITS") == "1"
+    objective = NextToken(supervised_logits_only=not every)
+    trainer = Trainer(cfg, info, data=SFTData, objective=objective, command="sft",
                       **lora_trainer_options(cfg.lora))  # fmt: skip
     samples, start = 0, time.perf_counter()
     for _ in range(cfg.train.steps):
