@@ -213,12 +213,13 @@ def _converted(source: Path, out: Path, capsys) -> Path:
 # -- bad input: one line, exit 2, nothing written ---------------------------------------
 
 
-def _torch_dist(root: Path, common: dict) -> None:
+def _torch_dist(root: Path, common: dict, optimizer_keys=()) -> None:
     """A torch_dist save as Megatron lays it out (DCP tensors, common.pt), written here."""
     import torch.distributed.checkpoint as dcp
 
     folder = root / "iter_0000001"
-    tensors = {"embedding.word_embeddings.weight": torch.zeros(mm.VOCAB, mm.HIDDEN)}
+    name = "embedding.word_embeddings.weight"
+    tensors = {key: torch.zeros(mm.VOCAB, mm.HIDDEN) for key in (name, *optimizer_keys)}
     dcp.save(tensors, checkpoint_id=str(folder), no_dist=True)
     args = mm._megatron_args(1, 1)
     args.ckpt_format = "torch_dist"
@@ -232,6 +233,7 @@ def _torch_dist(root: Path, common: dict) -> None:
         ("no_optimizer", "common.pt holds no optimizer state"),
         ("distributed", "the distributed optimizer's state (param_state_sharding_type="),
         ("no_moments", "its .metadata holds no optimizer.state.exp_avg.*"),
+        ("mixed_precision", "optimizer.state.fp32_param.embedding.word_embeddings.weight: mixed"),
         ("legacy", "mp_rank_00/model_optim_rng.pt: --with-optimizer converts torch_dist"),
     ],
 )
@@ -244,8 +246,11 @@ def test_with_optimizer_refuses_what_it_cannot_carry(tmp_path, capsys, case, exp
             "no_optimizer": None,
             "distributed": {"param_state_sharding_type": "dp_reshardable", "param_groups": []},
             "no_moments": {"state": {"common_step": torch.tensor(1.0)}, "param_groups": []},
+            "mixed_precision": {"state": {}, "param_groups": [{"step": 1}]},
         }[case]
-        _torch_dist(root, {} if optimizer is None else {"optimizer": optimizer})
+        keys = [f"optimizer.state.{k}.embedding.word_embeddings.weight"
+                for k in ("exp_avg", "exp_avg_sq", "fp32_param")] if case == "mixed_precision" else []
+        _torch_dist(root, {} if optimizer is None else {"optimizer": optimizer}, keys)
     code, err = _cli(capsys, "--input", root, "--output", tmp_path / "out", "--to",
                      "mindspeed", "--with-optimizer")
     assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
