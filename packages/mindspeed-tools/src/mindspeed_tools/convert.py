@@ -5,6 +5,7 @@
     mindspeed convert --input LORA_RUN_CKPT --output HF_OUT --to hf --merge-lora
     mindspeed convert --input LORA_RUN_CKPT --output PEFT_OUT --to peft
     mindspeed convert --input MEGATRON_SAVE --output OUT --to hf [--tokenizer DIR]
+    mindspeed convert --input MEGATRON_SAVE --output OUT --to mindspeed --with-optimizer
     mindspeed convert --input HF_DIR --output MEGATRON_SAVE --to megatron --tp 2 --pp 2
 
 A MindSpeed checkpoint is a DCP checkpoint: every tensor is stored once, under its
@@ -29,7 +30,9 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,7 +42,7 @@ from mindspeed_core.checkpoint import LATEST
 from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.distributed import setup_logging
-from mindspeed_core.errors import ConfigError, disk_full_error, is_disk_full
+from mindspeed_core.errors import CheckpointError, ConfigError, disk_full_error, is_disk_full
 from mindspeed_core.files import check_folder, owned_temp_prefix, remove_stale_temps
 from mindspeed_core.parallel import ParallelConfig
 from mindspeed_llm.loading import ModelSource, checkpoint_source, load_model
@@ -49,7 +52,7 @@ from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.registry import get_model_spec
 from mindspeed_llm.models.weight_check import check_weights, model_shapes
 from mindspeed_llm.peft.checkpoint import run_lora, write_peft_adapter
-from mindspeed_tools import megatron, megatron_save
+from mindspeed_tools import megatron, megatron_optim, megatron_save
 from mindspeed_tools.dcp_stream import load_streaming, save_streaming
 
 logger = logging.getLogger("mindspeed.convert")
@@ -71,7 +74,22 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
+OPTIMIZER_KEY = "optimizer"
+
+
 # -- Hugging Face -> MindSpeed ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdamSource:
+    """Adam's state to write next to the weights (`--from megatron --with-optimizer`)."""
+
+    moments: dict[str, Path]
+    """"exp_avg" / "exp_avg_sq" -> a folder of safetensors under Hugging Face names."""
+    step: int
+    """Adam's step count, every parameter's `step`."""
+    iteration: int
+    """The training step the checkpoint holds: it is written as `step_<iteration>`."""
 
 
 def hf_to_mindspeed(
@@ -83,12 +101,16 @@ def hf_to_mindspeed(
     ep: int = 1,
     dtype: torch.dtype | None = None,
     origin: str | Path | None = None,
+    adam: AdamSource | None = None,
 ) -> Path:
     """Convert the Hugging Face folder `source` into a MindSpeed checkpoint at `output`.
 
     Writes `output/step_0` (DCP, the `model` state under ModelState's names), `latest`,
     `mindspeed_manifest.json` and copies of config.json, generation_config.json and the
-    tokenizer files. Tensors keep their dtype unless `dtype` is given.
+    tokenizer files. Tensors keep their dtype unless `dtype` is given. With `adam`, the
+    folder is `step_<iteration>` and also holds the optimizer's state as a trainer saves
+    it (`optimizer.state.<param>.exp_avg|exp_avg_sq|step`, moments in their stored dtype),
+    which `mindspeed pretrain` resumes from (`mindspeed_llm.train.run_dir`).
 
     Raises:
         ConfigError / CheckpointError: bad source (named); LayoutError: a layout
@@ -100,20 +122,25 @@ def hf_to_mindspeed(
     check_weights(source, weights.shapes, model_shapes(config), weights.renamed)
     prefix = ckpt.MODEL_KEY + "."
     shapes = {prefix + n: (dtype or d, shape) for n, (d, shape) in weights.shapes.items()}
+    stored = sorted({str(d).removeprefix("torch.") for d, _ in shapes.values()})
+    readers = _adam_plan(adam, config, weights) if adam is not None else {}
+    shapes.update({fqn: entry for fqn, (entry, _) in readers.items()})
+    step = STEP if adam is None else f"step_{adam.iteration}"
 
     bar = _progress(len(shapes), "hf -> mindspeed")
 
     def read(fqn: str) -> torch.Tensor:
-        tensor = weights.get(fqn[len(prefix) :])
         bar.update(1)
+        if fqn in readers:
+            return readers[fqn][1]()
+        tensor = weights.get(fqn[len(prefix) :])
         return tensor if dtype is None else tensor.to(dtype)
 
     needed = sum(torch.Size(shape).numel() * d.itemsize for d, shape in shapes.values())
     with _staging(output, needed) as tmp, bar:
-        save_streaming(tmp / STEP, shapes, read)
-        (tmp / LATEST).write_text(STEP + "\n")
+        save_streaming(tmp / step, shapes, read)
+        (tmp / LATEST).write_text(step + "\n")
         copied = _copy_hf_files(Path(source), tmp)
-        stored = sorted({str(d).removeprefix("torch.") for d, _ in shapes.values()})
         manifest = {
             "format": ckpt.MANIFEST_FORMAT,
             "version": ckpt.MANIFEST_VERSION,
@@ -124,9 +151,36 @@ def hf_to_mindspeed(
             "source": str(Path(origin or source).resolve()),
             "files": ["config.json", *copied],
         }
+        if adam is not None:
+            manifest["optimizer"] = {"adam_step": adam.step, "iteration": adam.iteration}
         (tmp / ckpt.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     logger.info("wrote %s (%d tensors, layout tp=%d pp=%d ep=%d)", output, len(shapes), tp, pp, ep)
     return Path(output)
+
+
+def _adam_plan(
+    adam: AdamSource, config, weights: hf_io.HFWeights
+) -> dict[str, tuple[tuple[torch.dtype, tuple[int, ...]], Callable[[], torch.Tensor]]]:
+    """The optimizer's flattened state keys -> ((dtype, shape), reader): both moments and
+    the step of every tensor `weights` holds, under the same names as the model's.
+
+    Raises:
+        CheckpointError: a weight without its moment, or a moment without its weight.
+    """
+    plan = {}
+    for kind, folder in adam.moments.items():
+        moments = hf_io.HFWeights(folder, config)
+        odd = sorted(moments.shapes.keys() ^ weights.shapes.keys())
+        if odd:
+            raise CheckpointError(
+                f"{adam.moments[kind]}: {odd[0]} has a weight or a {kind} but not both"
+            )
+        for name, entry in moments.shapes.items():
+            plan[f"{OPTIMIZER_KEY}.state.{name}.{kind}"] = (entry, partial(moments.get, name))
+    step = partial(torch.tensor, float(adam.step), dtype=torch.float32)  # as torch's Adam keeps it
+    for name in weights.shapes:
+        plan[f"{OPTIMIZER_KEY}.state.{name}.step"] = ((torch.float32, ()), step)
+    return plan
 
 
 # -- MindSpeed -> Hugging Face ------------------------------------------------------------
@@ -336,18 +390,43 @@ def megatron_to_mindspeed(
     pp: int = 1,
     ep: int = 1,
     dtype: torch.dtype | None = None,
+    with_optimizer: bool = False,
 ) -> Path:
     """A Megatron save folder -> a MindSpeed checkpoint, through a Hugging Face folder
-    staged next to `output` (removed afterwards), so both routes share every check."""
+    staged next to `output` (removed afterwards), so both routes share every check.
+
+    `with_optimizer`: Adam's moments and step come too (`megatron_optim`), renamed as the
+    weights are, into `step_<Megatron's iteration>`; `mindspeed pretrain` with
+    `checkpoint.load` of it goes on from that step (see `mindspeed_llm.train.run_dir`).
+    """
     out = Path(output)
     check_folder(out.parent, "--output's folder")
-    staged = out.parent / f"{owned_temp_prefix(out.name)}hf"
+    adam = megatron_optim.read_adam(source) if with_optimizer else None  # refusals write nothing
+    temp = f"{owned_temp_prefix(out.name)}"
+    staged = out.parent / f"{temp}hf"
+    folders = {kind: out.parent / f"{temp}{kind}" for kind in megatron_optim.MOMENTS}
     try:
         megatron_to_hf(source, staged, tokenizer=tokenizer)
-        hf_to_mindspeed(staged, out, tp=tp, pp=pp, ep=ep, dtype=dtype, origin=source)
+        source_adam = None
+        if adam is not None:
+            for kind, folder in folders.items():
+                _stage_tensors(folder, adam.moments[kind])
+            source_adam = AdamSource(moments=folders, step=adam.step, iteration=adam.iteration)
+            del adam
+        hf_to_mindspeed(
+            staged, out, tp=tp, pp=pp, ep=ep, dtype=dtype, origin=source, adam=source_adam
+        )
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        for folder in (staged, *folders.values()):
+            shutil.rmtree(folder, ignore_errors=True)
     return out
+
+
+def _stage_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """`tensors` as a folder of safetensors (read back through `hf_io.HFWeights`)."""
+    folder.mkdir()
+    entries = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    _write_safetensors(folder, tensors, entries, plan_shards(entries, 5 * 10**9), None)
 
 
 def hf_to_megatron(
@@ -553,6 +632,11 @@ def _parser() -> argparse.ArgumentParser:
         "--pp", type=int, default=1, help="pp degree to check (--to megatron: to write)"
     )
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree to validate")
+    p.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="--from megatron --to mindspeed: carry Adam's moments and step (torch_dist saves)",
+    )
     p.add_argument("--dtype", choices=tuple(DTYPES), default="keep", help="stored dtype")
     p.add_argument("--max-shard-size", default="5GB", help="--to hf: largest safetensors file")
     return p
@@ -569,6 +653,8 @@ def main(argv: list[str]) -> int:
         source_format = "megatron"
     if args.tokenizer is not None and source_format != "megatron":
         raise ConfigError("--tokenizer applies to --from megatron only")
+    if args.with_optimizer and (source_format != "megatron" or args.to != "mindspeed"):
+        raise ConfigError("--with-optimizer applies to --from megatron --to mindspeed only")
     if source_format == "megatron":
         if args.to == "peft" or args.merge_lora:
             raise ConfigError("--from megatron converts to --to hf or --to mindspeed")
@@ -583,6 +669,7 @@ def main(argv: list[str]) -> int:
                 pp=args.pp,
                 ep=args.ep,
                 dtype=dtype,
+                with_optimizer=args.with_optimizer,
             )
         else:
             if (args.tp, args.pp, args.ep) != (1, 1, 1):

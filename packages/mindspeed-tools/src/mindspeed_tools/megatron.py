@@ -456,8 +456,20 @@ def _read_torch_dist(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
         raise CheckpointError(f"{folder}: its .metadata holds no model tensors (decoder.layers.*)")
     stacked: dict[str, torch.Tensor] = {}
     load_streaming(folder, shapes, stacked.__setitem__)
+    return args, unstack_layers(stacked, _arg(args, "num_layers", folder / COMMON_FILE), folder)
+
+
+def unstack_layers(
+    stacked: Mapping[str, torch.Tensor], num_layers: int, folder: Path
+) -> dict[str, torch.Tensor]:
+    """torch_dist's tensors (homogeneous layers stacked along a leading axis, experts along
+    a second) under per-layer (and per-expert) names. The optimizer's moments, saved in the
+    weights' layout, go through here too (`megatron_optim`).
+
+    Raises:
+        CheckpointError: a layer tensor whose leading axis is not `num_layers` (named).
+    """
     merged = {}
-    num_layers = _arg(args, "num_layers", folder / COMMON_FILE)
     for name, tensor in stacked.items():
         rest = name.removeprefix("decoder.layers.")
         if name in _TOP_NAMES or _LAYER.match(name):
@@ -474,7 +486,7 @@ def _read_torch_dist(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
             raise CheckpointError(
                 f"{folder}: {name} has shape {tuple(tensor.shape)}, not {num_layers} stacked layers"
             )
-    return args, merged
+    return merged
 
 
 # -- Megatron names -> Hugging Face ------------------------------------------------------------

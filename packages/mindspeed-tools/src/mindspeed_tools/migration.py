@@ -67,7 +67,9 @@ ROWS: list[tuple[str, str, str]] = [
     ("--clip-grad", "pretrain:optim.clip_grad", ""),
     # checkpoints and logging
     ("--save DIR / --save-interval N", "pretrain:checkpoint.interval", "checkpoints go to logging.run_dir/checkpoints (or checkpoint.dir)"),
-    ("--load DIR (resume)", "pretrain:checkpoint.load", "auto resumes from the run directory"),
+    ("--load DIR (resume)", "pretrain:checkpoint.load",
+     "auto resumes from the run directory; a Megatron torch_dist save (fp32) goes on from its "
+     "iteration with its Adam state after mindspeed convert --from megatron --with-optimizer"),
     ("--no-load-optim --no-load-rng --finetune", "not needed",
      "starting from Hugging Face weights (model.hf_path) never loads an optimizer"),
     ("--exit-interval N", "pretrain:train.exit_at_step", ""),

@@ -4,6 +4,7 @@ from mindspeed_core.optim.clip import clip_grad_norm_, total_grad_norm
 from mindspeed_core.optim.config import OptimConfig
 from mindspeed_core.optim.loss_scale import DynamicLossScaler
 from mindspeed_core.optim.optimizer import (
+    OptimizerMoments,
     OptimizersContainer,
     build_optimizers,
     check_adamw_args,
@@ -21,6 +22,7 @@ __all__ = [
     "DynamicLossScaler",
     "LRSchedulersContainer",
     "OptimConfig",
+    "OptimizerMoments",
     "OptimizersContainer",
     "build_lr_schedulers",
     "build_optimizers",

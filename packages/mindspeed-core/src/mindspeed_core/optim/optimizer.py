@@ -157,6 +157,23 @@ class OptimizersContainer(Stateful):
             set_optimizer_state_dict(model, opt, own, options=options)
 
 
+class OptimizerMoments(Stateful):
+    """The per-parameter state of an `OptimizersContainer` (Adam's moments and step) without
+    its parameter groups: a checkpoint converted from another framework carries the state,
+    while lr, betas, eps and weight decay stay as this run's config sets them."""
+
+    def __init__(self, optimizers: OptimizersContainer):
+        self.optimizers = optimizers
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.optimizers.state_dict().items() if k.startswith("state.")}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        merged = self.optimizers.state_dict()  # this run's parameter groups
+        merged.update(state_dict)
+        self.optimizers.load_state_dict(merged)
+
+
 def build_optimizers(model_parts: nn.Module | Sequence[nn.Module], **kwargs) -> OptimizersContainer:
     """An `OptimizersContainer` over one module or a list of pipeline-stage modules."""
     parts = [model_parts] if isinstance(model_parts, nn.Module) else list(model_parts)

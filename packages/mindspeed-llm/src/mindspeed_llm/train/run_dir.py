@@ -10,7 +10,12 @@
 
 `resume` applies `checkpoint.load`: the run's own checkpoints win (running the same
 command again continues the run), else a given folder, where one holding only model
-weights (a `mindspeed convert` output) starts a fresh run at step 0.
+weights (a `mindspeed convert` output) starts a fresh run at step 0, and one holding the
+model and the optimizer's state alone (`mindspeed convert --from megatron
+--with-optimizer`, at `step_<N>`) goes on from step N: the weights, Adam's moments and
+step count load; the LR schedule stands at step N of this run's schedule; lr, betas, eps
+and weight decay are this run's config; the data starts at the beginning of this run's
+data (Megatron's sample order is its own), the random generators fresh.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from mindspeed_core.checkpoint.steps import checkpoint_root, parse_step, step_di
 from mindspeed_core.config import dump_yaml
 from mindspeed_core.distributed import is_rank0
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.optim import OptimizerMoments
 from mindspeed_core.training import MetricsWriter, RunLock, acquire_run_lock, release_all
 from mindspeed_core.training.run_lock import LOCK_FILE
 from mindspeed_llm.models import checkpoint_io
@@ -127,11 +133,29 @@ def _load_from(path: Path, states: dict[str, Stateful]) -> int | None:
         step = CheckpointManager(states, root).latest_step()
     if step is None:
         raise ConfigError(f"checkpoint.load={path} holds no checkpoint")
-    if checkpoint_io.saved_states(step_dir(root, step)) == {"model"}:
-        model = states["model"]
-        if getattr(model, "trainable_only", False):  # adapters: the checkpoint is their base
+    saved = checkpoint_io.saved_states(step_dir(root, step))
+    model = states["model"]
+    adapters = getattr(model, "trainable_only", False)
+    if saved == {"model", "optimizer"} and not adapters:
+        return _load_converted_training(root, step, states)
+    if saved in ({"model"}, {"model", "optimizer"}):
+        if adapters:  # adapters: the checkpoint is their base (its optimizer state is not theirs)
             model = ModelState(model.model_parts, frozen_only=True)
         CheckpointManager({"model": model}, root).load(step)
         logger.info("loaded the model weights of %s; training starts at step 0", path)
         return None
     return CheckpointManager(states, root).load(step)
+
+
+def _load_converted_training(root: Path, step: int, states: dict[str, Stateful]) -> int:
+    """Weights and Adam's state of a converted training checkpoint; the step counter and
+    the LR schedule set to its step (see the module doc)."""
+    moments = OptimizerMoments(states["optimizer"])
+    CheckpointManager({"model": states["model"], "optimizer": moments}, root).load(step)
+    states["train"].step = step
+    states["scheduler"].load_state_dict({"last_epoch": step})
+    logger.info(
+        "loaded the weights and optimizer state of %s; training goes on from step %d "
+        "(the data from its beginning)", root / f"step_{step}", step,
+    )
+    return step
