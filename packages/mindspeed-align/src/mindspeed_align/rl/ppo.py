@@ -194,7 +194,7 @@ class PPOStep(GRPOStep):
             return TrainStep.__call__(self, mini, schedule=last)
 
         result = self.updates(rollout.batch, micro, keep, update)
-        critic = combine_results(critics, [0] * len(critics))
+        critic = critics[0] if len(critics) == 1 else combine_results(critics, [0] * len(critics))
         result.metrics.update(self._rollout_metrics(rollout, len(keep), mismatch))
         if self.rl.kl_in_reward:  # the objective's KL is 0: report the reward's
             result.metrics["kl"] = self._dp_sum(kl_sum) / max(self._dp_sum(kl_count), 1.0)
