@@ -1,10 +1,13 @@
 """Context parallel attention equals full attention on one process (fp32, gloo ranks):
 outputs and dq/dk/dv for ring, Ulysses and hybrid, causal rows and packed documents, GQA
 (including fewer kv heads than Ulysses ranks) and sliding windows in every mode, with the
-ring's backward from merged statistics and by recompute."""
+ring's backward from merged statistics and by recompute; attention sinks (gpt-oss) against
+transformers' own gpt-oss attention, their gradient summed over the cp ranks."""
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from mindspeed_core.errors import ParallelError
 from mindspeed_core.parallel import (
@@ -39,14 +42,45 @@ def _reference(q, k, v, w, cu, window=None):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _check_packed(context, rank, cp, heads, kv_heads, window=None):
+def _hf_sinks_reference(q, k, v, w, cu, window, sinks):
+    """transformers' gpt-oss eager attention (sinks), one document at a time."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    q, k, v, sinks = (t.clone().requires_grad_() for t in (q, k, v, sinks))
+    module = nn.Module()
+    module.sinks, module.training = sinks, False
+    module.num_key_value_groups = q.shape[1] // k.shape[1]
+    outs = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        i, j = torch.arange(b - a)[:, None], torch.arange(b - a)[None, :]
+        allowed = (j <= i) if window is None else (j <= i) & (i - j < window)
+        mask = torch.zeros(b - a, b - a).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        heads_first = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+        out, _ = eager_attention_forward(module, *heads_first, mask, scaling=q.shape[-1] ** -0.5)
+        outs.append(out[0])
+    out = torch.cat(outs)
+    (out * w).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad, sinks.grad
+
+
+def _check_packed(context, rank, cp, heads, kv_heads, window=None, sinks=False):
     """Packed documents, each zig-zagged on its own; compare on this rank's tokens."""
     q, k, v, w = _inputs(int(CU[-1]), heads, kv_heads)
-    want = _reference(q, k, v, w, CU, window)
+    extra = {}
+    if sinks:
+        extra["sinks"] = torch.randn(heads, generator=torch.Generator().manual_seed(3)) * 2
+        *want, want_sinks = _hf_sinks_reference(q, k, v, w, CU, window, extra["sinks"])
+        extra["sinks"].requires_grad_()
+    else:
+        want = _reference(q, k, v, w, CU, window)
     index, local_cu = packed_shard_index(CU, rank, cp)
     local = [gather_tokens(t, index).requires_grad_() for t in (q, k, v)]
-    out = context(*local, cu_seqlens=local_cu, window=window)
+    out = context(*local, cu_seqlens=local_cu, window=window, **extra)
     (out * gather_tokens(w, index)).sum().backward()
+    if sinks:  # each rank holds part of the rows (and under Ulysses, of the heads)
+        grad = extra["sinks"].grad.clone()
+        dist.all_reduce(grad)
+        torch.testing.assert_close(grad, want_sinks, **TOL)
     real = index >= 0
     torch.testing.assert_close(out[real], gather_tokens(want[0], index)[real], **TOL)
     for got, expected in zip(local, want[1:], strict=True):
@@ -94,6 +128,9 @@ def _modes(world):
                                 attention_bwd_fn=None)  # fmt: skip
     _check_packed(recompute, rank, world, 8, 1)
     _check_packed(recompute, rank, world, 4, 2, window=3)
+    for mode, context in contexts.items():  # attention sinks join the merge once
+        _check_packed(context, rank, world, 4, 2, window=3 if mode == "ring" else None, sinks=True)
+    _check_packed(recompute, rank, world, 4, 2, sinks=True)
     return checked
 
 

@@ -7,8 +7,11 @@ Layouts: batched q (batch, seq, heads_q, head_dim), k (batch, seq, heads_kv, hea
 `cu_seqlens` (num_seqs + 1,) cumulative lengths starting at 0. Query head h reads key/value
 head h // (heads_q // heads_kv). With d = i + offset - j (offset 0 unless `offsets` is given),
 query i may see key j when d >= 0 (causal) and |d| < window (if a window is set). A soft cap c
-turns the scores s into c * tanh(s / c) before the mask (Gemma 2).
-lse is fp32, (batch, heads_q, seq) or (heads_q, tokens), and it is differentiable.
+turns the scores s into c * tanh(s / c) before the mask (Gemma 2). Attention sinks (gpt-oss):
+a learned logit per query head joins every row's softmax denominator as a key with a zero
+value, so a row may give part of its weight to nothing.
+lse is fp32, (batch, heads_q, seq) or (heads_q, tokens), and it is differentiable; with sinks
+it includes them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from mindspeed_ops.validate import check_cu_seqlens, check_float, check_index, c
 # -- the oracle ----------------------------------------------------------------------------
 
 
-def _segment_reference(q, k, v, causal, window, softcap, scale, offset):
+def _segment_reference(q, k, v, causal, window, softcap, scale, offset, sinks=None):
     """q (sq, hq, d), k (sk, hkv, d), v (sk, hkv, dv) -> out (sq, hq, dv), lse (hq, sq)."""
     group = q.shape[1] // k.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 math, fp64 for fp64 inputs
@@ -36,15 +39,20 @@ def _segment_reference(q, k, v, causal, window, softcap, scale, offset):
         scores = softcap * torch.tanh(scores / softcap)
     mask = kernels.allowed(q.shape[0], k.shape[0], causal, window, offset, q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # one more column per row: the head's sink logit (its value is 0)
+        sink = sinks.to(acc)[:, None, None].expand(-1, scores.shape[1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
     lse = scores.logsumexp(-1)
     probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row that sees no key: zeros
+    probs = probs if sinks is None else probs[..., :-1]
     out = torch.einsum("hst,thd->shd", probs, vf)
     return out.to(q.dtype), lse.float()
 
 
 def attention_reference(
-    q, k, v, *, causal=True, window=None, cu_seqlens=None, scale=None, softcap=None, offsets=None
-):
+    q, k, v, *, causal=True, window=None, cu_seqlens=None, scale=None, softcap=None, offsets=None,
+    sinks=None,
+):  # fmt: skip
     """The oracle: -> (out, lse), plain PyTorch math in fp32 (fp64 for fp64 inputs; lse is
     returned in fp32), autograd all the way."""
     window = NO_WINDOW if window is None else window
@@ -53,7 +61,7 @@ def attention_reference(
     if cu_seqlens is None:
         offs = [0] * len(q) if offsets is None else offsets.tolist()
         pieces = [
-            _segment_reference(q[b], k[b], v[b], causal, window, softcap, scale, offs[b])
+            _segment_reference(q[b], k[b], v[b], causal, window, softcap, scale, offs[b], sinks)
             for b in range(len(q))
         ]
         return torch.stack([o for o, _ in pieces]), torch.stack([s for _, s in pieces])
@@ -62,7 +70,7 @@ def attention_reference(
     out = q.new_zeros(*q.shape[:2], v.shape[-1])
     lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     pieces = [
-        _segment_reference(q[a:b], k[a:b], v[a:b], causal, window, softcap, scale, offs[i])
+        _segment_reference(q[a:b], k[a:b], v[a:b], causal, window, softcap, scale, offs[i], sinks)
         for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
         if b > a
     ]
@@ -87,14 +95,17 @@ def _attention_fwd(
     softcap: float,
     scale: float,
     kernel: str,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Packed q (tokens_q, hq, d), k (tokens_k, hkv, d), v (tokens_k, hkv, dv) ->
     (out (tokens_q, hq, dv), lse (hq, tokens_q) fp32)."""
-    return kernels.forward(kernel, q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale)
+    out, lse = kernels.forward(kernel, q, k, v, cu_q, cu_k, offsets, causal, window, softcap,
+                               scale)  # fmt: skip
+    return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale, kernel):
+def _(q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale, kernel, sinks=None):
     out = q.new_empty(*q.shape[:2], v.shape[-1])
     return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
@@ -129,27 +140,57 @@ def _(dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal, window, softca
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale, kernel = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, offsets)
+    q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale, kernel, sinks = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, offsets, sinks)
     ctx.options = causal, window, softcap, scale, kernel
     ctx.set_materialize_grads(False)  # an unused lse has no gradient (the common case)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k, offsets = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, offsets, sinks = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout.contiguous()
     dlse = None if dlse is None else dlse.contiguous()
-    dq, dk, dv = _attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    # With sinks, out and lse already include them: the kernels' backward from these merged
+    # statistics gives exact dq, dk, dv (a sink is one more key whose value is 0).
+    causal, window, softcap, scale, kernel = ctx.options
+    kernel = kernel if sinks is None else kernels.from_statistics(kernel)
+    dq, dk, dv = _attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal,
+                                window, softcap, scale, kernel)  # fmt: skip
+    dsinks = None if sinks is None else sink_grad(dout, dlse, out, lse, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+# -- sinks ---------------------------------------------------------------------------------
+
+
+def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Fold per-head sink logits into packed attention results: out (tokens, heads, dv) and
+    lse (heads, tokens) over the keys -> the same over the keys and the sink (a key whose
+    value is 0): lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'). Differentiable."""
+    sink = sinks.float()[:, None]
+    merged = torch.logaddexp(lse, sink)
+    weight = (lse - merged).exp()  # exp(-inf) = 0 for a row that saw no key
+    return (out.float() * weight.T[..., None]).to(out.dtype), merged
+
+
+def sink_grad(dout: Tensor, dlse: Tensor | None, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d loss / d sinks of packed attention from its merged out and lse (sinks included):
+    the sink's probability p = exp(sink - lse) times its value gradient minus the row term,
+    -p <dout, out>, plus p dlse, summed over the tokens."""
+    p = (sinks.float()[:, None] - lse).exp()  # (heads, tokens)
+    grad = -(p * (dout.float() * out.float()).sum(-1).T)
+    if dlse is not None:
+        grad = grad + p * dlse
+    return grad.sum(-1).to(sinks.dtype)
+
+
 # -- validation ----------------------------------------------------------------------------
 
 
-def _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets):
+def _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets, sinks=None):
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(name, t)
         check_same_device(name, t, q)
@@ -190,6 +231,12 @@ def _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets):
         if offsets.shape != (count,):
             raise ValueError(f"offsets must have one entry per sequence ({count}), got shape "
                              f"{tuple(offsets.shape)}")  # fmt: skip
+    if sinks is not None:
+        check_float("sinks", sinks)
+        check_same_device("sinks", sinks, q)
+        if sinks.shape != (q.shape[-2],):
+            raise ValueError(f"sinks must hold one logit per query head ({q.shape[-2]},), got "
+                             f"shape {tuple(sinks.shape)}")  # fmt: skip
 
 
 def _packed(q, k, v, cu_seqlens):
@@ -216,6 +263,7 @@ def attention(
     scale: float | None = None,
     softcap: float | None = None,
     offsets: Tensor | None = None,
+    sinks: Tensor | None = None,
     return_lse: bool = False,
     impl: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -230,19 +278,21 @@ def attention(
         softcap: cap the scores at +-softcap with tanh (None: no cap).
         offsets: int (num_seqs,): query i of a sequence sits at i + offset relative to its keys
             (context parallel's ring chunks); None: 0.
+        sinks: (heads_q,) learned logit per query head in every row's softmax denominator
+            (gpt-oss's attention sinks); None: none.
         return_lse: also return the fp32 log-sum-exp per query row and head.
         impl: "auto", "reference", "cpu", "cuda" or "npu".
     """
-    _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets)
+    _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets, sinks)
     backend = resolve_impl(impl, q)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if backend == "reference":
         out, lse = attention_reference(
             q, k, v, causal=causal, window=window, cu_seqlens=cu_seqlens, scale=scale,
-            softcap=softcap, offsets=offsets,
+            softcap=softcap, offsets=offsets, sinks=sinks,
         )  # fmt: skip
         return (out, lse) if return_lse else out
-    plain = window is None and softcap is None and offsets is None
+    plain = window is None and softcap is None and offsets is None and sinks is None
     if cu_seqlens is None and plain and not return_lse and q.shape[-1] == v.shape[-1]:
         # Plain batched attention: torch's fused SDPA kernels (flash/efficient/CPU flash).
         out = F.scaled_dot_product_attention(
@@ -257,10 +307,11 @@ def attention(
     kernel = kernels.choose(backend, qp, vp, window_arg, cap, offsets)
     args = (qp.contiguous(), kp.contiguous(), vp.contiguous(), cu_q, cu_k, offsets, causal,
             window_arg, cap, scale, kernel)  # fmt: skip
-    if eager_inference(q, k, v):  # no autograd wanted: skip the custom op's dispatch
+    if eager_inference(q, k, v, sinks):  # no autograd wanted: skip the custom op's dispatch
         out, lse = kernels.forward(kernel, *args[:-1])
+        out, lse = (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
     else:
-        out, lse = _attention_fwd(*args)
+        out, lse = _attention_fwd(*args, sinks)
     if batched:
         out = out.view(*q.shape[:2], *out.shape[1:])
         lse = lse.view(-1, q.shape[0], q.shape[1]).transpose(0, 1)
@@ -295,7 +346,7 @@ def attention_backward(
     window_arg = NO_WINDOW if window is None else window
     cap = float(softcap or 0.0)
     kernel = "composed" if backend == "reference" else (
-        kernels.choose(backend, q, v, window_arg, cap, offsets)
+        kernels.from_statistics(kernels.choose(backend, q, v, window_arg, cap, offsets))
     )
     return kernels.backward(
         kernel, dout.contiguous(), None, q.contiguous(), k.contiguous(), v.contiguous(),

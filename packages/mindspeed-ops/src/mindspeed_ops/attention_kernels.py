@@ -53,6 +53,17 @@ def choose(device: str, q: Tensor, v: Tensor, window: int, softcap: float, offse
     return "composed"
 
 
+RECOMPUTING = ("flex", "npu_fusion")
+"""Kernels whose backward recomputes the forward and ignores the given out and lse: right
+only for their own forward's statistics, so a backward from merged ones (context parallel's
+ring blocks, attention sinks) takes the composed kernel instead."""
+
+
+def from_statistics(kernel: str) -> str:
+    """The kernel whose backward honours given (merged) out and lse, for `kernel`."""
+    return "composed" if kernel in RECOMPUTING else kernel
+
+
 def forward(kernel, q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale):
     return _FORWARD[kernel](q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale)
 

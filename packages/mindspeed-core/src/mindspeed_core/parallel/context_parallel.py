@@ -21,7 +21,7 @@ block gradients from merged out/lse), so mindspeed-core needs no kernels of its 
 defaults are plain PyTorch. Backward: the Ulysses all-to-alls are differentiable (`cp_comm`);
 the ring is one autograd Function (`ring_attention`) that keeps only local tensors and sends
 dK/dV round the ring. Windows work in every mode (the ring passes each chunk pair's offset) and
-so do soft-capped scores.
+so do soft-capped scores and attention sinks (`sinks`: merged once, after every key block).
 """
 
 from __future__ import annotations
@@ -230,6 +230,13 @@ def reference_attention_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def merge_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """Packed attention out (tokens, heads, dv) over the keys with lse (heads, tokens) ->
+    the out over the keys and the per-head sink logits (keys whose value is 0)."""
+    weight = torch.sigmoid(lse - sinks.float()[:, None])  # exp(lse - logaddexp(lse, sink))
+    return (out.float() * weight.T[..., None]).to(out.dtype)
+
+
 def _ulysses_order(cu: list[int], size: int, device) -> Tensor:
     """After the all-to-all the tokens are [rank 0's, rank 1's, ...]; this index puts each
     document in the group's zig-zag order: first chunks ascending, second descending."""
@@ -276,6 +283,7 @@ class ContextParallel:
         cu_seqlens: Tensor | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Causal attention of this rank's queries over the whole sequence.
 
@@ -285,6 +293,8 @@ class ContextParallel:
                 from `packed_shard_index`.
             window: sliding window.
             softcap: cap the scores at +-softcap with tanh (soft-capped logits).
+            sinks: (heads,) logits, one per query head, in every row's softmax denominator
+                (gpt-oss's attention sinks); None: none.
         """
         batched = cu_seqlens is None
         if batched:
@@ -298,30 +308,34 @@ class ContextParallel:
                 "context parallel needs every local sequence/document to hold two zig-zag "
                 "chunks (an even token count); shard with shard_sequence or packed_shard_index"
             )
-        out = self._attend(q, k, v, cu, window, scale, softcap)
+        out = self._attend(q, k, v, cu, window, scale, softcap, sinks)
         return out.view(batch, seq, *out.shape[1:]) if batched else out
 
-    def _attend(self, q, k, v, cu, window, scale, softcap):
+    def _attend(self, q, k, v, cu, window, scale, softcap, sinks=None):
         ulysses = 1 if self.ulysses_group is None else dist.get_world_size(self.ulysses_group)
         if ulysses > 1:
             check_cp_heads(q.shape[1], k.shape[1], ulysses)
             if k.shape[1] < ulysses:  # GQA with fewer kv heads than ranks: repeat them
                 k, v = (t.repeat_interleave(ulysses // t.shape[1], 1) for t in (k, v))
+            if sinks is not None:  # this rank now holds a slice of the heads
+                sinks = sinks.chunk(ulysses)[dist.get_rank(self.ulysses_group)]
             order = _ulysses_order(cu, ulysses, q.device)
             q, k, v = (SeqToHeads.apply(t, self.ulysses_group)[order] for t in (q, k, v))
             cu = [c * ulysses for c in cu]
         if self.ring_group is not None and dist.get_world_size(self.ring_group) > 1:
             kernels = (self.attention_fn, self.attention_bwd_fn)
             out = RingAttention.apply(
-                q, k, v, cu, self.ring_group, kernels, scale, window, softcap
+                q, k, v, cu, self.ring_group, kernels, scale, window, softcap, sinks
             )
         else:
             cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
             extra = {} if softcap is None else {"softcap": softcap}
-            out, _ = self.attention_fn(
+            out, lse = self.attention_fn(
                 q, k, v, causal=True, window=window, cu_seqlens=cu_t, scale=scale,
                 return_lse=True, **extra,
             )  # fmt: skip
+            if sinks is not None:  # through the (differentiable) lse of the whole sequence
+                out = merge_sinks(out, lse, sinks)
         if ulysses > 1:
             out = HeadsToSeq.apply(out[torch.argsort(order)], self.ulysses_group)
         return out

@@ -14,6 +14,10 @@ gradients come from the injected backward kernel given the merged out and lse (f
 style; or, without one, from recomputing the block and differentiating through the merge), and
 after the last step the accumulators take one more step home to their owner.
 
+Attention sinks (a learned logit per head in every row's softmax denominator, gpt-oss) join
+the merge once, after the last block, as a key whose value is 0; the blocks' backward from the
+merged statistics is then exact as it stands, and the sinks' own gradient comes from them too.
+
 A sliding window needs true positions: every call is then one chunk pair, with the query
 chunk's distance after the key chunk passed as per-document `offsets`.
 """
@@ -112,10 +116,11 @@ def _options(block: Block, scale, window, softcap) -> dict:
 
 
 class RingAttention(torch.autograd.Function):
-    """out = causal attention of local q over the K/V of every rank of `group`."""
+    """out = causal attention of local q over the K/V of every rank of `group` (and over
+    `sinks`, (heads,) logits, if given)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, group, kernels, scale, window, softcap):
+    def forward(ctx, q, k, v, cu, group, kernels, scale, window, softcap, sinks=None):
         attention_fn = kernels[0]
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         first, second, cu_half, half = _halves(cu, q.device)
@@ -135,14 +140,17 @@ class RingAttention(torch.autograd.Function):
                 _merge(out, lse, block.rows, *part)
             if pending is not None:
                 kv = wait_many(pending)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # one more "block": the sink logits, with value 0
+            sink_lse = sinks.detach().float()[:, None].expand(-1, q.shape[0])
+            _merge(out, lse, None, torch.zeros_like(out), sink_lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.layout, ctx.group, ctx.kernels = layout, group, kernels
         ctx.scale, ctx.window, ctx.softcap = scale, window, softcap
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -166,8 +174,12 @@ class RingAttention(torch.autograd.Function):
                 kv, dkv = wait_many(pending), shift_many(dkv, group)
         if size > 1:
             dkv = shift_many(dkv, group)  # home to the rank that owns these K/V
+        dsinks = None
+        if sinks is not None:  # -sum over rows of p_sink <dout, out>: the sink's value is 0
+            p_sink = (sinks.float()[:, None] - lse).exp()  # (heads, tokens)
+            dsinks = -(p_sink * (dout.float() * out).sum(-1).T).sum(-1).to(sinks.dtype)
         return (dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None,
-                None, None)  # fmt: skip
+                None, None, dsinks)  # fmt: skip
 
 
 def _block_grads(kernels, options, q, k, v, dout, out, lse):
