@@ -97,6 +97,13 @@ MOE = {
             "v_head_dim": 12,
         },
     ),
+    # attention sinks, q/k/v/o biases, alternating windows, YaRN, biased experts whose
+    # gate/up are one interleaved tensor, a clamped SwiGLU (limit low enough to bind)
+    "gpt_oss": (
+        "GptOssConfig",
+        {"num_local_experts": 4, "intermediate_size": 32, "head_dim": 16, "sliding_window": 8,
+         "swiglu_limit": 0.3},
+    ),
 }
 
 
@@ -150,6 +157,7 @@ def _same_config(a: Path, b: Path):
             None,
         ),  # Llama's tensors under its own model type  # renamed norms, fused gate_up, q/k rows permuted for partial RoPE
         ("glm", "40KB"),  # GLM-4-9B-chat: glm4's fused gate_up and q/k rows, no post norms
+        ("gpt_oss", "40KB"),
     ],
 )
 def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):

@@ -164,11 +164,13 @@ class KVCache:
         *,
         scale: float | None = None,
         softcap: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Write k, v (batch, seq, kv_heads, head_dim) of layer `index` at the offset and
         attend q (batch, seq, heads, head_dim) to the cache up to them; same shape as q.
         `scale`: of the scores (default head_dim ** -0.5); `softcap`: scores -> softcap *
-        tanh(scores / softcap) before the mask (Gemma 2, plain PyTorch)."""
+        tanh(scores / softcap) before the mask (Gemma 2); `sinks`: (heads,) logits in every
+        row's softmax denominator (gpt-oss); these two in plain PyTorch."""
         seq = q.shape[1]
         start, end = self.offset, self.offset + seq
         if end > self.max_len:
@@ -177,8 +179,8 @@ class KVCache:
         keys[:, :, start:end] = k.transpose(1, 2)
         values[:, :, start:end] = v.transpose(1, 2)
         mask = self._attention_mask(seq, window, q.device)
-        if softcap is not None:
-            return _softcapped(q, keys[:, :, :end], values[:, :, :end], mask, scale, softcap)
+        if softcap is not None or sinks is not None:
+            return _plain(q, keys[:, :, :end], values[:, :, :end], mask, scale, softcap, sinks)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),  # (batch, heads, seq, head_dim)
             keys[:, :, :end],
@@ -210,19 +212,25 @@ class KVCache:
         return self._mask
 
 
-def _softcapped(q, keys, values, mask, scale, softcap) -> Tensor:
-    """Soft-capped attention of q (batch, seq, heads, d) to cached keys/values (batch,
-    kv_heads, len, d) under a bool mask (None: causal from offset 0)."""
+def _plain(q, keys, values, mask, scale, softcap, sinks) -> Tensor:
+    """Attention of q (batch, seq, heads, d) to cached keys/values (batch, kv_heads, len, d)
+    under a bool mask (None: causal from offset 0), with soft-capped scores and/or sinks."""
     group = q.shape[2] // keys.shape[1]
     keys = keys.float().repeat_interleave(group, dim=1)
     values = values.float().repeat_interleave(group, dim=1)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = q.float().transpose(1, 2) @ keys.transpose(-1, -2) * scale
-    scores = softcap * torch.tanh(scores / softcap)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is None:
         seq, length = scores.shape[-2:]
         mask = torch.ones(seq, length, dtype=torch.bool, device=q.device).tril(length - seq)
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # a last column per head: the sink, dropped after the softmax
+        sink = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
     return (probs @ values).transpose(1, 2).to(q.dtype)
 
 

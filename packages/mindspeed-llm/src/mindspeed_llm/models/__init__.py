@@ -17,6 +17,7 @@ from mindspeed_llm.models import (
     gemma3,
     glm,
     glm4,
+    gpt_oss,
     internlm2,
     internlm3,
     llama,
@@ -56,6 +57,7 @@ for _family in (
     internlm2,
     deepseek_v3,
     deepseek_v2,
+    gpt_oss,
 ):
     register_model(_family.SPEC)
 

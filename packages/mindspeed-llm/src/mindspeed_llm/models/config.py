@@ -189,6 +189,21 @@ class TransformerConfig:
     token t + 1 + k from the main model's hidden state and the embedding of token t + k."""
     mtp_loss_scale: float = 0.1
     """Weight of the mean multi-token-prediction loss over modules in the training loss."""
+    attention_sinks: bool = False
+    """A learned logit per query head in every row's softmax denominator (gpt-oss's
+    `self_attn.sinks`): a key whose value is 0, so a row may attend to nothing."""
+    attention_out_bias: bool = False
+    """A bias on the attention's output projection too (gpt-oss's `attention_bias` biases
+    q, k, v and o; `qkv_bias` the first three)."""
+    router_bias: bool = False
+    """The router's logits have a learned bias (gpt-oss)."""
+    expert_bias: bool = False
+    """Every routed expert's projections have biases (gpt-oss)."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped expert activation: gate clamped above at the limit, up to
+    +-limit, out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: SwiGLU."""
+    swiglu_alpha: float = 1.702
+    """The sigmoid gain of the clamped activation (only with `swiglu_limit`)."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     ops_impl: str = "auto"
@@ -246,6 +261,21 @@ class TransformerConfig:
         self._check_gemma()
         self._check_moe()
         self._check_mla()
+        self._check_gpt_oss()
+
+    def _check_gpt_oss(self) -> None:
+        if self.swiglu_limit is not None and (
+            not isinstance(self.swiglu_limit, int | float) or self.swiglu_limit <= 0
+        ):
+            raise ConfigError(f"swiglu_limit={self.swiglu_limit!r} must be a positive number or None")
+        if not isinstance(self.swiglu_alpha, int | float) or self.swiglu_alpha <= 0:
+            raise ConfigError(f"swiglu_alpha={self.swiglu_alpha!r} must be a positive number")
+        for name in ("router_bias", "expert_bias", "swiglu_limit"):
+            if getattr(self, name) not in (None, False) and not self.num_experts:
+                raise ConfigError(f"{name} needs routed experts (num_experts > 0)")
+        if self.kv_lora_rank is not None and (self.attention_sinks or self.attention_out_bias):
+            name = "attention_sinks" if self.attention_sinks else "attention_out_bias"
+            raise ConfigError(f"{name} is not supported with kv_lora_rank (latent attention)")
 
     def _check_gemma(self) -> None:
         if self.hidden_act not in _ACTS:

@@ -1,5 +1,5 @@
-"""Causal self-attention: GQA, optional q/k/v biases, per-head qk RMSNorm, sliding window,
-soft-capped scores, packed documents, context parallel.
+"""Causal self-attention: GQA, optional q/k/v (and o) biases, per-head qk RMSNorm, sliding
+window, soft-capped scores, attention sinks, packed documents, context parallel.
 
 The forward uses local head counts (``view(batch, seq, -1, head_dim)``), so the same module
 runs whole or with wq/wk/wv split by column and wo by row under tensor parallel.
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor, nn
 
+from mindspeed_core.parallel import dtensor
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.config import TransformerConfig
@@ -40,7 +42,10 @@ class Attention(nn.Module):
         self.wq = Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
         self.wk = Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wv = Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
-        self.wo = Linear(q_dim, config.hidden_size, bias=False)
+        self.wo = Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
+        # gpt-oss: one logit per query head in each row's softmax denominator. Under tensor
+        # parallel a DTensor sharded by head like wq's rows (`parallelize.py`).
+        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
         if config.qk_norm:
             offset = config.norm_unit_offset
             self.q_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl, offset=offset)
@@ -54,6 +59,10 @@ class Attention(nn.Module):
             if linear.bias is not None:
                 nn.init.zeros_(linear.bias)
         nn.init.normal_(self.wo.weight, std=out_std)
+        if self.wo.bias is not None:
+            nn.init.zeros_(self.wo.bias)
+        if self.sinks is not None:
+            nn.init.normal_(self.sinks, std=std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
@@ -87,15 +96,15 @@ class Attention(nn.Module):
         cos, sin = rope
         q = rotary_embedding(q, cos, sin, position_ids, impl=self.impl)
         k = rotary_embedding(k, cos, sin, position_ids, impl=self.impl)
+        # Gemma 2's own score scale and soft cap (None: 1/sqrt(head_dim), no cap).
+        options = dict(window=self.sliding_window, scale=self.scale, softcap=self.softcap)
+        if self.sinks is not None:  # this rank's heads' sinks
+            options["sinks"] = dtensor.local(self.sinks)
         if kv_cache is not None:
-            out = kv_cache.attend(
-                q, k, v, window=self.sliding_window, scale=self.scale, softcap=self.softcap
-            )
+            out = kv_cache.attend(q, k, v, **options)
             return self.wo(out.reshape(batch, seq, -1))
         if cu_seqlens is not None:  # packed layout: (batch * seq, heads, head_dim)
             q, k, v = (t.flatten(0, 1) for t in (q, k, v))
-        # Gemma 2's own score scale and soft cap (None: 1/sqrt(head_dim), no cap).
-        options = dict(window=self.sliding_window, scale=self.scale, softcap=self.softcap)
         if self.context_parallel is not None:
             out = self.context_parallel(q, k, v, cu_seqlens=cu_seqlens, **options)
         else:

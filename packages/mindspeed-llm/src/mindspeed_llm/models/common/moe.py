@@ -77,17 +77,21 @@ class Router(nn.Module):
         self.group_score = config.expert_group_score
         self.scaling = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        # gpt-oss: a learned bias on the logits (unlike DeepSeek's choice-only `expert_bias`)
+        self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
         if self.score == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(config.num_experts))
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, std=std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
         if self.score == "sigmoid":
             self.expert_bias.zero_()
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x (tokens, hidden) -> (indices (tokens, k), weights (tokens, k), probs, logits)."""
-        logits = F.linear(x, self.weight).float()  # (tokens, experts)
+        logits = F.linear(x, self.weight, self.bias).float()  # (tokens, experts)
         if self.score == "softmax":
             scores = probs = torch.softmax(logits, dim=-1)
             _, indices = torch.topk(self._limit_groups(scores), self.top_k, dim=-1)
@@ -131,20 +135,43 @@ class GroupedExperts(nn.Module):
     Input rows are sorted by expert; `num_tokens_per_expert` says how many each gets.
     Under expert parallel the weights are DTensors sharded on dim 0 and `apply_ep` hands
     this module only the rows (and counts) of its local experts.
+
+    gpt-oss's experts also have biases (`bias=True`: b1, b3 (num_experts, intermediate)
+    and b2 (num_experts, hidden), sharded like the weights) and a clamped activation
+    (`swiglu_limit`, see `clamped_swiglu`).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: str):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        impl: str,
+        *,
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
+    ):
         super().__init__()
         self.num_experts = num_experts
         self.impl = impl
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.b1 = self.b3 = self.b2 = None
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(num_experts, intermediate_size))
+            self.b3 = nn.Parameter(torch.empty(num_experts, intermediate_size))
+            self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size))
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1, std=std)
         nn.init.normal_(self.w3, std=std)
         nn.init.normal_(self.w2, std=out_std)
+        for b in (self.b1, self.b3, self.b2):
+            if b is not None:
+                nn.init.zeros_(b)
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         # Under expert parallel without FSDP of the experts nothing casts their weights
@@ -153,7 +180,29 @@ class GroupedExperts(nn.Module):
         counts = num_tokens_per_expert
         gate = grouped_matmul(x, w1, counts, impl=self.impl)
         up = grouped_matmul(x, w3, counts, impl=self.impl)
-        return grouped_matmul(swiglu(gate, up, impl=self.impl), w2, counts, impl=self.impl)
+        expert = None
+        if self.b1 is not None:  # each row's expert, to add that expert's biases
+            expert = torch.repeat_interleave(
+                torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0]
+            )
+            gate, up = gate + self._bias(self.b1, expert, x), up + self._bias(self.b3, expert, x)
+        if self.swiglu_limit is not None:
+            hidden = clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
+        else:
+            hidden = swiglu(gate, up, impl=self.impl)
+        out = grouped_matmul(hidden, w2, counts, impl=self.impl)
+        return out if expert is None else out + self._bias(self.b2, expert, x)
+
+    @staticmethod
+    def _bias(bias: Tensor, expert: Tensor, x: Tensor) -> Tensor:
+        return dtensor.local(bias).to(x.dtype)[expert]
+
+
+def clamped_swiglu(gate: Tensor, up: Tensor, limit: float, alpha: float) -> Tensor:
+    """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+    with g = clamp(gate, max=limit)."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
 
 
 class MoE(nn.Module):
@@ -188,8 +237,10 @@ class MoE(nn.Module):
         self.register_buffer("step_stats", torch.zeros(self.num_experts + 3), persistent=False)
         self.router = Router(config)
         self.experts = GroupedExperts(
-            config.num_experts, config.hidden_size, config.moe_intermediate_size, config.ops_impl
-        )
+            config.num_experts, config.hidden_size, config.moe_intermediate_size,
+            config.ops_impl, bias=config.expert_bias, swiglu_limit=config.swiglu_limit,
+            swiglu_alpha=config.swiglu_alpha,
+        )  # fmt: skip
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size:
             self.shared_expert = FeedForward(

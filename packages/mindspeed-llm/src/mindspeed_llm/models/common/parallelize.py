@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
 from mindspeed_core.errors import ConfigError, ParallelError
@@ -208,6 +208,8 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
     tie_embeddings(model)
     if config.qk_norm:
         _replicate_qk_norms(model, tp_mesh)
+    if config.attention_sinks:
+        _shard_sinks(model, tp_mesh)
     if config.kv_lora_rank is not None:
         _replicate_latent_parts(model, tp_mesh)
 
@@ -369,6 +371,14 @@ def _replicate_latent_parts(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             module = getattr(layer.attention, name, None)
             if module is not None:
                 distribute_module(module, tp_mesh)
+
+
+def _shard_sinks(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Attention sinks (one logit per query head) as DTensors sharded by head over the tp
+    mesh, like wq's rows: each rank's attention reads its own heads' sinks."""
+    for layer in model.layers.values():
+        attention = layer.attention
+        attention.sinks = nn.Parameter(distribute_tensor(attention.sinks.data, tp_mesh, [Shard(0)]))
 
 
 def _replicate_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:
