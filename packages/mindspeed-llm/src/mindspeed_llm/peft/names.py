@@ -11,17 +11,27 @@ from mindspeed_llm.models.config import TransformerConfig
 PEFT_PREFIX = "base_model.model."
 """What peft's `PeftModelForCausalLM` puts before the Hugging Face module path."""
 _FACTORS = ("lora_A", "lora_B")
+EXPERT_ADAPTERS = ".experts.adapters."
+"""In the name of a routed expert's adapter (`layers.1.feed_forward.experts.adapters.w1.lora_A`)."""
 
 
 def to_peft_names(keys, config: TransformerConfig) -> dict[str, str]:
     """Our adapter keys -> peft's saved names (adapter name left out, as peft saves them).
 
     Raises:
-        CheckpointError: a key is not an adapter of a layer the family can name.
+        CheckpointError: a key is not an adapter of a layer the family can name, or one of
+            routed experts (no peft export, see below).
     """
     hf = get_model_spec(config.family).hf_adapter.name_map(config)
     out = {}
     for key in keys:
+        if EXPERT_ADAPTERS in key:
+            # peft's ParamWrapper adapts transformers' fused gate_up_proj with one A shared by
+            # gate and up (and its own lora_B layout); ours has one A/B per projection.
+            raise CheckpointError(
+                f"{key}: adapters of routed experts have no peft export; merge them instead "
+                "(mindspeed convert --to hf --merge-lora), or train without expert targets"
+            )
         module, factor, leaf = key.rsplit(".", 2)
         base = hf.get(f"{module}.weight")
         if factor not in _FACTORS or leaf != "weight" or base is None:

@@ -131,6 +131,11 @@ class GroupedExperts(nn.Module):
     Input rows are sorted by expert; `num_tokens_per_expert` says how many each gets.
     Under expert parallel the weights are DTensors sharded on dim 0 and `apply_ep` hands
     this module only the rows (and counts) of its local experts.
+
+    `adapters` (empty unless `mindspeed_llm.peft` fills it) maps a projection name (w1, w3,
+    w2) to a module `adapter(x, out, counts) -> out'` that adds its update to that grouped
+    matmul's output; its parameters stack the experts on dim 0 too, so expert parallel
+    shards them alike.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: str):
@@ -140,6 +145,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.adapters = nn.ModuleDict()
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1, std=std)
@@ -153,7 +159,14 @@ class GroupedExperts(nn.Module):
         counts = num_tokens_per_expert
         gate = grouped_matmul(x, w1, counts, impl=self.impl)
         up = grouped_matmul(x, w3, counts, impl=self.impl)
-        return grouped_matmul(swiglu(gate, up, impl=self.impl), w2, counts, impl=self.impl)
+        if self.adapters:
+            gate, up = self._adapt("w1", x, gate, counts), self._adapt("w3", x, up, counts)
+        hidden = swiglu(gate, up, impl=self.impl)
+        return self._adapt("w2", hidden, grouped_matmul(hidden, w2, counts, impl=self.impl), counts)
+
+    def _adapt(self, name: str, x: Tensor, out: Tensor, counts: Tensor) -> Tensor:
+        """`out` (the rows of `x` through projection `name`) plus its adapter's update."""
+        return self.adapters[name](x, out, counts) if name in self.adapters else out
 
 
 class MoE(nn.Module):
