@@ -283,3 +283,47 @@ def test_unknown_unmatched_qlora_and_peft_export_of_expert_targets_are_one_line(
     refused = r"experts.adapters.w3.lora_A: adapters of routed experts have no peft export"
     with pytest.raises(CheckpointError, match=refused):
         to_peft_names(keys, qwen.config)
+
+
+# -- `mindspeed sft` with LoRA on a MoE folder ----------------------------------------------
+def test_a_lora_sft_run_on_a_moe_model_trains_and_its_checkpoint_loads_back(tmp_path, monkeypatch):
+    from mindspeed_core.config import load_config
+    from mindspeed_core.training import read_metrics
+    from mindspeed_llm.loading import load_model, resolve_model_source
+    from mindspeed_llm.models.checkpoint_io import tensor_metadata
+    from mindspeed_llm.peft.checkpoint import load_adapter_weights, run_lora, write_peft_adapter
+    from mindspeed_llm.sft import sft
+    from mindspeed_llm.train.sft_config import SFTConfig
+
+    sft_tests = import_sibling(__file__, "test_sft_train")
+    moe_tests = import_sibling(__file__, "test_models_moe")
+    monkeypatch.setenv("MINDSPEED_CACHE", str(tmp_path / "cache"))
+    folder, data = sft_tests.make_run_inputs(tmp_path, n=16)
+    moe_tests.make_hf("qwen3_moe").save_pretrained(folder)  # over the Llama the helper writes
+    run = tmp_path / "run"
+    args = sft_tests.run_args(folder, data, run, "--data.mode=pack", "--train.steps=6",
+                              "--train.micro_batch=4", "--train.global_batch=4",
+                              "--optim.lr=2e-2", "--lora.rank=4", "--lora.alpha=8",
+                              "--lora.targets=[q_proj,linear_fc1,linear_fc2]")  # fmt: skip
+    sft(load_config(SFTConfig, None, args))
+    losses = [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert losses[-1] < losses[0]
+    saved = tensor_metadata(run / "checkpoints" / "step_6")
+    assert all(".lora_" in name for name in saved)  # the frozen base (experts too) is not saved
+    assert len([n for n in saved if ".experts.adapters." in n]) == 2 * 3 * 2
+
+    merged, config = load_model(run / "checkpoints", ops_impl="reference")
+    assert not list(expert_adapters(merged))  # folded into the stacked expert weights
+    source = resolve_model_source(run / "checkpoints", ops_impl="reference")
+    lora = run_lora(source.path)
+    plain = get_model_spec(config.family).build(config)
+    load_adapter_weights(plain, source.path, source.weights, config, lora)
+    trained = dict(expert_adapters(plain))["layers.1.feed_forward.experts.w2"]
+    assert trained.lora_B.abs().max() > 0  # the experts' adapters trained
+    base, _ = load_model(folder, ops_impl="reference")
+    x = _x(config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x), plain.eval()(x), atol=1e-5, rtol=1e-5)
+        assert (merged(x) - base(x)).abs().max() > 1e-3
+    with pytest.raises(CheckpointError, match=r"adapters of routed experts have no peft export"):
+        write_peft_adapter(source.path, source.weights, config, lora, tmp_path)
