@@ -1,8 +1,8 @@
 """LoRA on routed experts (one A/B per expert, through the grouped matmul): logits and A/B
 gradients equal a per-expert loop written here (softmax Qwen3-MoE, sigmoid DeepSeek-V3 with
 its shared expert) and peft's own `ParamWrapper` on transformers' Qwen3-MoE (fp32, 1e-5);
-merging folds to the same logits; ep=2 (x dp_shard=2) equals one process and shards A/B
-like the base; a LoRA SFT run on a Qwen3-MoE folder trains, saves the expert adapters and
+merging folds to the same logits; ep=2 (x dp_shard=2) and tp=2 equal one process, ep
+sharding A/B like the base; a LoRA SFT run on a Qwen3-MoE folder trains, saves the expert adapters and
 loads back (unmerged = merged); unknown or unmatched targets, QLoRA on experts and a peft
 export of expert adapters are refused in one line."""
 
@@ -224,7 +224,11 @@ def _ep_layouts():
         _randomise(model)
 
     out = {}
-    layouts = {"one": (ParallelConfig(), 1), "ep2": (ParallelConfig(dp_shard=2, ep=2), None)}
+    layouts = {
+        "one": (ParallelConfig(), 1),
+        "ep2": (ParallelConfig(dp_shard=2, ep=2), None),
+        "tp2": (ParallelConfig(tp=2, loss_parallel=False), None),  # experts whole on each rank
+    }
     for name, (parallel, world) in layouts.items():
         dims = parallel.dims(world).build("cpu")
         model = build_model(config, dims, torch.device("cpu"), parallel=parallel, seq_len=SEQ,
@@ -248,20 +252,21 @@ def _full(t):
 
 
 @pytest.mark.distributed
-def test_expert_lora_under_ep2_equals_one_process_and_shards_like_the_base():
-    for result in run_distributed(_ep_layouts, 2, timeout=600):
+def test_expert_lora_under_ep2_and_tp2_equals_one_process_and_shards_like_the_base():
+    results = run_distributed(_ep_layouts, 2, timeout=600)
+    for result, layout in ((r, layout) for r in results for layout in ("ep2", "tp2")):
         want_loss, want_grads, want_after, _ = result["one"]
-        loss, grads, after, placements = result["ep2"]
+        loss, grads, after, placements = result[layout]
         torch.testing.assert_close(loss, want_loss, atol=1e-6, rtol=1e-5)
         assert grads.keys() == want_grads.keys()
         experts = [k for k in grads if ".experts.adapters." in k]
         assert len(experts) == 2 * 3 * 2  # layers x (w1 w3 w2) x (A, B)
         assert any(".shared_expert.w1.lora_A" in k for k in grads)  # the shared expert too
         for k, g in grads.items():
-            torch.testing.assert_close(g, want_grads[k], atol=1e-5, rtol=1e-4, msg=k)
-        torch.testing.assert_close(after, want_after, atol=1e-5, rtol=1e-5)
-        for k in experts:  # each rank holds its experts' A/B, as the base weights
-            assert Shard(0) in placements[k], k
+            torch.testing.assert_close(g, want_grads[k], atol=1e-5, rtol=1e-4, msg=f"{layout} {k}")
+        torch.testing.assert_close(after, want_after, atol=1e-5, rtol=1e-5, msg=layout)
+        if layout == "ep2":  # each rank holds its experts' A/B, as the base weights
+            assert all(Shard(0) in placements[k] for k in experts)
 
 
 # -- refusals -----------------------------------------------------------------------------
