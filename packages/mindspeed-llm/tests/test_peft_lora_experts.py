@@ -2,9 +2,9 @@
 gradients equal a per-expert loop written here (softmax Qwen3-MoE, sigmoid DeepSeek-V3 with
 its shared expert) and peft's own `ParamWrapper` on transformers' Qwen3-MoE (fp32, 1e-5);
 merging folds to the same logits; ep=2 (x dp_shard=2) and tp=2 equal one process, ep
-sharding A/B like the base; a LoRA SFT run on a Qwen3-MoE folder trains, saves the expert adapters and
-loads back (unmerged = merged); unknown or unmatched targets, QLoRA on experts and a peft
-export of expert adapters are refused in one line."""
+sharding A/B like the base; a LoRA SFT run on a Qwen3-MoE folder trains, saves the expert
+adapters and loads back (unmerged = merged); unknown or unmatched targets, QLoRA on experts
+and a peft export of expert adapters are refused in one line."""
 
 import pytest
 import torch
