@@ -3,8 +3,9 @@ gradients equal a per-expert loop written here (softmax Qwen3-MoE, sigmoid DeepS
 its shared expert) and peft's own `ParamWrapper` on transformers' Qwen3-MoE (fp32, 1e-5);
 merging folds to the same logits; ep=2 (x dp_shard=2) and tp=2 equal one process, ep
 sharding A/B like the base; a LoRA SFT run on a Qwen3-MoE folder trains, saves the expert
-adapters and loads back (unmerged = merged); unknown or unmatched targets, QLoRA on experts
-and a peft export of expert adapters are refused in one line."""
+adapters, loads back (unmerged = merged) and exports to peft (expert adapters fused into
+`target_parameters` of transformers' 3-D experts), which `PeftModel` loads with our logits;
+unknown or unmatched targets and QLoRA on experts are refused in one line."""
 
 import pytest
 import torch
@@ -212,6 +213,33 @@ def test_expert_lora_equals_peft_param_wrapper_on_transformers_qwen3_moe():
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=f"{layer} {param}")
 
 
+@pytest.mark.parametrize(("targets", "rslora"), [(["gate_proj", "down_proj"], True),
+                                                 (["up_proj"], False)])  # fmt: skip
+def test_the_peft_format_of_expert_adapters_gives_peft_our_logits(targets, rslora):
+    """gate or up alone (the other's half of the fused adapter zero), rslora's alpha kept."""
+    peft = pytest.importorskip("peft")
+    from mindspeed_llm.peft.names import PEFT_PREFIX
+    from mindspeed_llm.peft.peft_experts import peft_expert_adapters
+
+    moe_tests = import_sibling(__file__, "test_models_moe")
+    hf = moe_tests.make_hf("qwen3_moe")
+    ours = moe_tests.ours_from(hf)
+    apply_lora(ours, LoRAConfig(rank=4, alpha=8, rslora=rslora, targets=targets))
+    _randomise(ours)
+    tensors = {k: v for k, v in ours.state_dict().items() if ".lora_" in k}
+    state, entries = peft_expert_adapters(tensors, rank=4, alpha=8, rslora=rslora,
+                                          prefix=PEFT_PREFIX)  # fmt: skip
+    config = peft.LoraConfig(r=4, lora_alpha=8, use_rslora=rslora, target_modules=[], **entries)
+    theirs = peft.get_peft_model(hf, config).eval()
+    loaded = peft.set_peft_model_state_dict(theirs, state)
+    assert not loaded.unexpected_keys
+    x = _x(512, seq=24)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=x).logits, ours(x), atol=1e-5, rtol=1e-5)
+        with adapters_disabled(ours):
+            assert (ours(x) - theirs(input_ids=x).logits).abs().max() > 1e-4
+
+
 # -- expert parallel ----------------------------------------------------------------------
 def _ep_layouts():
     config = build_model_config("qwen2_moe", flavor="debug", ops_impl="reference")
@@ -285,7 +313,7 @@ def test_unknown_unmatched_qlora_and_peft_export_of_expert_targets_are_one_line(
     assert not qwen.layers["0"].feed_forward.router.weight.requires_grad
     assert set(qwen.layers["0"].feed_forward.experts.adapters) == {"w3"}
     keys = [n for n, _ in qwen.named_parameters() if ".lora_" in n]
-    refused = r"experts.adapters.w3.lora_A: adapters of routed experts have no peft export"
+    refused = r"experts.adapters.w3.lora_A: an expert adapter has no peft name of its own"
     with pytest.raises(CheckpointError, match=refused):
         to_peft_names(keys, qwen.config)
 
@@ -330,5 +358,13 @@ def test_a_lora_sft_run_on_a_moe_model_trains_and_its_checkpoint_loads_back(tmp_
     with torch.no_grad():
         torch.testing.assert_close(merged(x), plain.eval()(x), atol=1e-5, rtol=1e-5)
         assert (merged(x) - base(x)).abs().max() > 1e-3
-    with pytest.raises(CheckpointError, match=r"adapters of routed experts have no peft export"):
-        write_peft_adapter(source.path, source.weights, config, lora, tmp_path)
+    # the peft export: expert adapters as target_parameters of the fused v5 experts
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "adapter"
+    out.mkdir()
+    write_peft_adapter(source.path, source.weights, config, lora, out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(hf, out).eval()(input_ids=x).logits
+        torch.testing.assert_close(adapted, merged(x), atol=1e-5, rtol=1e-5)

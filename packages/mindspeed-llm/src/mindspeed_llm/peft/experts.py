@@ -23,7 +23,8 @@ adapter's (`LoRAConfig`: alpha / r, alpha / sqrt(r) with rslora). Both factors s
 experts on dim 0, so expert parallel (applied after the `after_tp` hook that adds them)
 shards them exactly as the base weights (`Shard(0)` over ep), and FSDP of the experts
 shards them with the base. QLoRA does not quantise stacked expert weights:
-`lora.quantize=nf4` with expert targets is refused (`check_quantize`).
+`lora.quantize=nf4` with expert targets is refused (`check_quantize`). The peft export is
+`peft_experts`.
 """
 
 from __future__ import annotations

@@ -20,18 +20,15 @@ def to_peft_names(keys, config: TransformerConfig) -> dict[str, str]:
 
     Raises:
         CheckpointError: a key is not an adapter of a layer the family can name, or one of
-            routed experts (no peft export, see below).
+            routed experts (see `peft_experts`: not tensor for tensor).
     """
     hf = get_model_spec(config.family).hf_adapter.name_map(config)
     out = {}
     for key in keys:
         if EXPERT_ADAPTERS in key:
-            # peft's ParamWrapper adapts transformers' fused gate_up_proj with one A shared by
-            # gate and up (and its own lora_B layout); ours has one A/B per projection.
-            raise CheckpointError(
-                f"{key}: adapters of routed experts have no peft export; merge them instead "
-                "(mindspeed convert --to hf --merge-lora), or train without expert targets"
-            )
+            # peft adapts transformers' fused gate_up_proj with one A for gate and up: ours
+            # are fused, not renamed (`peft_experts.peft_expert_adapters`)
+            raise CheckpointError(f"{key}: an expert adapter has no peft name of its own")
         module, factor, leaf = key.rsplit(".", 2)
         base = hf.get(f"{module}.weight")
         if factor not in _FACTORS or leaf != "weight" or base is None:
