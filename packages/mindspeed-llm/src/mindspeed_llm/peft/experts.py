@@ -34,6 +34,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.parallel import dtensor
@@ -128,7 +129,7 @@ def adapt_experts(
     """
     for name, experts, proj in targets:
         weight = getattr(experts, proj)
-        assert not isinstance(weight, torch.distributed.tensor.DTensor), "LoRA after ep"
+        assert not isinstance(weight, DTensor), "expert LoRA goes before expert parallel"
         num_experts, in_features, out_features = weight.shape
         bound = 1 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) of a (rank, in) slice
         a = torch.empty(num_experts, rank, in_features, dtype=weight.dtype)
