@@ -69,7 +69,9 @@ class ExpertParallel:
     @staticmethod
     def _partition(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for param_name, param in list(module.named_parameters(recurse=False)):
-            sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]))
+            sharded = distribute_tensor(param.detach(), mesh, [Shard(0)])
+            # keep a frozen base frozen (LoRA on experts: only the adapters train)
+            sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)
             module.register_parameter(param_name, sharded)
 
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -235,6 +237,7 @@ def apply_expert_fsdp(
             module.set_force_sum_reduction_for_comms(True)
             continue
         for param in module.parameters():
-            param.register_hook(lambda grad, f=grad_divide_factor: grad / f)
+            if param.requires_grad:  # a frozen base (LoRA) has no gradient to divide
+                param.register_hook(lambda grad, f=grad_divide_factor: grad / f)
             ignored.add(param)
     return ignored

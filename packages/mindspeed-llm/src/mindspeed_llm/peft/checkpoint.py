@@ -23,7 +23,8 @@ from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_llm.models.hf_io import load_hf_weights
 from mindspeed_llm.peft.lora import LoRAConfig, apply_lora
-from mindspeed_llm.peft.names import hf_module_names, to_peft_names
+from mindspeed_llm.peft.names import EXPERT_ADAPTERS, PEFT_PREFIX, hf_module_names, to_peft_names
+from mindspeed_llm.peft.peft_experts import peft_expert_adapters
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -117,10 +118,23 @@ def read_adapters(step_dir: Path) -> dict[str, torch.Tensor]:
 def write_peft_adapter(
     folder: Path, step_dir: Path, config: TransformerConfig, lora: LoRAConfig, out: Path
 ) -> None:
-    """adapter_config.json + adapter_model.safetensors of the run's adapters, in `out`."""
+    """adapter_config.json + adapter_model.safetensors of the run's adapters, in `out`;
+    routed experts' adapters as peft's `target_parameters` of transformers v5's fused
+    expert tensors (`peft_experts`).
+
+    Raises:
+        CheckpointError: an adapter peft cannot name (e.g. of a multi-token prediction module).
+    """
     tensors = read_adapters(step_dir)
+    experts = {k: t for k, t in tensors.items() if EXPERT_ADAPTERS in k}
+    tensors = {k: t for k, t in tensors.items() if k not in experts}
     names = to_peft_names(tensors, config)
     modules = {k.rsplit(".", 2)[0] for k in tensors}
+    expert_state, expert_config = {}, {}
+    if experts:
+        expert_state, expert_config = peft_expert_adapters(
+            experts, rank=lora.rank, alpha=lora.alpha, rslora=lora.rslora, prefix=PEFT_PREFIX
+        )
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -130,10 +144,11 @@ def write_peft_adapter(
         "lora_dropout": lora.dropout,
         "use_rslora": lora.rslora,
         "target_modules": hf_module_names(modules, config),
+        **expert_config,
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
     }
     (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
-    state = {names[k]: t.contiguous() for k, t in tensors.items()}
+    state = {names[k]: t.contiguous() for k, t in tensors.items()} | expert_state
     save_file(state, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})

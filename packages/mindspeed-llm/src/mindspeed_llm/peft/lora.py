@@ -15,6 +15,10 @@ rank-sized partial sums are all-reduced before B. Every rank draws the whole ada
 a generator of the run's seed and the module's name, and keeps its share, so every layout
 (tp shards, pipeline stages) starts from one process's adapter. Initialisation is peft's:
 A Kaiming-uniform, B 0.
+
+The routed experts of a MoE block are not linear layers but stacked weights; a target
+naming w1/w3/w2 (gate_proj/up_proj/down_proj, linear_fc1/linear_fc2) adapts them too, one
+A/B per expert (`mindspeed_llm.peft.experts`). The router is never adapted.
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mindspeed_core.errors import ConfigError
-from mindspeed_llm.peft.targets import HF_NAMES
+from mindspeed_llm.peft.experts import (
+    EXPERT_PROJECTIONS,
+    adapt_experts,
+    check_quantize,
+    expert_adapters,
+    grouped_experts,
+    merge_expert_adapters,
+)
+from mindspeed_llm.peft.targets import HF_NAMES, MEGATRON_NAMES
 
 __all__ = [
     "HF_NAMES",
@@ -57,7 +69,9 @@ class LoRAConfig:
     """Dropout on the adapter's input (masks are drawn per rank under tensor parallel)."""
     targets: list[str] = field(default_factory=lambda: list(HF_NAMES.values()))
     """Linear layers to adapt, by name: q_proj k_proj v_proj o_proj gate_proj up_proj
-    down_proj (Hugging Face's) or wq wk wv wo w1 w3 w2 (ours)."""
+    down_proj (Hugging Face's), wq wk wv wo w1 w3 w2 (ours) or linear_fc1 (= w1 w3)
+    linear_fc2 (= w2) (MindSpeed-LLM's). The feed-forward names also adapt a MoE block's
+    routed experts (one adapter per expert) and its shared expert."""
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023), as peft's use_rslora."""
     quantize: str = "none"
@@ -69,9 +83,9 @@ class LoRAConfig:
             raise ConfigError(f"lora.rank={self.rank} must be >= 0")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
-        unknown = [t for t in self.targets if t not in HF_NAMES and t not in _OURS]
+        unknown = [t for t in self.targets if not _expand(t)]
         if unknown:
-            known = " ".join([*HF_NAMES.values(), *HF_NAMES])
+            known = " ".join([*HF_NAMES.values(), *HF_NAMES, *MEGATRON_NAMES])
             raise ConfigError(f"lora.targets: unknown layer {unknown[0]!r} (known: {known})")
         if self.rank and not self.targets:
             raise ConfigError("lora.targets is empty: name at least one linear layer")
@@ -90,7 +104,15 @@ class LoRAConfig:
 
     def our_targets(self) -> set[str]:
         """`targets` in our names."""
-        return {_OURS.get(t, t) for t in self.targets}
+        return {name for t in self.targets for name in _expand(t)}
+
+
+def _expand(target: str) -> tuple[str, ...]:
+    """Our layer names a target stands for (empty: an unknown name)."""
+    if target in MEGATRON_NAMES:
+        return MEGATRON_NAMES[target]
+    ours = _OURS.get(target, target)
+    return (ours,) if ours in HF_NAMES else ()
 
 
 def lora_transform(config: LoRAConfig):
@@ -107,12 +129,15 @@ def lora_transform(config: LoRAConfig):
 
 
 def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
-    """Freeze `model` and add adapters to its targeted linear layers, in place.
+    """Freeze `model` and add adapters to its targeted linear layers and routed experts'
+    projections, in place.
 
-    Returns the names of the adapted modules.
+    Returns the names of the adapted modules (an expert projection as
+    "layers.1.feed_forward.experts.w1").
 
     Raises:
-        ConfigError: a target matches no linear layer of `model`.
+        ConfigError: a target matches no linear layer or expert projection of `model`;
+            `quantize=nf4` with routed experts targeted.
     """
     wanted = config.our_targets()
     found = [
@@ -120,18 +145,28 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in wanted
     ]
-    seen = {name.rsplit(".", 1)[-1] for name, _ in found}
-    missing = [t for t in config.targets if _OURS.get(t, t) not in seen]
+    experts = [
+        (name, module, proj)
+        for name, module in grouped_experts(model)
+        for proj in EXPERT_PROJECTIONS
+        if proj in wanted
+    ]
+    seen = {name.rsplit(".", 1)[-1] for name, _ in found} | {p for _, _, p in experts}
+    missing = [t for t in config.targets if not seen.intersection(_expand(t))]
     if missing:
         raise ConfigError(
             f"lora.targets: {missing[0]!r} matches no linear layer of the model "
             f"(its linear layers: {' '.join(sorted(_linear_names(model)))})"
         )
+    expert_names = [f"{name}.{proj}" for name, _, proj in experts]
+    check_quantize(config.quantize, expert_names)
     model.requires_grad_(False)
     seed = torch.initial_seed()  # the run's seed (`build_model` set it on every rank)
     for name, module in found:
         _adapt(module, config, _generator(seed, name))
-    return [name for name, _ in found]
+    adapt_experts(experts, rank=config.rank, scaling=config.scaling, dropout=config.dropout,
+                  generator_for=lambda name: _generator(seed, name))  # fmt: skip
+    return [name for name, _ in found] + expert_names
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
@@ -141,7 +176,11 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 def _linear_names(model: nn.Module) -> set[str]:
-    return {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """Leaf names of the linear layers, and the routed experts' projections."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if next(grouped_experts(model), None) is not None:
+        names |= set(EXPERT_PROJECTIONS)
+    return names
 
 
 def _adapt(linear: nn.Linear, config: LoRAConfig, generator: torch.Generator) -> None:
@@ -213,6 +252,7 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Inside, every adapter of `model` is bypassed: the base model's outputs (a LoRA run's
     reference, with no second copy of the weights)."""
     linears = [linear for _, linear in adapted_modules(model)]
+    linears += [adapter for _, adapter in expert_adapters(model)]
     for linear in linears:
         linear.lora_disabled = True
     try:
@@ -231,14 +271,15 @@ def adapted_modules(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight (W += scaling B A) and remove it; in place
-    on a plain (not parallelised) model."""
+    """Fold every adapter into its base weight (W += scaling B A; each routed expert's
+    own) and remove it; in place on a plain (not parallelised) model."""
     for _, linear in list(adapted_modules(model)):
         delta = linear.lora_B.weight.float() @ linear.lora_A.weight.float()
         linear.weight.add_((delta * linear.lora_scaling).to(linear.weight.dtype))
         linear.lora_handle.remove()
         for attr in ("lora_A", "lora_B", "lora_dropout", "lora_scaling", "lora_handle"):
             delattr(linear, attr)
+    merge_expert_adapters(model)
     return model
 
 

@@ -11,17 +11,24 @@ from mindspeed_llm.models.config import TransformerConfig
 PEFT_PREFIX = "base_model.model."
 """What peft's `PeftModelForCausalLM` puts before the Hugging Face module path."""
 _FACTORS = ("lora_A", "lora_B")
+EXPERT_ADAPTERS = ".experts.adapters."
+"""In the name of a routed expert's adapter (`layers.1.feed_forward.experts.adapters.w1.lora_A`)."""
 
 
 def to_peft_names(keys, config: TransformerConfig) -> dict[str, str]:
     """Our adapter keys -> peft's saved names (adapter name left out, as peft saves them).
 
     Raises:
-        CheckpointError: a key is not an adapter of a layer the family can name.
+        CheckpointError: a key is not an adapter of a layer the family can name, or one of
+            routed experts (see `peft_experts`: not tensor for tensor).
     """
     hf = get_model_spec(config.family).hf_adapter.name_map(config)
     out = {}
     for key in keys:
+        if EXPERT_ADAPTERS in key:
+            # peft adapts transformers' fused gate_up_proj with one A for gate and up: ours
+            # are fused, not renamed (`peft_experts.peft_expert_adapters`)
+            raise CheckpointError(f"{key}: an expert adapter has no peft name of its own")
         module, factor, leaf = key.rsplit(".", 2)
         base = hf.get(f"{module}.weight")
         if factor not in _FACTORS or leaf != "weight" or base is None:

@@ -10,4 +10,12 @@ HF_NAMES = {
     "w3": "up_proj",
     "w2": "down_proj",
 }
-"""Our linear layers' names -> Hugging Face's (`lora.targets` accepts both)."""
+"""Our linear layers' names -> Hugging Face's (`lora.targets` accepts both). w1/w3/w2 name
+the dense feed-forward, the shared expert and the routed experts' stacked projections."""
+
+MEGATRON_NAMES = {
+    "linear_fc1": ("w1", "w3"),
+    "linear_fc2": ("w2",),
+}
+"""MindSpeed-LLM's (Megatron's) feed-forward names -> ours: its fused gate/up projection is
+our w1 and w3."""

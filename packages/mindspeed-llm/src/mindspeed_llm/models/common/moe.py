@@ -139,6 +139,11 @@ class GroupedExperts(nn.Module):
     gpt-oss's experts also have biases (`bias=True`: b1, b3 (num_experts, intermediate)
     and b2 (num_experts, hidden), sharded like the weights) and a clamped activation
     (`swiglu_limit`, see `clamped_swiglu`).
+
+    `adapters` (empty unless `mindspeed_llm.peft` fills it) maps a projection name (w1, w3,
+    w2) to a module `adapter(x, out, counts) -> out'` that adds its update to that grouped
+    matmul's output; its parameters stack the experts on dim 0 too, so expert parallel
+    shards them alike.
     """
 
     def __init__(
@@ -164,6 +169,7 @@ class GroupedExperts(nn.Module):
             self.b1 = nn.Parameter(torch.empty(num_experts, intermediate_size))
             self.b3 = nn.Parameter(torch.empty(num_experts, intermediate_size))
             self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.adapters = nn.ModuleDict()
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1, std=std)
@@ -186,12 +192,18 @@ class GroupedExperts(nn.Module):
                 torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0]
             )
             gate, up = gate + self._bias(self.b1, expert, x), up + self._bias(self.b3, expert, x)
+        if self.adapters:
+            gate, up = self._adapt("w1", x, gate, counts), self._adapt("w3", x, up, counts)
         if self.swiglu_limit is not None:
             hidden = clamped_swiglu(gate, up, self.swiglu_limit, self.swiglu_alpha)
         else:
             hidden = swiglu(gate, up, impl=self.impl)
-        out = grouped_matmul(hidden, w2, counts, impl=self.impl)
+        out = self._adapt("w2", hidden, grouped_matmul(hidden, w2, counts, impl=self.impl), counts)
         return out if expert is None else out + self._bias(self.b2, expert, x)
+
+    def _adapt(self, name: str, x: Tensor, out: Tensor, counts: Tensor) -> Tensor:
+        """`out` (the rows of `x` through projection `name`) plus its adapter's update."""
+        return self.adapters[name](x, out, counts) if name in self.adapters else out
 
     @staticmethod
     def _bias(bias: Tensor, expert: Tensor, x: Tensor) -> Tensor:
