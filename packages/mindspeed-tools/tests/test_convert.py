@@ -104,6 +104,14 @@ MOE = {
         {"num_local_experts": 4, "intermediate_size": 32, "head_dim": 16, "sliding_window": 8,
          "swiglu_limit": 0.3},
     ),
+    # DeepSeek-V3.2: V3 plus the sparse-attention indexer (wq_b, wk, a LayerNorm, weights_proj)
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        {"num_hidden_layers": 3, "first_k_dense_replace": 1, "num_key_value_heads": 4,
+         "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32,
+         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+         "v_head_dim": 12, "index_topk": 8, "index_n_heads": 2, "index_head_dim": 16},
+    ),
 }
 
 
@@ -158,6 +166,7 @@ def _same_config(a: Path, b: Path):
         ),  # Llama's tensors under its own model type  # renamed norms, fused gate_up, q/k rows permuted for partial RoPE
         ("glm", "40KB"),  # GLM-4-9B-chat: glm4's fused gate_up and q/k rows, no post norms
         ("gpt_oss", "40KB"),
+        ("deepseek_v32", "40KB"),
     ],
 )
 def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):

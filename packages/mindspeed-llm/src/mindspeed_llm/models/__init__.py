@@ -13,6 +13,7 @@ Each family folder holds `flavors.py` (named sizes) and `hf.py` (its Hugging Fac
 from mindspeed_llm.models import (
     deepseek_v2,
     deepseek_v3,
+    deepseek_v32,
     gemma2,
     gemma3,
     glm,
@@ -58,6 +59,7 @@ for _family in (
     deepseek_v3,
     deepseek_v2,
     gpt_oss,
+    deepseek_v32,
 ):
     register_model(_family.SPEC)
 

@@ -204,6 +204,18 @@ class TransformerConfig:
     +-limit, out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: SwiGLU."""
     swiglu_alpha: float = 1.702
     """The sigmoid gain of the clamped activation (only with `swiglu_limit`)."""
+    index_topk: int = 0
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, with latent attention): each query attends
+    to the `index_topk` keys its lightning indexer scores highest (all of them when it sees
+    no more); 0: dense attention, no indexer."""
+    index_n_heads: int | None = None
+    """DSA: heads of the indexer."""
+    index_head_dim: int | None = None
+    """DSA: channels of each indexer head (its first qk_rope_head_dim rotated, rotate-half)."""
+    index_loss_scale: float = 0.0
+    """DSA training: weight of the indexer's KL loss (the main attention's head-averaged
+    distribution over the selected keys as the target, DeepSeek's warm-up objective); its
+    gradient reaches the indexer only. 0: the indexer is not trained."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     ops_impl: str = "auto"
@@ -262,6 +274,25 @@ class TransformerConfig:
         self._check_moe()
         self._check_mla()
         self._check_gpt_oss()
+        self._check_sparse_attention()
+
+    def _check_sparse_attention(self) -> None:
+        if not isinstance(self.index_topk, int) or self.index_topk < 0:
+            raise ConfigError(f"index_topk={self.index_topk!r} must be an integer >= 0")
+        if not isinstance(self.index_loss_scale, int | float) or self.index_loss_scale < 0:
+            raise ConfigError(f"index_loss_scale={self.index_loss_scale!r} must be a number >= 0")
+        if not self.index_topk:
+            return
+        if self.kv_lora_rank is None or self.q_lora_rank is None:
+            raise ConfigError("index_topk (DeepSeek sparse attention) needs latent attention "
+                              "with a low-rank query (kv_lora_rank and q_lora_rank)")  # fmt: skip
+        _check_positive_int("index_n_heads", self.index_n_heads)
+        _check_positive_int("index_head_dim", self.index_head_dim)
+        if self.index_head_dim <= self.qk_rope_head_dim:
+            raise ConfigError(
+                f"index_head_dim={self.index_head_dim} must exceed qk_rope_head_dim="
+                f"{self.qk_rope_head_dim} (the indexer rotates that many of its channels)"
+            )
 
     def _check_gpt_oss(self) -> None:
         if self.swiglu_limit is not None and (
