@@ -22,6 +22,7 @@ _ROUTER_SCORES = ("softmax", "sigmoid")
 _GROUP_SCORES = ("top2_sum", "max")
 _OPS_IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
 _ACTS = ("silu", "gelu_tanh")
+_QK_NORM_SCOPES = ("head", "all")
 
 ROPE_SCALING = {
     "linear": ({"factor"}, {}),
@@ -90,6 +91,11 @@ class TransformerConfig:
     """Biases on the q, k and v projections (Qwen2)."""
     qk_norm: bool = False
     """RMSNorm over head_dim of each query and key head, before RoPE (Qwen3)."""
+    qk_norm_scope: str = "head"
+    """With `qk_norm`: "head" (one RMSNorm of width head_dim shared by every head, Qwen3)
+    or "all" (one RMSNorm over the whole q projection and one over the whole k projection,
+    weights num_heads x head_dim and num_kv_heads x head_dim wide: MiniMax-M2). "all" is
+    refused under tensor parallel (a rank holds only its heads' share of the width)."""
     sliding_window: int | None = None
     """Each query sees only the last `sliding_window` keys, itself included (Mistral v0.1).
     None: full causal attention."""
@@ -237,6 +243,10 @@ class TransformerConfig:
         ):
             raise ConfigError(
                 f"rotary_dim={self.rotary_dim!r} must be an even number in 2..head_dim={self.head_dim}"
+            )
+        if self.qk_norm_scope not in _QK_NORM_SCOPES:
+            raise ConfigError(
+                f"qk_norm_scope={self.qk_norm_scope!r} must be one of {_QK_NORM_SCOPES}"
             )
         if self.ops_impl not in _OPS_IMPLS:
             raise ConfigError(f"ops_impl={self.ops_impl!r} must be one of {_OPS_IMPLS}")

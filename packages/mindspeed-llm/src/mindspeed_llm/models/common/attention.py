@@ -1,5 +1,5 @@
-"""Causal self-attention: GQA, optional q/k/v biases, per-head qk RMSNorm, sliding window,
-soft-capped scores, packed documents, context parallel.
+"""Causal self-attention: GQA, optional q/k/v biases, qk RMSNorm (per head or over all
+heads), sliding window, soft-capped scores, packed documents, context parallel.
 
 The forward uses local head counts (``view(batch, seq, -1, head_dim)``), so the same module
 runs whole or with wq/wk/wv split by column and wo by row under tensor parallel.
@@ -41,10 +41,13 @@ class Attention(nn.Module):
         self.wk = Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wv = Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = Linear(q_dim, config.hidden_size, bias=False)
+        # MiniMax-M2 normalises the whole q and k projections, Qwen3 each head.
+        self.qk_norm_all = config.qk_norm_scope == "all"
         if config.qk_norm:
             offset = config.norm_unit_offset
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl, offset=offset)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl, offset=offset)
+            q_width, k_width = (q_dim, kv_dim) if self.qk_norm_all else (config.head_dim,) * 2
+            self.q_norm = RMSNorm(q_width, config.norm_eps, impl=self.impl, offset=offset)
+            self.k_norm = RMSNorm(k_width, config.norm_eps, impl=self.impl, offset=offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -79,10 +82,13 @@ class Attention(nn.Module):
                 cached so far (its mask hides left padding).
         """
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (batch, seq, local heads, head_dim)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (batch, seq, local heads x head_dim)
+        if self.q_norm is not None and self.qk_norm_all:  # MiniMax-M2: over all heads
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq, -1, self.head_dim)  # (batch, seq, local heads, head_dim)
+        k = k.view(batch, seq, -1, self.head_dim)
+        v = v.view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None and not self.qk_norm_all:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q = rotary_embedding(q, cos, sin, position_ids, impl=self.impl)
