@@ -51,6 +51,12 @@ def test_state_dict_round_trip(case):
     ours = adapter.from_hf(sd, config)
     assert ours.keys() == Transformer(config).state_dict().keys()
     back = adapter.to_hf(ours, config)
+    if config.num_experts:  # transformers v5 fuses the experts in memory, checkpoints do not
+        again = adapter.from_hf(back, config)
+        assert again.keys() == ours.keys()
+        assert all(torch.equal(again[k], v) for k, v in ours.items())
+        sd = {k: v for k, v in sd.items() if ".experts." not in k}
+        back = {k: v for k, v in back.items() if ".experts." not in k}
     if config.tie_word_embeddings:  # HF saves a tied head once, as the embedding
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     assert back.keys() == sd.keys()
@@ -238,7 +244,7 @@ def test_greedy_with_kv_cache_matches_transformers(case):
     ours = ours_from(hf)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (11, 3)]
-    config = GenerationConfig(max_new_tokens=20)
+    config = GenerationConfig(max_new_tokens=32)
     alone = [generate(ours, [p], config)[0] for p in prompts]
     assert generate(ours, prompts, config) == alone
     for prompt, got in zip(prompts, alone, strict=True):
@@ -247,8 +253,8 @@ def test_greedy_with_kv_cache_matches_transformers(case):
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
-            max_new_tokens=20,
-            min_new_tokens=20,
+            max_new_tokens=32,
+            min_new_tokens=32,
             eos_token_id=None,
             pad_token_id=0,
         )

@@ -50,9 +50,9 @@ class TransformerConfig:
     """A decoder-only transformer (pre-norm, RMSNorm, RoPE, GQA, SwiGLU or routed experts)."""
 
     family: str = "llama"
-    """Model family in the registry (`mindspeed_llm.models.model_families()`): "llama",
-    "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe" or one registered
-    by the user."""
+    """Model family in the registry (`mindspeed_llm.models.model_families()`), e.g. "llama",
+    "qwen3", "mixtral", "deepseek_v3", "glm4_moe", "minimax_m2", or one registered by the
+    user."""
     vocab_size: int
     """Tokens of the vocabulary: rows of the embedding and of the output projection,
     unless tensor parallel pads them (`padded_vocab_size`)."""
