@@ -110,6 +110,13 @@ FAMILY_CASES = {
         {**GLM4_MOE, "use_qk_norm": False, "n_group": 1, "topk_group": 1,
          "routed_scaling_factor": 1.0},
     ),  # fmt: skip
+    # MiniMax-M2's form: one q and one k RMSNorm over all heads, rotate-half RoPE on half of
+    # each head (its published `rotary_dim`), 8 sigmoid-routed experts in every block
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        {"head_dim": 32, "rotary_dim": 16, "intermediate_size": 32, "num_local_experts": 8,
+         "num_experts_per_tok": 2, "pad_token_id": 0, "eos_token_id": 2},
+    ),  # fmt: skip
 }
 """Families whose Hugging Face names are not the dense adapter's (tested in
 test_models_families.py)."""

@@ -242,6 +242,12 @@ def test_glm4_moe_tp2_ep2_and_cp2_match_one_process():
     run_distributed(_family_layouts, 2, "glm4_moe", True, timeout=300)
 
 
+def test_minimax_m2_ep2_and_cp2_match_one_process():
+    """MiniMax-M2 (tp refused: its q/k norm spans all heads): sigmoid routing with the
+    balancing bias in every block over ep=2, the norm over all heads under ring cp=2."""
+    run_distributed(_family_layouts, 2, "minimax_m2", False, timeout=300)
+
+
 # -- pipeline parallel ----------------------------------------------------------------------
 
 
@@ -295,6 +301,7 @@ PP2_CASES = {
     "mixtral_recompute": ("mixtral", PER_LAYER, {"ac_mode": "full"}, PP2),
     "mixtral_tp2": ("mixtral", PER_LAYER, {}, {"pp": 2, "tp": 2}),
     "glm4_moe": ("glm4_moe", PER_LAYER, {}, PP2),
+    "minimax_m2": ("minimax_m2", PER_LAYER, {}, PP2),
 }
 
 
@@ -306,6 +313,7 @@ PP2_CASES = {
         pytest.param("mixtral_recompute", marks=pytest.mark.slow),
         pytest.param("mixtral_tp2", marks=pytest.mark.slow),
         pytest.param("glm4_moe", marks=pytest.mark.slow),
+        pytest.param("minimax_m2", marks=pytest.mark.slow),
     ],
 )
 def test_pp2_matches_one_process(case):

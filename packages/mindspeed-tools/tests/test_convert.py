@@ -78,6 +78,11 @@ MOE = {
     # GLM-4.5: partial rotate-half RoPE (q/k rows permuted), q/k/v biases, qk-norm,
     # grouped sigmoid routing with its balancing bias, a shared expert, the first block dense
     "glm4_moe": ("Glm4MoeConfig", models_hf.GLM4_MOE),
+    # MiniMax-M2: q/k norms over all heads, partial RoPE, Mixtral's names plus the bias
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        {"head_dim": 32, "rotary_dim": 16, "intermediate_size": 32, "num_local_experts": 8},
+    ),
     # full-rank q (V2-Lite), softmax routing to the best 2 of 4 groups, 2 shared experts
     "deepseek_v2": (
         "DeepseekV2Config",
@@ -157,6 +162,7 @@ def _same_config(a: Path, b: Path):
         ),  # Llama's tensors under its own model type  # renamed norms, fused gate_up, q/k rows permuted for partial RoPE
         ("glm", "40KB"),  # GLM-4-9B-chat: glm4's fused gate_up and q/k rows, no post norms
         ("glm4_moe", "40KB"),
+        ("minimax_m2", None),
     ],
 )
 def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):

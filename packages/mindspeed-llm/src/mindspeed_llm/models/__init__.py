@@ -21,6 +21,7 @@ from mindspeed_llm.models import (
     internlm2,
     internlm3,
     llama,
+    minimax_m2,
     mistral,
     mixtral,
     phi3,
@@ -58,6 +59,7 @@ for _family in (
     internlm2,
     deepseek_v3,
     deepseek_v2,
+    minimax_m2,
 ):
     register_model(_family.SPEC)
 

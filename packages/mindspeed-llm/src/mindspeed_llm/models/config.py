@@ -1,8 +1,8 @@
 """`TransformerConfig`: the hyperparameters of our decoder (dense or MoE).
 
 One config describes every family we support (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, and the
-MoE ones Mixtral, Qwen2-MoE, Qwen3-MoE): the families differ only in flags (qkv bias,
-per-head qk norm, sliding window, RoPE scaling, experts).
+MoE ones Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek, GLM-4.5, MiniMax-M2): the families differ
+only in flags (qkv bias, qk norm, sliding window, RoPE scaling, experts).
 `from_hf` reads a `config.json` written by transformers v4 or v5 and `to_hf_dict` writes one
 that both versions read, each through the family's `HFFormat` (its `hf.py`, registered
 with the family).
