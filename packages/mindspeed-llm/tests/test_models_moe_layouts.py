@@ -242,10 +242,11 @@ def test_glm4_moe_tp2_ep2_and_cp2_match_one_process():
     run_distributed(_family_layouts, 2, "glm4_moe", True, timeout=300)
 
 
-def test_minimax_m2_ep2_and_cp2_match_one_process():
-    """MiniMax-M2 (tp refused: its q/k norm spans all heads): sigmoid routing with the
-    balancing bias in every block over ep=2, the norm over all heads under ring cp=2."""
-    run_distributed(_family_layouts, 2, "minimax_m2", False, timeout=300)
+def test_minimax_m2_tp2_ep2_and_cp2_match_one_process():
+    """MiniMax-M2: the q/k norm over all heads split over tp (squares summed across the
+    ranks), sigmoid routing with the balancing bias in every block over ep=2, the norm
+    under ring cp=2."""
+    run_distributed(_family_layouts, 2, "minimax_m2", True, timeout=300)
 
 
 # -- pipeline parallel ----------------------------------------------------------------------

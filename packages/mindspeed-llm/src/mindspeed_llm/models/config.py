@@ -94,8 +94,9 @@ class TransformerConfig:
     qk_norm_scope: str = "head"
     """With `qk_norm`: "head" (one RMSNorm of width head_dim shared by every head, Qwen3)
     or "all" (one RMSNorm over the whole q projection and one over the whole k projection,
-    weights num_heads x head_dim and num_kv_heads x head_dim wide: MiniMax-M2). "all" is
-    refused under tensor parallel (a rank holds only its heads' share of the width)."""
+    weights num_heads x head_dim and num_kv_heads x head_dim wide: MiniMax-M2). Under
+    tensor parallel "all" shards those weights like wq/wk and sums the squares over the
+    tp ranks (one all-reduce of a (batch, seq, 1) tensor per norm)."""
     sliding_window: int | None = None
     """Each query sees only the last `sliding_window` keys, itself included (Mistral v0.1).
     None: full causal attention."""

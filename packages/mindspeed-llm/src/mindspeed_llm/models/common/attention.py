@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from mindspeed_llm.models.common.linear import Linear
-from mindspeed_llm.models.common.norm import RMSNorm
+from mindspeed_llm.models.common.norm import RMSNorm, rms_norm_over_ranks
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import attention, rotary_embedding
 
@@ -43,6 +44,9 @@ class Attention(nn.Module):
         self.wo = Linear(q_dim, config.hidden_size, bias=False)
         # MiniMax-M2 normalises the whole q and k projections, Qwen3 each head.
         self.qk_norm_all = config.qk_norm_scope == "all"
+        # Set by `parallelize_decoder` under tensor parallel with qk_norm_scope="all": the
+        # tp ranks whose shares of q and k make up the width one norm spans.
+        self.qk_norm_group: dist.ProcessGroup | None = None
         if config.qk_norm:
             offset = config.norm_unit_offset
             q_width, k_width = (q_dim, kv_dim) if self.qk_norm_all else (config.head_dim,) * 2
@@ -60,6 +64,11 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
+
+    def _norm_all_heads(self, norm: RMSNorm, x: Tensor) -> Tensor:
+        if self.qk_norm_group is None:
+            return norm(x)
+        return rms_norm_over_ranks(x, norm, self.qk_norm_group)
 
     def forward(
         self,
@@ -84,7 +93,7 @@ class Attention(nn.Module):
         batch, seq, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (batch, seq, local heads x head_dim)
         if self.q_norm is not None and self.qk_norm_all:  # MiniMax-M2: over all heads
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._norm_all_heads(self.q_norm, q), self._norm_all_heads(self.k_norm, k)
         q = q.view(batch, seq, -1, self.head_dim)  # (batch, seq, local heads, head_dim)
         k = k.view(batch, seq, -1, self.head_dim)
         v = v.view(batch, seq, -1, self.head_dim)

@@ -118,12 +118,6 @@ def _check_latent_attention(model_cfg: TransformerConfig, p: ParallelConfig, nam
 def _check_tensor_parallel(model_cfg: TransformerConfig, tp: int, name) -> None:
     if tp == 1:
         return
-    if model_cfg.qk_norm and model_cfg.qk_norm_scope == "all":
-        raise LayoutError(
-            f"{name('tp')}={tp}: qk_norm_scope='all' (one RMSNorm over every head's q and k, "
-            f"{model_cfg.family}) is not supported under tensor parallel: a rank holds only "
-            "its heads' share of the width; use expert, pipeline or context parallel"
-        )
     moe = [
         bool(model_cfg.num_experts) and model_cfg.is_moe_layer(i)
         for i in range(model_cfg.num_layers)

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_module
+from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
 from mindspeed_core.errors import ConfigError, ParallelError
@@ -206,7 +206,9 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         )
     apply_tp(model, tp_mesh, _owned_entries(plan, model))
     tie_embeddings(model)
-    if config.qk_norm:
+    if config.qk_norm and config.qk_norm_scope == "all":
+        _shard_qk_norms(model, tp_mesh)
+    elif config.qk_norm:
         _replicate_qk_norms(model, tp_mesh)
     if config.kv_lora_rank is not None:
         _replicate_latent_parts(model, tp_mesh)
@@ -369,6 +371,18 @@ def _replicate_latent_parts(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             module = getattr(layer.attention, name, None)
             if module is not None:
                 distribute_module(module, tp_mesh)
+
+
+def _shard_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """qk_norm_scope="all": each tp rank normalises its heads' share of the q/k width, so
+    the norm weights are sharded like wq's and wk's rows, and the attention sums the squares
+    over the tp ranks (`norm.rms_norm_over_ranks`)."""
+    for layer in model.layers.values():
+        attention = layer.attention
+        for norm in (attention.q_norm, attention.k_norm):
+            weight = distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)])
+            norm.weight = nn.Parameter(weight, requires_grad=norm.weight.requires_grad)
+        attention.qk_norm_group = tp_mesh.get_group()
 
 
 def _replicate_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:

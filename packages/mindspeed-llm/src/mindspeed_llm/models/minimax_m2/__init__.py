@@ -2,8 +2,8 @@
 each head (`rotary_dim`), one q and one k RMSNorm over all heads (`qk_norm_scope="all"`)
 and sigmoid-routed experts with the balancing bias in every block (no shared expert);
 sizes in flavors.py, Hugging Face spelling, weight names and the q/k row permutation in
-hf.py. Layouts: ep, pp and cp as the shared decoder; tp refused (the norm over all heads
-needs every head's q and k; see `common.layout`)."""
+hf.py. Layouts: tp (+SP), ep, pp and cp as the shared decoder; under tp the norm over all
+heads sums its squares over the tp ranks (`common.norm.rms_norm_over_ranks`)."""
 
 from mindspeed_llm.models.common.family import decoder_family
 from mindspeed_llm.models.minimax_m2 import flavors, hf
