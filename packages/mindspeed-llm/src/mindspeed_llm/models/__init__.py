@@ -18,10 +18,12 @@ from mindspeed_llm.models import (
     gemma3,
     glm,
     glm4,
+    glm4_moe,
     gpt_oss,
     internlm2,
     internlm3,
     llama,
+    minimax_m2,
     mistral,
     mixtral,
     phi3,
@@ -54,12 +56,14 @@ for _family in (
     gemma3,
     glm4,
     glm,
+    glm4_moe,
     internlm3,
     internlm2,
     deepseek_v3,
     deepseek_v2,
     gpt_oss,
     deepseek_v32,
+    minimax_m2,
 ):
     register_model(_family.SPEC)
 

@@ -1,8 +1,8 @@
 """`TransformerConfig`: the hyperparameters of our decoder (dense or MoE).
 
 One config describes every family we support (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, and the
-MoE ones Mixtral, Qwen2-MoE, Qwen3-MoE): the families differ only in flags (qkv bias,
-per-head qk norm, sliding window, RoPE scaling, experts).
+MoE ones Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek, GLM-4.5, MiniMax-M2): the families differ
+only in flags (qkv bias, qk norm, sliding window, RoPE scaling, experts).
 `from_hf` reads a `config.json` written by transformers v4 or v5 and `to_hf_dict` writes one
 that both versions read, each through the family's `HFFormat` (its `hf.py`, registered
 with the family).
@@ -22,6 +22,7 @@ _ROUTER_SCORES = ("softmax", "sigmoid")
 _GROUP_SCORES = ("top2_sum", "max")
 _OPS_IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
 _ACTS = ("silu", "gelu_tanh")
+_QK_NORM_SCOPES = ("head", "all")
 
 ROPE_SCALING = {
     "linear": ({"factor"}, {}),
@@ -49,9 +50,9 @@ class TransformerConfig:
     """A decoder-only transformer (pre-norm, RMSNorm, RoPE, GQA, SwiGLU or routed experts)."""
 
     family: str = "llama"
-    """Model family in the registry (`mindspeed_llm.models.model_families()`): "llama",
-    "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe" or one registered
-    by the user."""
+    """Model family in the registry (`mindspeed_llm.models.model_families()`), e.g. "llama",
+    "qwen3", "mixtral", "deepseek_v3", "glm4_moe", "minimax_m2", or one registered by the
+    user."""
     vocab_size: int
     """Tokens of the vocabulary: rows of the embedding and of the output projection,
     unless tensor parallel pads them (`padded_vocab_size`)."""
@@ -90,6 +91,12 @@ class TransformerConfig:
     """Biases on the q, k and v projections (Qwen2)."""
     qk_norm: bool = False
     """RMSNorm over head_dim of each query and key head, before RoPE (Qwen3)."""
+    qk_norm_scope: str = "head"
+    """With `qk_norm`: "head" (one RMSNorm of width head_dim shared by every head, Qwen3)
+    or "all" (one RMSNorm over the whole q projection and one over the whole k projection,
+    weights num_heads x head_dim and num_kv_heads x head_dim wide: MiniMax-M2). Under
+    tensor parallel "all" shards those weights like wq/wk and sums the squares over the
+    tp ranks (one all-reduce of a (batch, seq, 1) tensor per norm)."""
     sliding_window: int | None = None
     """Each query sees only the last `sliding_window` keys, itself included (Mistral v0.1).
     None: full causal attention."""
@@ -264,6 +271,10 @@ class TransformerConfig:
         ):
             raise ConfigError(
                 f"rotary_dim={self.rotary_dim!r} must be an even number in 2..head_dim={self.head_dim}"
+            )
+        if self.qk_norm_scope not in _QK_NORM_SCOPES:
+            raise ConfigError(
+                f"qk_norm_scope={self.qk_norm_scope!r} must be one of {_QK_NORM_SCOPES}"
             )
         if self.ops_impl not in _OPS_IMPLS:
             raise ConfigError(f"ops_impl={self.ops_impl!r} must be one of {_OPS_IMPLS}")
