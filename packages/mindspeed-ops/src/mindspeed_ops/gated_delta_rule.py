@@ -115,7 +115,7 @@ def gated_delta_rule_reference(
     return out, (final if output_final_state else None)
 
 
-def _validate(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size):
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_name="initial_state"):
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_float(name, t)
         check_same_device(name, t, q)
@@ -144,12 +144,12 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size):
         check_same_device("cu_seqlens", cu_seqlens, q)
         check_cu_seqlens(cu_seqlens, q.shape[0])
     if initial_state is not None:
-        check_float("initial_state", initial_state)
-        check_same_device("initial_state", initial_state, q)
+        check_float(state_name, initial_state)
+        check_same_device(state_name, initial_state, q)
         rows = cu_seqlens.numel() - 1 if packed else q.shape[0]
         want = (rows, v.shape[-2], q.shape[-1], v.shape[-1])
         if tuple(initial_state.shape) != want:
-            raise ValueError(f"initial_state must have shape {want} (num_seqs, heads_v, dk, "
+            raise ValueError(f"{state_name} must have shape {want} (num_seqs, heads_v, dk, "
                              f"dv), got {tuple(initial_state.shape)}")  # fmt: skip
 
 
@@ -248,7 +248,7 @@ def gated_delta_rule_step(
     Returns o (batch, heads_v, dv) in q's dtype and the new state (the input is not modified).
     """
     rows = [t.unsqueeze(1) for t in (q, k, v, g, beta)]  # a sequence of one token
-    _validate(*rows, state, None, 1)
+    _validate(*rows, state, None, 1, state_name="state")
     if state is None:
         state = _zero_state(q, k, v, q.shape[0])
     q1, k1, v1, g1, beta1 = _prepare(*rows, scale, use_qk_l2norm)
