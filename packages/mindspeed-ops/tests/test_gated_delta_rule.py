@@ -72,8 +72,11 @@ def test_equals_transformers_qwen3_next(oracle, l2norm):
     t = _inputs(100, batch=2, states=2, seed=1)
     if not l2norm:
         t["q"], t["k"] = (F.normalize(x, dim=-1) for x in (t["q"], t["k"]))
+    # Key heads repeated over their value heads here: transformers before ~5.20 takes equal
+    # head counts only (the layer repeated them); our op repeats them itself.
+    q, k = (x.repeat_interleave(HEADS_V // HEADS_K, dim=2) for x in (t["q"], t["k"]))
     want_o, want_s = getattr(hf, oracle)(
-        t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["initial_state"],
+        q, k, t["v"], t["g"], t["beta"], initial_state=t["initial_state"],
         output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
     )  # fmt: skip
     for impl in ("reference", "cpu"):
@@ -141,14 +144,22 @@ def test_bf16_inputs_give_bf16_outputs_and_an_fp32_state():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="no GPU")
-def test_cuda_backend_equals_the_reference():
-    # fla's kernels when installed, else the chunked algorithm on the GPU; fp32 inputs.
+def test_cuda_backend_equals_the_reference(parity):
+    # Forward without gradients: fla's kernels when installed, else the chunked algorithm on
+    # the GPU. With gradients: fla where its backward runs, else the chunked algorithm.
     cu = torch.tensor(BOUNDS, device="cuda")
-    t = {n: x.cuda() for n, x in _inputs(BOUNDS[-1], packed=True, states=len(BOUNDS) - 1).items()}
-    o, s = mo.gated_delta_rule(**t, cu_seqlens=cu, output_final_state=True, impl="cuda")
+    inputs = _inputs(BOUNDS[-1], packed=True, states=len(BOUNDS) - 1)
+    t = {n: x.cuda() for n, x in inputs.items()}
+    with torch.no_grad():
+        o, s = mo.gated_delta_rule(**t, cu_seqlens=cu, output_final_state=True, impl="cuda")
     want_o, want_s = mo.gated_delta_rule_reference(**t, cu_seqlens=cu, output_final_state=True)
-    torch.testing.assert_close(o, want_o, atol=2e-3, rtol=2e-3)  # fla runs tf32 matmuls
+    torch.testing.assert_close(o, want_o, atol=2e-3, rtol=2e-3)  # fla's matmuls are tf32
     torch.testing.assert_close(s, want_s, atol=2e-3, rtol=2e-3)
+
+    def ours(**x):
+        return mo.gated_delta_rule(**x, cu_seqlens=cu, output_final_state=True, impl="cuda")
+
+    parity(ours, _reference(cu_seqlens=cu), inputs, torch.float32, device="cuda", tol=(2e-3, 2e-3))
 
 
 # -- the causal conv1d helper ---------------------------------------------------------------

@@ -25,10 +25,12 @@ PyTorch algorithm. Not built: context-parallel state passing between ranks, DTen
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
 
-from mindspeed_ops.backends import has_module, resolve_impl, warn_once
+from mindspeed_ops.backends import has_module, needs_grad, resolve_impl, warn_once
 from mindspeed_ops.gated_delta_chunk import chunked_gated_delta_rule
 from mindspeed_ops.validate import check_cu_seqlens, check_float, check_same_device
 
@@ -153,6 +155,17 @@ def _validate(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, state_nam
                              f"dv), got {tuple(initial_state.shape)}")  # fmt: skip
 
 
+def _fla_backward_ok(t: Tensor) -> bool:
+    """fla 0.6 raises in its gated backward on Hopper with Triton >= 3.4, < 3.7.1 (its issue
+    #640: wrong results) unless tilelang is installed; seen on an H200 with Triton 3.6."""
+    if torch.cuda.get_device_capability(t.device)[0] != 9 or has_module("tilelang"):
+        return True
+    import triton
+
+    version = tuple(int(p) for p in re.findall(r"\d+", triton.__version__)[:3])
+    return not (3, 4) <= version < (3, 7, 1)
+
+
 def _fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, scale, use_qk_l2norm):
     """flash-linear-attention's Triton kernels (batched layout; a packed row is batch 1)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -209,8 +222,12 @@ def gated_delta_rule(
         return gated_delta_rule_reference(q, k, v, g, beta, **options)
     if backend == "cuda":
         if has_module("fla"):
-            return _fla(q, k, v, g, beta, **options)
-        if impl == "cuda":
+            if not needs_grad(q, k, v, g, beta, initial_state) or _fla_backward_ok(q):
+                return _fla(q, k, v, g, beta, **options)
+            warn_once("gated_delta_rule_fla_bwd", "gated_delta_rule: fla's backward refuses this "
+                      "GPU with this Triton version (Hopper, Triton < 3.7.1); training runs the "
+                      "chunked PyTorch algorithm")  # fmt: skip
+        elif impl == "cuda":
             warn_once("gated_delta_rule_cuda", "gated_delta_rule: flash-linear-attention (fla) "
                       "not installed, impl='cuda' runs the chunked PyTorch algorithm")  # fmt: skip
     packed = cu_seqlens is not None
