@@ -240,3 +240,23 @@ _X, _W, _B = _conv_inputs()
 def test_bad_input_names_the_argument(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.slow
+def test_batched_op_compiles_in_one_graph():
+    # torch.compile(fullgraph=True) of the batched chunked path (~25 s on 2 cores): outputs,
+    # final state and gradients equal eager. Packed documents read their boundaries as ints,
+    # a graph break by design (as context parallel's attention ring does).
+    t = _inputs(70, batch=2, states=2)
+
+    def run(fn):
+        leaves = {n: x.clone().requires_grad_() for n, x in t.items()}
+        o, s = fn(**leaves)
+        (o.sum() + s.square().sum()).backward()
+        return [o.detach(), s.detach()] + [x.grad for x in leaves.values()]
+
+    def op(**x):
+        return mo.gated_delta_rule(**x, output_final_state=True, impl="cpu")
+
+    for got, want in zip(run(torch.compile(op, fullgraph=True)), run(op), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
