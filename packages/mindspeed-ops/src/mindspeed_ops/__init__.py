@@ -5,11 +5,17 @@ Every op takes `impl="auto" | "reference" | "cpu" | "cuda" | "npu"`; see README.
 
 from mindspeed_ops.attention import attention, attention_backward, attention_reference
 from mindspeed_ops.backends import IMPLS, available_impls, resolve_impl
+from mindspeed_ops.causal_conv1d import causal_conv1d
 from mindspeed_ops.cross_entropy import (
     cross_entropy,
     cross_entropy_reference,
     linear_cross_entropy,
     linear_cross_entropy_reference,
+)
+from mindspeed_ops.gated_delta_rule import (
+    gated_delta_rule,
+    gated_delta_rule_reference,
+    gated_delta_rule_step,
 )
 from mindspeed_ops.grouped_matmul import grouped_matmul, grouped_matmul_reference
 from mindspeed_ops.linear import linear, linear_reference
@@ -39,8 +45,12 @@ __all__ = [
     "attention_backward",
     "attention_reference",
     "available_impls",
+    "causal_conv1d",
     "cross_entropy",
     "cross_entropy_reference",
+    "gated_delta_rule",
+    "gated_delta_rule_reference",
+    "gated_delta_rule_step",
     "grouped_matmul",
     "grouped_matmul_reference",
     "linear",

@@ -13,6 +13,7 @@ OPS = (
     "cross_entropy",
     "grouped_matmul",
     "matmul_add",
+    "gated_delta_rule",
 )
 
 
@@ -28,6 +29,8 @@ def _kernel(op: str, device: str) -> str:
             return "reference"
         if op == "attention":
             return "cuda (torch SDPA; composed torch for packed/window/lse)"
+        if op == "gated_delta_rule" and has_module("fla"):
+            return "cuda (flash-linear-attention)"
         return "cuda (composed torch)"
     if op in ("rms_norm", "swiglu", "rotary_embedding"):
         return "cpu (C++)" if not cpu_ext.status().startswith("not built:") else "cpu (reference)"
