@@ -197,6 +197,8 @@ def test_kernel_choice_per_device_and_case():
     assert kernels.choose("cuda", half, half, 8, 0.0, None) == "cuda_flash"
     assert kernels.choose("cuda", half, v_latent.half(), NO_WINDOW, 0.0, None) == "cuda_flash"
     assert kernels.choose("cuda", half, half, NO_WINDOW, 30.0, None) in ("flex", "composed")
+    narrow = torch.empty(4, 2, 8)  # flex_attention refuses heads under 16 channels
+    assert kernels.choose("cuda", narrow, narrow, NO_WINDOW, 30.0, None) == "composed"
     assert kernels.choose("npu", half, half, 8, 0.0, None) == "npu_fusion"
     assert kernels.choose("npu", half, half, 8, 30.0, None) == "composed"
 

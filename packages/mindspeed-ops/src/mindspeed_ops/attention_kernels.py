@@ -47,7 +47,10 @@ def choose(device: str, q: Tensor, v: Tensor, window: int, softcap: float, offse
         flash_shape = q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and v.shape[-1] <= q.shape[-1]
         if plain and flash_shape and q.dtype in (torch.float16, torch.bfloat16):
             return "cuda_flash"
-        return "flex" if _flex() is not None else "composed"
+        # torch's flex_attention lowers only heads of at least 16 channels (seen on an H200,
+        # torch 2.11: "NYI: embedding dimension ... must be at least 16")
+        flex_shape = min(q.shape[-1], v.shape[-1]) >= 16
+        return "flex" if flex_shape and _flex() is not None else "composed"
     if device == "npu" and plain and v.shape[-1] == q.shape[-1]:
         return "npu_fusion"
     return "composed"
