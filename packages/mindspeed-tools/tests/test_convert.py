@@ -104,6 +104,15 @@ MOE = {
         {"num_local_experts": 4, "intermediate_size": 32, "head_dim": 16, "sliding_window": 8,
          "swiglu_limit": 0.3},
     ),
+    # hybrid: gated DeltaNet blocks beside gated attention with partial RoPE (q/k rows
+    # permuted), zero-centred norms, a gated shared expert
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {"num_hidden_layers": 4, "head_dim": 32, "num_experts": 4, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "full_attention_interval": 2,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+         "linear_value_head_dim": 16},
+    ),
 }
 
 
@@ -158,6 +167,7 @@ def _same_config(a: Path, b: Path):
         ),  # Llama's tensors under its own model type  # renamed norms, fused gate_up, q/k rows permuted for partial RoPE
         ("glm", "40KB"),  # GLM-4-9B-chat: glm4's fused gate_up and q/k rows, no post norms
         ("gpt_oss", "40KB"),
+        ("qwen3_next", "40KB"),
     ],
 )
 def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):

@@ -28,6 +28,7 @@ from mindspeed_llm.models import (
     qwen2_moe,
     qwen3,
     qwen3_moe,
+    qwen3_next,
 )
 from mindspeed_llm.models.common import Transformer
 from mindspeed_llm.models.config import TransformerConfig
@@ -58,6 +59,7 @@ for _family in (
     deepseek_v3,
     deepseek_v2,
     gpt_oss,
+    qwen3_next,
 ):
     register_model(_family.SPEC)
 

@@ -204,6 +204,22 @@ class TransformerConfig:
     +-limit, out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: SwiGLU."""
     swiglu_alpha: float = 1.702
     """The sigmoid gain of the clamped activation (only with `swiglu_limit`)."""
+    attention_output_gate: bool = False
+    """Qwen3-Next's gated attention: wq also gives a gate per head channel (rows [q, gate]
+    per head) and the attention output is multiplied by sigmoid(gate) before wo."""
+    linear_attention_layers: tuple[int, ...] = ()
+    """Blocks whose token mixer is gated DeltaNet linear attention (`common.gated_deltanet`,
+    Qwen3-Next's `linear_attention` layer_types) instead of softmax attention."""
+    linear_num_key_heads: int | None = None
+    """Gated DeltaNet: query/key heads."""
+    linear_num_value_heads: int | None = None
+    """Gated DeltaNet: value heads (a multiple of the key heads, which they share)."""
+    linear_key_head_dim: int | None = None
+    """Gated DeltaNet: channels of each query/key head."""
+    linear_value_head_dim: int | None = None
+    """Gated DeltaNet: channels of each value head."""
+    linear_conv_kernel_dim: int = 4
+    """Gated DeltaNet: taps of the short causal depthwise convolution over q, k and v."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     ops_impl: str = "auto"
@@ -262,6 +278,25 @@ class TransformerConfig:
         self._check_moe()
         self._check_mla()
         self._check_gpt_oss()
+        self._check_linear_attention()
+
+    def _check_linear_attention(self) -> None:
+        self.linear_attention_layers = tuple(self.linear_attention_layers)
+        if not self.linear_attention_layers:
+            return
+        bad = [i for i in self.linear_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"linear_attention_layers {bad} are not blocks of {self.num_layers}")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):  # fmt: skip
+            _check_positive_int(name, getattr(self, name))
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"linear_num_key_heads={self.linear_num_key_heads} must divide "
+                f"linear_num_value_heads={self.linear_num_value_heads}"
+            )
+        if self.kv_lora_rank is not None:
+            raise ConfigError("linear_attention_layers are not supported with kv_lora_rank")
 
     def _check_gpt_oss(self) -> None:
         if self.swiglu_limit is not None and (

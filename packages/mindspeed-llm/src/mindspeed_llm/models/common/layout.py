@@ -118,6 +118,11 @@ def _check_latent_attention(model_cfg: TransformerConfig, p: ParallelConfig, nam
 def _check_tensor_parallel(model_cfg: TransformerConfig, tp: int, name) -> None:
     if tp == 1:
         return
+    if model_cfg.linear_attention_layers:
+        raise LayoutError(
+            f"{name('tp')}={tp}: gated DeltaNet (linear attention) blocks have no tensor-parallel "
+            "plan yet; use tp=1 (fsdp, ep, pp work)"
+        )
     moe = [
         bool(model_cfg.num_experts) and model_cfg.is_moe_layer(i)
         for i in range(model_cfg.num_layers)
@@ -138,6 +143,11 @@ def _check_context_parallel(model_cfg, p: ParallelConfig, seq_len: int | None, n
         return
     if p.pp > 1:
         raise LayoutError(f"{name('cp')}={p.cp} with {name('pp')}={p.pp} is not supported yet")
+    if model_cfg.linear_attention_layers:
+        raise LayoutError(
+            f"{name('cp')}={p.cp}: context parallel over gated DeltaNet (linear attention) blocks "
+            "(their state passed along the ring) is not built yet"
+        )
     if seq_len is not None and seq_len % (2 * p.cp):
         raise LayoutError(
             f"data.seq_len={seq_len} is not divisible by 2 x {name('cp')} = {2 * p.cp}: "
