@@ -46,6 +46,24 @@ CASES = {
     "mistral-window": ("MistralConfig", {"sliding_window": 8}),
 }
 
+GLM4_MOE = {
+    "head_dim": 32,
+    "partial_rotary_factor": 0.5,
+    "attention_bias": True,
+    "use_qk_norm": True,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+    "num_nextn_predict_layers": 0,  # transformers builds no MTP layers
+    "pad_token_id": 0,
+    "eos_token_id": 2,
+}
 FAMILY_CASES = {
     "phi3": ("Phi3Config", {"sliding_window": 8, "pad_token_id": 0, "eos_token_id": 2}),
     "gemma2": (
@@ -83,6 +101,22 @@ FAMILY_CASES = {
         "GlmConfig",
         {"head_dim": 16, "partial_rotary_factor": 0.5, "pad_token_id": 0, "eos_token_id": 2},
     ),
+    # GLM-4.5's form: rotate-half RoPE on half of each head, q/k/v biases, per-head qk-norm,
+    # a dense first block, 8 sigmoid-routed experts in 4 groups (2 chosen) plus a shared one
+    "glm4_moe": ("Glm4MoeConfig", GLM4_MOE),
+    # GLM-4.5-Air's form: no qk-norm, one expert group, routed_scaling_factor 1
+    "glm4_moe-air": (
+        "Glm4MoeConfig",
+        {**GLM4_MOE, "use_qk_norm": False, "n_group": 1, "topk_group": 1,
+         "routed_scaling_factor": 1.0},
+    ),  # fmt: skip
+    # MiniMax-M2's form: one q and one k RMSNorm over all heads, rotate-half RoPE on half of
+    # each head (its published `rotary_dim`), 8 sigmoid-routed experts in every block
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        {"head_dim": 32, "rotary_dim": 16, "intermediate_size": 32, "num_local_experts": 8,
+         "num_experts_per_tok": 2, "pad_token_id": 0, "eos_token_id": 2},
+    ),  # fmt: skip
 }
 """Families whose Hugging Face names are not the dense adapter's (tested in
 test_models_families.py)."""
@@ -101,6 +135,9 @@ def make_hf(case: str, device="cpu", **changes):
                 p.normal_(0, 0.1)
             else:
                 p.normal_(0, 0.08)
+        for name, b in model.named_buffers():  # sigmoid routers' balancing bias
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
     return model.to(device).eval()
 
 

@@ -1,5 +1,6 @@
 """Generation under tensor parallel (2 gloo ranks, one spawn): greedy equals transformers
-(Llama with and without the KV cache, Qwen3's replicated qk-norms with it) on a left-padded
+(Llama with and without the KV cache, Qwen3's replicated qk-norms with it; MiniMax-M2's
+sharded norm over all heads, slow) on a left-padded
 batch, and sampling (seeded or not) draws the same tokens on every rank, seeded the same
 as one process."""
 
@@ -28,9 +29,9 @@ def _sampled(model):
     }
 
 
-def _tp_rank():
+def _tp_rank(cases=("llama", "qwen3")):
     results = {}
-    for case in ("llama", "qwen3"):
+    for case in cases:
         model = hf_models.ours_from(hf_models.make_hf(case))
         get_model_spec(model.config.family).parallelize(model, ParallelDims(tp=2).build())
         weight = model.layers["0"].attention.wk.weight
@@ -44,6 +45,20 @@ def _tp_rank():
 @pytest.mark.distributed
 def test_tp2_generation_matches_one_process_and_transformers():
     ranks = run_distributed(_tp_rank, 2, timeout=300)
+    _assert_greedy_is_transformers(ranks)
+    ours = hf_models.ours_from(hf_models.make_hf("llama"))
+    assert ranks[0]["llama"]["seeded"] == _sampled(ours)["seeded"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tp2_generation_with_a_norm_over_all_heads_matches_transformers():
+    """MiniMax-M2: q/k norm weights sharded over tp, the squares summed over the ranks."""
+    ranks = run_distributed(_tp_rank, 2, ("minimax_m2",), timeout=300)
+    _assert_greedy_is_transformers(ranks)
+
+
+def _assert_greedy_is_transformers(ranks):
     assert ranks[0] == ranks[1]  # every rank draws the same tokens, seeded or not
     for case, got in ranks[0].items():
         hf = hf_models.make_hf(case)
@@ -61,8 +76,6 @@ def test_tp2_generation_matches_one_process_and_transformers():
             assert got["cache"][row] == expected, case
             if "no_cache" in got:
                 assert got["no_cache"][row] == expected, case
-    ours = hf_models.ours_from(hf_models.make_hf("llama"))
-    assert ranks[0]["llama"]["seeded"] == _sampled(ours)["seeded"]
 
 
 ODD = {"vocab_size": 777, "tie_word_embeddings": True}

@@ -3,6 +3,8 @@ names; Gemma 2: soft caps, post norms, alternating windows, GeGLU) give transfor
 logits (fp32), their weights go to and from HF unchanged, and tp=2 gives one process's
 logits and gradients."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,6 +53,17 @@ def test_state_dict_round_trip(case):
     ours = adapter.from_hf(sd, config)
     assert ours.keys() == Transformer(config).state_dict().keys()
     back = adapter.to_hf(ours, config)
+    if config.num_experts:
+        # transformers v5 fuses (and may rename) the MoE blocks in memory, so to_hf gives
+        # checkpoint names there (test_convert.py): ours -> those -> ours is exact, and
+        # every tensor outside the feed-forward blocks comes back as it was
+        again = adapter.from_hf(back, config)
+        assert again.keys() == ours.keys()
+        assert all(torch.equal(again[k], v) for k, v in ours.items())
+        sd, back = (
+            {k: v for k, v in d.items() if not re.search(r"\.(mlp|block_sparse_moe)\.", k)}
+            for d in (sd, back)
+        )
     if config.tie_word_embeddings:  # HF saves a tied head once, as the embedding
         sd = {k: v for k, v in sd.items() if k != "lm_head.weight"}
     assert back.keys() == sd.keys()
@@ -238,7 +251,7 @@ def test_greedy_with_kv_cache_matches_transformers(case):
     ours = ours_from(hf)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (11, 3)]
-    config = GenerationConfig(max_new_tokens=20)
+    config = GenerationConfig(max_new_tokens=32)
     alone = [generate(ours, [p], config)[0] for p in prompts]
     assert generate(ours, prompts, config) == alone
     for prompt, got in zip(prompts, alone, strict=True):
@@ -247,8 +260,8 @@ def test_greedy_with_kv_cache_matches_transformers(case):
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
-            max_new_tokens=20,
-            min_new_tokens=20,
+            max_new_tokens=32,
+            min_new_tokens=32,
             eos_token_id=None,
             pad_token_id=0,
         )

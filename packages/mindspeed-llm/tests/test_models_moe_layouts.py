@@ -36,7 +36,7 @@ def _tokens(seed=1):
 
 def _build(family, **changes):
     spec = get_model_spec(family)
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "glm4_moe"):
         changes.setdefault("num_nextn_predict_layers", 0)  # MTP is refused under tp/pp/cp
     torch.manual_seed(0)
     return spec, spec.build(build_model_config(family, flavor="debug", **COEFS, **changes))
@@ -227,6 +227,28 @@ def test_cp2_with_ep_or_tp_matches_one_process(world, degrees):
     run_distributed(_cp_run, world, "mixtral", degrees, timeout=600)
 
 
+def _family_layouts(family, tp):
+    """A family's layouts in one spawn: tp=2 with sequence parallel (if `tp`), ep=2 over
+    dp_shard=2 (the all-to-all dispatcher), then cp=2 ring."""
+    if tp:
+        _tp_cases([(family, {"tp": 2}, {"sequence_parallel": True}, {})])
+    _tp_cases([(family, {"dp_shard": 2, "ep": 2}, {}, {})])
+    _cp_run(family, {"cp": 2})
+
+
+def test_glm4_moe_tp2_ep2_and_cp2_match_one_process():
+    """GLM-4.5: per-head qk-norm and q/k/v biases split over tp, grouped sigmoid routing
+    with shared experts and a dense first block, partial RoPE under ring attention."""
+    run_distributed(_family_layouts, 2, "glm4_moe", True, timeout=300)
+
+
+def test_minimax_m2_tp2_ep2_and_cp2_match_one_process():
+    """MiniMax-M2: the q/k norm over all heads split over tp (squares summed across the
+    ranks), sigmoid routing with the balancing bias in every block over ep=2, the norm
+    under ring cp=2."""
+    run_distributed(_family_layouts, 2, "minimax_m2", True, timeout=300)
+
+
 # -- pipeline parallel ----------------------------------------------------------------------
 
 
@@ -279,6 +301,8 @@ PP2_CASES = {
     # recompute re-runs each block's forward in backward: counted once
     "mixtral_recompute": ("mixtral", PER_LAYER, {"ac_mode": "full"}, PP2),
     "mixtral_tp2": ("mixtral", PER_LAYER, {}, {"pp": 2, "tp": 2}),
+    "glm4_moe": ("glm4_moe", PER_LAYER, {}, PP2),
+    "minimax_m2": ("minimax_m2", PER_LAYER, {}, PP2),
 }
 
 
@@ -289,6 +313,8 @@ PP2_CASES = {
         pytest.param("deepseek_v3", marks=pytest.mark.slow),
         pytest.param("mixtral_recompute", marks=pytest.mark.slow),
         pytest.param("mixtral_tp2", marks=pytest.mark.slow),
+        pytest.param("glm4_moe", marks=pytest.mark.slow),
+        pytest.param("minimax_m2", marks=pytest.mark.slow),
     ],
 )
 def test_pp2_matches_one_process(case):

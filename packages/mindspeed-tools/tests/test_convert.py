@@ -75,6 +75,14 @@ MOE = {
             "num_nextn_predict_layers": 0,
         },
     ),
+    # GLM-4.5: partial rotate-half RoPE (q/k rows permuted), q/k/v biases, qk-norm,
+    # grouped sigmoid routing with its balancing bias, a shared expert, the first block dense
+    "glm4_moe": ("Glm4MoeConfig", models_hf.GLM4_MOE),
+    # MiniMax-M2: q/k norms over all heads, partial RoPE, Mixtral's names plus the bias
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        {"head_dim": 32, "rotary_dim": 16, "intermediate_size": 32, "num_local_experts": 8},
+    ),
     # full-rank q (V2-Lite), softmax routing to the best 2 of 4 groups, 2 shared experts
     "deepseek_v2": (
         "DeepseekV2Config",
@@ -104,6 +112,13 @@ MOE = {
         {"num_local_experts": 4, "intermediate_size": 32, "head_dim": 16, "sliding_window": 8,
          "swiglu_limit": 0.3},
     ),
+    # DeepSeek-V3.2: V3 plus the sparse-attention indexer (wq_b, wk, a LayerNorm, weights_proj)
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        {"num_hidden_layers": 3, "first_k_dense_replace": 1, "num_key_value_heads": 4,
+         "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32,
+         "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+         "v_head_dim": 12, "index_topk": 8, "index_n_heads": 2, "index_head_dim": 16},
     # hybrid: gated DeltaNet blocks beside gated attention with partial RoPE (q/k rows
     # permuted), zero-centred norms, a gated shared expert
     "qwen3_next": (
@@ -128,6 +143,9 @@ def _make(case):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.08)
+        for name, b in model.named_buffers():  # sigmoid routers' balancing bias is saved
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
     return model.eval()
 
 
@@ -167,6 +185,9 @@ def _same_config(a: Path, b: Path):
         ),  # Llama's tensors under its own model type  # renamed norms, fused gate_up, q/k rows permuted for partial RoPE
         ("glm", "40KB"),  # GLM-4-9B-chat: glm4's fused gate_up and q/k rows, no post norms
         ("gpt_oss", "40KB"),
+        ("deepseek_v32", "40KB"),
+        ("glm4_moe", "40KB"),
+        ("minimax_m2", None),
         ("qwen3_next", "40KB"),
     ],
 )
@@ -472,17 +493,19 @@ def test_a_full_disk_is_one_line_and_a_killed_converts_temporaries_go(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf-llama", "ours"]
 
 
-def test_deepseek_v3_mtp_layers_convert_and_come_back(tmp_path):
-    """DeepSeek's published layout puts MTP module k at model.layers.{num_hidden_layers + k}
-    (transformers drops it); both conversions keep it, bit-identical, and it loads."""
-    _, src = _hf_dir(tmp_path, "deepseek_v3", shard="40KB")
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layers_convert_and_come_back(tmp_path, family):
+    """DeepSeek's and GLM-4.5's published layout puts MTP module k at
+    model.layers.{num_hidden_layers + k} (transformers drops it); both conversions keep it,
+    bit-identical, and it loads."""
+    _, src = _hf_dir(tmp_path, family, shard="40KB")
     hf_config = json.loads((src / "config.json").read_text())
     hf_config["num_nextn_predict_layers"] = 1
     (src / "config.json").write_text(json.dumps(hf_config))
     config = TransformerConfig.from_hf(hf_config)
     main = dict(hf_io.iter_hf_tensors(src))
     torch.manual_seed(1)
-    drawn = get_model_spec("deepseek_v3").hf_adapter.to_hf(Transformer(config).state_dict(), config)
+    drawn = get_model_spec(family).hf_adapter.to_hf(Transformer(config).state_dict(), config)
     mtp = {k: v for k, v in drawn.items() if k.startswith("model.layers.3.")}
     mtp["model.layers.3.embed_tokens.weight"] = main["model.embed_tokens.weight"]
     mtp["model.layers.3.shared_head.head.weight"] = main["lm_head.weight"]

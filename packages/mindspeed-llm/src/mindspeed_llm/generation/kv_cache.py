@@ -44,6 +44,8 @@ class KVCache:
         self.batch, self.max_len = batch, max_len
         self.offset = 0
         self.key_mask: Tensor | None = None  # (batch, max_len) bool; None: no padding
+        # DeepSeek sparse attention: layer -> its indexer's keys (batch, max_len, d)
+        self.indexer_keys: dict[int, Tensor] = {}
         # Recurrent layers (gated DeltaNet): layer -> (conv inputs, state), one row each.
         self.states: dict[int, tuple[Tensor | None, Tensor | None]] = {}
         self._mask_for: tuple | None = None  # (offset, seq, window) of the cached mask
@@ -86,6 +88,7 @@ class KVCache:
         """Start over (offset 0); row i begins with `pad_lengths[i]` padding positions."""
         self.offset = 0
         self._mask_for = self._mask = None
+        self.indexer_keys = {}
         self.states = {}
         if pad_lengths is None or not any(pad_lengths):
             self.key_mask = None
@@ -101,6 +104,7 @@ class KVCache:
             return
         self.keys = [k.repeat_interleave(n, dim=0) for k in self.keys]
         self.values = [v.repeat_interleave(n, dim=0) for v in self.values]
+        self.indexer_keys = {i: t.repeat_interleave(n, dim=0) for i, t in self.indexer_keys.items()}
         self.states = {i: _rows(s, lambda t: t.repeat_interleave(n, dim=0))
                        for i, s in self.states.items()}  # fmt: skip
         if self.key_mask is not None:
@@ -112,6 +116,7 @@ class KVCache:
         """Keep only the rows `index` (in that order): finished rows leave the batch."""
         self.keys = [k.index_select(0, index) for k in self.keys]
         self.values = [v.index_select(0, index) for v in self.values]
+        self.indexer_keys = {i: t.index_select(0, index) for i, t in self.indexer_keys.items()}
         self.states = {i: _rows(s, lambda t: t.index_select(0, index))
                        for i, s in self.states.items()}  # fmt: skip
         if self.key_mask is not None:
@@ -130,6 +135,11 @@ class KVCache:
         """One cache holding `first`'s rows, then `second`'s, aligned on their last written
         column (the shorter one left-padded), with the columns no row uses trimmed, and
         `room` free columns after the written ones: how rows join a running batch."""
+        if first.indexer_keys or second.indexer_keys:
+            raise NotImplementedError(
+                "rows joining a running batch (KVCache.concat) with DeepSeek sparse attention's "
+                "indexer keys are not supported yet"
+            )
         end = max(first.offset, second.offset)
         shifts = [end - first.offset, end - second.offset]
         starts = torch.cat([first.starts() + shifts[0], second.starts() + shifts[1]])
@@ -155,6 +165,7 @@ class KVCache:
             for i, s in first.states.items()
         }
         merged.batch, merged.max_len, merged.offset = batch, offset + room, offset
+        merged.indexer_keys = {}
         starts = starts - trim
         positions = torch.arange(offset + room, device=starts.device)[None, :]
         merged.key_mask = positions >= starts[:, None] if bool(starts.any()) else None
@@ -179,12 +190,15 @@ class KVCache:
         scale: float | None = None,
         softcap: float | None = None,
         sinks: Tensor | None = None,
+        select: Tensor | None = None,
     ) -> Tensor:
         """Write k, v (batch, seq, kv_heads, head_dim) of layer `index` at the offset and
         attend q (batch, seq, heads, head_dim) to the cache up to them; same shape as q.
         `scale`: of the scores (default head_dim ** -0.5); `softcap`: scores -> softcap *
         tanh(scores / softcap) before the mask (Gemma 2); `sinks`: (heads,) logits in every
-        row's softmax denominator (gpt-oss); these two in plain PyTorch."""
+        row's softmax denominator (gpt-oss); these two in plain PyTorch. `select`: (batch,
+        seq, offset + seq) bool, the keys each query may see on top of the cache's own mask
+        (DeepSeek sparse attention's choice)."""
         seq = q.shape[1]
         start, end = self.offset, self.offset + seq
         if end > self.max_len:
@@ -193,6 +207,8 @@ class KVCache:
         keys[:, :, start:end] = k.transpose(1, 2)
         values[:, :, start:end] = v.transpose(1, 2)
         mask = self._attention_mask(seq, window, q.device)
+        if select is not None:
+            mask = (self.visible_mask(seq, q.device) if mask is None else mask) & select[:, None]
         if softcap is not None or sinks is not None:
             return _plain(q, keys[:, :, :end], values[:, :, :end], mask, scale, softcap, sinks)
         out = F.scaled_dot_product_attention(
@@ -205,6 +221,16 @@ class KVCache:
             scale=scale,
         )
         return out.transpose(1, 2)
+
+    def visible_mask(self, seq: int, device: torch.device) -> Tensor:
+        """(batch or 1, 1, seq, offset + seq) bool: what the next `seq` queries may see
+        (causal, padding hidden), never None."""
+        mask = self._attention_mask(seq, None, device)
+        if mask is None:
+            start, end = self.offset, self.offset + seq
+            i = torch.arange(start, end, device=device)[:, None]
+            mask = (torch.arange(end, device=device)[None, :] <= i)[None, None]
+        return mask
 
     def _attention_mask(self, seq: int, window: int | None, device: torch.device) -> Tensor | None:
         """bool (batch or 1, 1, seq, offset + seq): may the query see the key; None when
@@ -263,6 +289,21 @@ class LayerCache:
     def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None, **kw) -> Tensor:
         return self.cache.attend(self.index, q, k, v, window, **kw)
 
+    def index_keys(self, keys: Tensor) -> Tensor:
+        """Write this layer's indexer keys (batch, seq, d) at the offset; -> all of them so
+        far (batch, offset + seq, d)."""
+        cache = self.cache
+        store = cache.indexer_keys.get(self.index)
+        if store is None:
+            store = keys.new_zeros(cache.batch, cache.max_len, keys.shape[-1])
+            cache.indexer_keys[self.index] = store
+        end = cache.offset + keys.shape[1]
+        store[:, cache.offset : end] = keys
+        return store[:, :end]
+
+    def visible(self, seq: int) -> Tensor:
+        """(batch or 1, seq, offset + seq) bool: the cached keys the next queries may see."""
+        return self.cache.visible_mask(seq, self.cache.keys[0].device)[:, 0]
     @property
     def state(self) -> tuple[Tensor | None, Tensor | None] | None:
         """A recurrent layer's (conv inputs, state) after the tokens so far; None at first."""

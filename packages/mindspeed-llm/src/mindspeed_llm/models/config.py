@@ -1,8 +1,8 @@
 """`TransformerConfig`: the hyperparameters of our decoder (dense or MoE).
 
 One config describes every family we support (Llama 2/3, Qwen2/2.5, Qwen3, Mistral, and the
-MoE ones Mixtral, Qwen2-MoE, Qwen3-MoE): the families differ only in flags (qkv bias,
-per-head qk norm, sliding window, RoPE scaling, experts).
+MoE ones Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek, GLM-4.5, MiniMax-M2): the families differ
+only in flags (qkv bias, qk norm, sliding window, RoPE scaling, experts).
 `from_hf` reads a `config.json` written by transformers v4 or v5 and `to_hf_dict` writes one
 that both versions read, each through the family's `HFFormat` (its `hf.py`, registered
 with the family).
@@ -22,6 +22,7 @@ _ROUTER_SCORES = ("softmax", "sigmoid")
 _GROUP_SCORES = ("top2_sum", "max")
 _OPS_IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
 _ACTS = ("silu", "gelu_tanh")
+_QK_NORM_SCOPES = ("head", "all")
 
 ROPE_SCALING = {
     "linear": ({"factor"}, {}),
@@ -49,9 +50,9 @@ class TransformerConfig:
     """A decoder-only transformer (pre-norm, RMSNorm, RoPE, GQA, SwiGLU or routed experts)."""
 
     family: str = "llama"
-    """Model family in the registry (`mindspeed_llm.models.model_families()`): "llama",
-    "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe" or one registered
-    by the user."""
+    """Model family in the registry (`mindspeed_llm.models.model_families()`), e.g. "llama",
+    "qwen3", "mixtral", "deepseek_v3", "glm4_moe", "minimax_m2", or one registered by the
+    user."""
     vocab_size: int
     """Tokens of the vocabulary: rows of the embedding and of the output projection,
     unless tensor parallel pads them (`padded_vocab_size`)."""
@@ -90,6 +91,12 @@ class TransformerConfig:
     """Biases on the q, k and v projections (Qwen2)."""
     qk_norm: bool = False
     """RMSNorm over head_dim of each query and key head, before RoPE (Qwen3)."""
+    qk_norm_scope: str = "head"
+    """With `qk_norm`: "head" (one RMSNorm of width head_dim shared by every head, Qwen3)
+    or "all" (one RMSNorm over the whole q projection and one over the whole k projection,
+    weights num_heads x head_dim and num_kv_heads x head_dim wide: MiniMax-M2). Under
+    tensor parallel "all" shards those weights like wq/wk and sums the squares over the
+    tp ranks (one all-reduce of a (batch, seq, 1) tensor per norm)."""
     sliding_window: int | None = None
     """Each query sees only the last `sliding_window` keys, itself included (Mistral v0.1).
     None: full causal attention."""
@@ -220,6 +227,18 @@ class TransformerConfig:
     """Gated DeltaNet: channels of each value head."""
     linear_conv_kernel_dim: int = 4
     """Gated DeltaNet: taps of the short causal depthwise convolution over q, k and v."""
+    index_topk: int = 0
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, with latent attention): each query attends
+    to the `index_topk` keys its lightning indexer scores highest (all of them when it sees
+    no more); 0: dense attention, no indexer."""
+    index_n_heads: int | None = None
+    """DSA: heads of the indexer."""
+    index_head_dim: int | None = None
+    """DSA: channels of each indexer head (its first qk_rope_head_dim rotated, rotate-half)."""
+    index_loss_scale: float = 0.0
+    """DSA training: weight of the indexer's KL loss (the main attention's head-averaged
+    distribution over the selected keys as the target, DeepSeek's warm-up objective); its
+    gradient reaches the indexer only. 0: the indexer is not trained."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     ops_impl: str = "auto"
@@ -269,6 +288,10 @@ class TransformerConfig:
             raise ConfigError(
                 f"rotary_dim={self.rotary_dim!r} must be an even number in 2..head_dim={self.head_dim}"
             )
+        if self.qk_norm_scope not in _QK_NORM_SCOPES:
+            raise ConfigError(
+                f"qk_norm_scope={self.qk_norm_scope!r} must be one of {_QK_NORM_SCOPES}"
+            )
         if self.ops_impl not in _OPS_IMPLS:
             raise ConfigError(f"ops_impl={self.ops_impl!r} must be one of {_OPS_IMPLS}")
         if not isinstance(self.family, str) or not self.family:
@@ -279,6 +302,7 @@ class TransformerConfig:
         self._check_mla()
         self._check_gpt_oss()
         self._check_linear_attention()
+        self._check_sparse_attention()
 
     def _check_linear_attention(self) -> None:
         self.linear_attention_layers = tuple(self.linear_attention_layers)
@@ -297,6 +321,24 @@ class TransformerConfig:
             )
         if self.kv_lora_rank is not None:
             raise ConfigError("linear_attention_layers are not supported with kv_lora_rank")
+
+    def _check_sparse_attention(self) -> None:
+        if not isinstance(self.index_topk, int) or self.index_topk < 0:
+            raise ConfigError(f"index_topk={self.index_topk!r} must be an integer >= 0")
+        if not isinstance(self.index_loss_scale, int | float) or self.index_loss_scale < 0:
+            raise ConfigError(f"index_loss_scale={self.index_loss_scale!r} must be a number >= 0")
+        if not self.index_topk:
+            return
+        if self.kv_lora_rank is None or self.q_lora_rank is None:
+            raise ConfigError("index_topk (DeepSeek sparse attention) needs latent attention "
+                              "with a low-rank query (kv_lora_rank and q_lora_rank)")  # fmt: skip
+        _check_positive_int("index_n_heads", self.index_n_heads)
+        _check_positive_int("index_head_dim", self.index_head_dim)
+        if self.index_head_dim <= self.qk_rope_head_dim:
+            raise ConfigError(
+                f"index_head_dim={self.index_head_dim} must exceed qk_rope_head_dim="
+                f"{self.qk_rope_head_dim} (the indexer rotates that many of its channels)"
+            )
 
     def _check_gpt_oss(self) -> None:
         if self.swiglu_limit is not None and (

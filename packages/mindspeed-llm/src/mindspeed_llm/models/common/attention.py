@@ -1,5 +1,6 @@
-"""Causal self-attention: GQA, optional q/k/v (and o) biases, per-head qk RMSNorm, sliding
-window, soft-capped scores, attention sinks, packed documents, context parallel.
+"""Causal self-attention: GQA, optional q/k/v (and o) biases, qk RMSNorm (per head or over
+all heads), sliding window, soft-capped scores, attention sinks, packed documents, context
+parallel.
 
 The forward uses local head counts (``view(batch, seq, -1, head_dim)``), so the same module
 runs whole or with wq/wk/wv split by column and wo by row under tensor parallel.
@@ -10,11 +11,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from mindspeed_core.parallel import dtensor
 from mindspeed_llm.models.common.linear import Linear
-from mindspeed_llm.models.common.norm import RMSNorm
+from mindspeed_llm.models.common.norm import RMSNorm, rms_norm_over_ranks
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import attention, rotary_embedding
 
@@ -49,10 +51,16 @@ class Attention(nn.Module):
         # gpt-oss: one logit per query head in each row's softmax denominator. Under tensor
         # parallel a DTensor sharded by head like wq's rows (`parallelize.py`).
         self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
+        # MiniMax-M2 normalises the whole q and k projections, Qwen3 each head.
+        self.qk_norm_all = config.qk_norm_scope == "all"
+        # Set by `parallelize_decoder` under tensor parallel with qk_norm_scope="all": the
+        # tp ranks whose shares of q and k make up the width one norm spans.
+        self.qk_norm_group: dist.ProcessGroup | None = None
         if config.qk_norm:
             offset = config.norm_unit_offset
-            self.q_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl, offset=offset)
-            self.k_norm = RMSNorm(config.head_dim, config.norm_eps, impl=self.impl, offset=offset)
+            q_width, k_width = (q_dim, kv_dim) if self.qk_norm_all else (config.head_dim,) * 2
+            self.q_norm = RMSNorm(q_width, config.norm_eps, impl=self.impl, offset=offset)
+            self.k_norm = RMSNorm(k_width, config.norm_eps, impl=self.impl, offset=offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -69,6 +77,11 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
+
+    def _norm_all_heads(self, norm: RMSNorm, x: Tensor) -> Tensor:
+        if self.qk_norm_group is None:
+            return norm(x)
+        return rms_norm_over_ranks(x, norm, self.qk_norm_group)
 
     def forward(
         self,
@@ -91,14 +104,17 @@ class Attention(nn.Module):
                 cached so far (its mask hides left padding).
         """
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, -1, self.head_dim)  # (batch, seq, local heads, head_dim)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (batch, seq, local heads x head_dim)
         gate = None
-        if self.output_gate:  # (batch, seq, heads, 2 * head_dim): each head's q, then its gate
+        if self.output_gate:  # Qwen3-Next: wq's rows are each head's q, then its gate
             q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
-            gate = gate.reshape(batch, seq, -1)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, gate = q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
+        if self.q_norm is not None and self.qk_norm_all:  # MiniMax-M2: over all heads
+            q, k = self._norm_all_heads(self.q_norm, q), self._norm_all_heads(self.k_norm, k)
+        q = q.view(batch, seq, -1, self.head_dim)  # (batch, seq, local heads, head_dim)
+        k = k.view(batch, seq, -1, self.head_dim)
+        v = v.view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None and not self.qk_norm_all:  # Qwen3: per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q = rotary_embedding(q, cos, sin, position_ids, impl=self.impl)

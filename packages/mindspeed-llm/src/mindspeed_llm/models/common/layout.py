@@ -118,6 +118,9 @@ def _check_latent_attention(model_cfg: TransformerConfig, p: ParallelConfig, nam
 def _check_tensor_parallel(model_cfg: TransformerConfig, tp: int, name) -> None:
     if tp == 1:
         return
+    if model_cfg.index_topk:
+        raise LayoutError(
+            f"{name('tp')}={tp}: DeepSeek sparse attention (index_topk) has no tensor-parallel "
     if model_cfg.linear_attention_layers:
         raise LayoutError(
             f"{name('tp')}={tp}: gated DeltaNet (linear attention) blocks have no tensor-parallel "
@@ -143,6 +146,10 @@ def _check_context_parallel(model_cfg, p: ParallelConfig, seq_len: int | None, n
         return
     if p.pp > 1:
         raise LayoutError(f"{name('cp')}={p.cp} with {name('pp')}={p.pp} is not supported yet")
+    if model_cfg.index_topk:
+        raise LayoutError(
+            f"{name('cp')}={p.cp}: DeepSeek sparse attention (index_topk) under context parallel "
+            "is not built yet"
     if model_cfg.linear_attention_layers:
         raise LayoutError(
             f"{name('cp')}={p.cp}: context parallel over gated DeltaNet (linear attention) blocks "

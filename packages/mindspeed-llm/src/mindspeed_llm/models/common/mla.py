@@ -19,6 +19,15 @@ zero-padded there and the padding is cut from the output (exact). Caching the la
 
 The latent norms use epsilon 1e-6 whatever `norm_eps` is, as DeepSeek's checkpoints were
 trained with (transformers builds them with the default too).
+
+DeepSeek Sparse Attention (DeepSeek-V3.2, `index_topk` > 0): a lightning `Indexer` scores
+every visible key for each query, sum_h w_h relu(q_h . k * d^-0.5) over its own small
+heads (from the low-rank query and the hidden state, no gradient from the main loss), and
+the query attends to its `index_topk` best keys only (`sparse_attention`: the selected keys
+gathered, O(tokens x index_topk) memory). A query that sees no more keys than that attends
+densely, as before. The indexer learns from its own KL loss (`index_loss_scale`), attached
+to the block's output so that its gradient reaches the indexer alone. Decoding keeps the
+indexer's keys in the KV cache and masks the cached keys to the selected ones.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from mindspeed_core.parallel import dtensor
 from mindspeed_llm.models.common.linear import Linear
+from mindspeed_llm.models.common.moe import AttachAux
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import attention, rotary_embedding
@@ -61,6 +71,90 @@ def _local_share(t: Tensor) -> Tensor:
     if isinstance(t, DTensor):
         return t.to_local(grad_placements=[Partial()] * t.device_mesh.ndim)
     return t
+
+
+class Indexer(nn.Module):
+    """DSA's lightning indexer: which keys each query attends to (see the module docstring)."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.rope_dim, self.topk = config.qk_rope_head_dim, config.index_topk
+        self.impl = config.ops_impl
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = Linear(config.hidden_size, self.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False)
+
+    def init_weights(self, std: float) -> None:
+        for linear in (self.wq_b, self.wk, self.weights_proj):
+            nn.init.normal_(linear.weight, std=std)
+        self.k_norm.reset_parameters()
+
+    def _rotate(self, t: Tensor, rope: RopeTables, position_ids: Tensor | None) -> Tensor:
+        rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
+        rot = rotary_embedding(rot, *rope, position_ids, impl=self.impl)  # rotate-half pairs
+        return torch.cat([rot, rest], dim=-1)
+
+    def queries(self, x: Tensor, q_resid: Tensor, rope: RopeTables, position_ids) -> tuple:
+        """(q (batch, seq, heads, d), head weights (batch, seq, heads)) of the indexer."""
+        batch, seq, _ = x.shape
+        q = self.wq_b(q_resid).view(batch, seq, self.n_heads, self.head_dim)
+        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        return self._rotate(q, rope, position_ids), weights
+
+    def keys(self, x: Tensor, rope: RopeTables, position_ids) -> Tensor:
+        """(batch, seq, d) indexer keys."""
+        k = self.k_norm(self.wk(x))[:, :, None]
+        return self._rotate(k, rope, position_ids)[:, :, 0]
+
+    def scores(self, q: Tensor, weights: Tensor, keys: Tensor, allowed: Tensor) -> Tensor:
+        """fp32 (batch, seq, keys) index scores, -inf where `allowed` (bool, broadcastable)
+        hides a key."""
+        dots = torch.einsum("bshd,btd->bsht", q.float(), keys.float()) * self.head_dim**-0.5
+        scores = torch.einsum("bsh,bsht->bst", weights, F.relu(dots))
+        return scores.masked_fill(~allowed, float("-inf"))
+
+
+def select_keys(scores: Tensor, allowed: Tensor, topk: int) -> tuple[Tensor, Tensor]:
+    """(index (batch, seq, k) long, valid (batch, seq, k) bool): each query's `topk` best
+    keys by `scores`, k = min(topk, keys); an entry is valid where the key is allowed (a
+    query that sees fewer keys than k gets some invalid ones)."""
+    k = min(topk, scores.shape[-1])
+    index = scores.topk(k, dim=-1).indices
+    valid = allowed.expand_as(scores).gather(-1, index)
+    return index, valid
+
+
+def sparse_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tensor,
+                     scale: float) -> Tensor:  # fmt: skip
+    """Each query over its selected keys only: q (batch, seq, heads, d), k (batch, keys,
+    heads, d), v (batch, keys, heads, dv), index / valid (batch, seq, k) from `select_keys`
+    -> (batch, seq, heads, dv). Gathers the selected keys (plain PyTorch, fp32 softmax)."""
+    batch, seq, top = index.shape
+    rows = torch.arange(batch, device=q.device)[:, None, None]
+    keys, values = k[rows, index], v[rows, index]  # (batch, seq, k, heads, d)
+    scores = torch.einsum("bshd,bskhd->bshk", q.float(), keys.float()) * scale
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bshk,bskhd->bshd", probs, values.float()).to(q.dtype)
+
+
+def index_kl_loss(q: Tensor, k: Tensor, scale: float, index_scores: Tensor, index: Tensor,
+                  valid: Tensor) -> Tensor:  # fmt: skip
+    """DeepSeek's indexer loss: KL(p || softmax(index scores)) over each query's selected
+    keys, p the main attention's distribution averaged over heads (no gradient), the mean
+    over queries."""
+    with torch.no_grad():
+        batch = index.shape[0]
+        rows = torch.arange(batch, device=q.device)[:, None, None]
+        scores = torch.einsum("bshd,bskhd->bshk", q.float(), k[rows, index].float()) * scale
+        scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+        target = torch.softmax(scores, dim=-1).nan_to_num(0.0).mean(dim=2)  # (batch, seq, k)
+    chosen = index_scores.gather(-1, index).masked_fill(~valid, float("-inf"))
+    log_q = torch.log_softmax(chosen, dim=-1)
+    terms = torch.where(valid, target * (target.clamp_min(1e-30).log() - log_q), 0.0)
+    return terms.sum(-1).mean()
 
 
 class MultiLatentAttention(nn.Module):
@@ -98,8 +192,13 @@ class MultiLatentAttention(nn.Module):
             self.kv_lora_rank, heads * (self.nope_dim + self.v_head_dim), bias=False
         )
         self.wo = Linear(heads * self.v_head_dim, hidden, bias=False)
+        self.indexer = Indexer(config) if config.index_topk else None
+        self.index_loss_scale = config.index_loss_scale
+        self.last_index_loss: Tensor | None = None  # the last training forward's, detached
 
     def init_weights(self, std: float, out_std: float) -> None:
+        if self.indexer is not None:
+            self.indexer.init_weights(std)
         for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
             if linear is not None:
                 nn.init.normal_(linear.weight, std=std)
@@ -128,6 +227,10 @@ class MultiLatentAttention(nn.Module):
         batch, seq, _ = x.shape
         q = self._queries(x, rope, position_ids)  # (batch, seq, heads, head_dim)
         k, v = self._keys_values(x, rope, position_ids)  # v: (batch, seq, heads, v_head_dim)
+        if self.indexer is not None:
+            out = self._sparse(x, q, k, v, rope, position_ids, cu_seqlens, kv_cache)
+            if out is not None:
+                return self.wo(out.reshape(batch, seq, -1))
         if kv_cache is not None:  # the cache holds values zero-padded to the keys' width
             v = F.pad(v, (0, self.head_dim - self.v_head_dim))
             out = kv_cache.attend(q, k, v, scale=self.scale)[..., : self.v_head_dim]
@@ -141,6 +244,51 @@ class MultiLatentAttention(nn.Module):
             q, k, v = (t.flatten(0, 1) for t in (q, k, v))
             out = attention(q, k, v, cu_seqlens=cu_seqlens, scale=self.scale, impl=self.impl)
         return self.wo(out.reshape(batch, seq, -1))
+
+    def _sparse(self, x, q, k, v, rope, position_ids, cu_seqlens, kv_cache) -> Tensor | None:
+        """DSA: the output over each query's selected keys, or None where every query sees
+        at most index_topk keys (then dense attention is the same and runs instead)."""
+        if self.context_parallel is not None:
+            raise NotImplementedError("DeepSeek sparse attention under context parallel")
+        indexer = self.indexer
+        learn = self.training and self.index_loss_scale > 0 and kv_cache is None
+        with torch.set_grad_enabled(learn and torch.is_grad_enabled()):
+            # the indexer reads detached inputs: the main loss never trains it, nor it the rest
+            x_in = x.detach()
+            q_resid = self.q_norm(self.wq_a(x_in)).detach()
+            iq, weights = indexer.queries(x_in, q_resid, rope, position_ids)
+            keys = indexer.keys(x_in, rope, position_ids)
+        if kv_cache is not None:
+            return self._sparse_cached(q, k, v, iq, weights, keys, kv_cache)
+        if cu_seqlens is not None:  # packed documents: one row, attention inside each
+            q, k, v, iq, weights, keys = (t.flatten(0, 1)[None] for t in (q, k, v, iq, weights, keys))
+        allowed = _visible(q.shape[1], cu_seqlens, q.device)  # (1, seq, seq)
+        if int(allowed.sum(-1).max()) <= indexer.topk:
+            return None
+        with torch.set_grad_enabled(learn and torch.is_grad_enabled()):
+            scores = indexer.scores(iq, weights, keys, allowed)
+        index, valid = select_keys(scores.detach(), allowed, indexer.topk)
+        out = sparse_attention(q, k, v, index, valid, self.scale)
+        if learn:
+            loss = index_kl_loss(q.detach(), k.detach(), self.scale, scores, index, valid)
+            self.last_index_loss = loss.detach()
+            out = AttachAux.apply(out, loss * self.index_loss_scale)
+        return out.view(x.shape[0], x.shape[1], *out.shape[2:])
+
+    def _sparse_cached(self, q, k, v, iq, weights, keys, kv_cache) -> Tensor | None:
+        """Decoding with DSA: the indexer's keys join the cache; the cached keys each query
+        does not select are masked."""
+        seq = q.shape[1]
+        all_keys = kv_cache.index_keys(keys)  # (batch, end, d) up to these tokens
+        allowed = kv_cache.visible(seq)  # (batch or 1, seq, end)
+        v = F.pad(v, (0, self.head_dim - self.v_head_dim))
+        if int(allowed.sum(-1).max()) <= self.indexer.topk:
+            return kv_cache.attend(q, k, v, scale=self.scale)[..., : self.v_head_dim]
+        scores = self.indexer.scores(iq, weights, all_keys, allowed)
+        index, valid = select_keys(scores, allowed, self.indexer.topk)
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, valid)
+        out = kv_cache.attend(q, k, v, scale=self.scale, select=chosen)
+        return out[..., : self.v_head_dim]
 
     def _rotate(self, t: Tensor, rope: RopeTables, position_ids: Tensor | None) -> Tensor:
         cos, sin = rope
@@ -166,3 +314,13 @@ class MultiLatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)  # per local head
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         return k, v  # the attention op takes values narrower than keys: no padding
+
+
+def _visible(tokens: int, cu_seqlens: Tensor | None, device) -> Tensor:
+    """(1, tokens, tokens) bool: causal, and inside one document when packed."""
+    i = torch.arange(tokens, device=device)
+    allowed = i[None, :] <= i[:, None]
+    if cu_seqlens is not None:
+        doc = torch.searchsorted(cu_seqlens.to(i), i, right=True)
+        allowed = allowed & (doc[None, :] == doc[:, None])
+    return allowed[None]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -59,3 +61,16 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rms_norm_over_ranks(x: Tensor, norm: RMSNorm, group: dist.ProcessGroup) -> Tensor:
+    """`norm` over a last dimension split across `group`'s ranks: each holds its columns of
+    x and, as a Shard(0) DTensor, its slice of the weight (MiniMax-M2's q/k norm over all
+    heads under tensor parallel). The squares are summed over the ranks (autograd: the
+    sum's gradient is all-reduced back), so every rank divides by the whole width."""
+    weight = norm.weight.to_local() if isinstance(norm.weight, DTensor) else norm.weight
+    xf = x.float()
+    squares = dist_nn.all_reduce(xf.pow(2).sum(-1, keepdim=True), group=group)
+    width = x.shape[-1] * dist.get_world_size(group)
+    y = xf * torch.rsqrt(squares / width + norm.eps)
+    return (y * norm._scale(weight).float()).to(x.dtype)

@@ -206,7 +206,9 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         )
     apply_tp(model, tp_mesh, _owned_entries(plan, model))
     tie_embeddings(model)
-    if config.qk_norm:
+    if config.qk_norm and config.qk_norm_scope == "all":
+        _shard_qk_norms(model, tp_mesh)
+    elif config.qk_norm:
         _replicate_qk_norms(model, tp_mesh)
     if config.attention_sinks:
         _shard_sinks(model, tp_mesh)
@@ -379,6 +381,18 @@ def _shard_sinks(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     for layer in model.layers.values():
         attention = layer.attention
         attention.sinks = nn.Parameter(distribute_tensor(attention.sinks.data, tp_mesh, [Shard(0)]))
+
+
+def _shard_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """qk_norm_scope="all": each tp rank normalises its heads' share of the q/k width, so
+    the norm weights are sharded like wq's and wk's rows, and the attention sums the squares
+    over the tp ranks (`norm.rms_norm_over_ranks`)."""
+    for layer in model.layers.values():
+        attention = layer.attention
+        for norm in (attention.q_norm, attention.k_norm):
+            weight = distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)])
+            norm.weight = nn.Parameter(weight, requires_grad=norm.weight.requires_grad)
+        attention.qk_norm_group = tp_mesh.get_group()
 
 
 def _replicate_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:

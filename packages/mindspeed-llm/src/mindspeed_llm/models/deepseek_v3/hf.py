@@ -20,7 +20,8 @@ reading); MTP layers past `num_nextn_predict_layers` are skipped on reading. RoP
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -223,12 +224,23 @@ def _layers(config: TransformerConfig):
         yield f"mtp.layers.{i}.block.", f"model.layers.{i}.", i
 
 
-def name_map(config: TransformerConfig) -> dict[str, str]:
-    """Our name -> Hugging Face name for every tensor that is only renamed (not experts)."""
+def latent_attention_names(config: TransformerConfig) -> dict[str, str]:
+    """Our name -> Hugging Face name of a block's attention and its two norms (MLA)."""
+    return {**_ATTENTION, **(_FULL_Q if config.q_lora_rank is None else _LOW_RANK_Q)}
+
+
+AttentionNames = Callable[[TransformerConfig], dict[str, str]]
+
+
+def name_map(
+    config: TransformerConfig, attention: AttentionNames = latent_attention_names
+) -> dict[str, str]:
+    """Our name -> Hugging Face name for every tensor that is only renamed (not experts);
+    `attention`: a block's attention and norm names (GLM-4.5 has ordinary attention)."""
     names = dict(hf_adapter._TOP)
     if config.tie_word_embeddings:
         del names["output.weight"]
-    layer = {**_ATTENTION, **(_FULL_Q if config.q_lora_rank is None else _LOW_RANK_Q)}
+    layer = attention(config)
     for ours, hf, i in _layers(config):
         own = dict(layer)
         if config.is_moe_layer(i):
@@ -289,17 +301,22 @@ def _unused_mtp(present: set[str], config: TransformerConfig) -> set[str]:
     }
 
 
+@dataclass(frozen=True)
 class DeepseekV3Adapter:
     """DeepSeek-V3's `hf_adapter`: `to_hf(state_dict, config)`, `from_hf(hf_state_dict, config)`."""
 
-    @staticmethod
-    def to_hf(state_dict: Mapping[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
+    attention: AttentionNames = latent_attention_names
+    """A block's attention and norm names (GLM-4.5 reuses this adapter with its own)."""
+
+    def to_hf(
+        self, state_dict: Mapping[str, Tensor], config: TransformerConfig
+    ) -> dict[str, Tensor]:
         """Our state dict -> DeepSeek's checkpoint names (one (out, in) weight per expert).
 
         Raises:
             CheckpointError: a tensor is missing or one has no Hugging Face name.
         """
-        names, experts = name_map(config), _expert_sources(config)
+        names, experts = name_map(config, self.attention), _expert_sources(config)
         extra = set(state_dict) - set(names) - set(experts)
         if config.tie_word_embeddings:
             extra.discard("output.weight")
@@ -313,16 +330,15 @@ class DeepseekV3Adapter:
             out[hf] = state_dict[ours]
         return out
 
-    @staticmethod
     def from_hf(
-        hf_state_dict: Mapping[str, Tensor], config: TransformerConfig
+        self, hf_state_dict: Mapping[str, Tensor], config: TransformerConfig
     ) -> dict[str, Tensor]:
         """A Hugging Face state dict (checkpoint or v5 in-memory names) -> our names.
 
         Raises:
             CheckpointError: a tensor is missing or one is not part of this model.
         """
-        to_ours = {hf: ours for ours, hf in name_map(config).items()}
+        to_ours = {hf: ours for ours, hf in name_map(config, self.attention).items()}
         sources = _expert_sources(config, set(hf_state_dict))
         wanted = set(to_ours) | {k for keys in sources.values() for k in keys}
         present = {k for k in hf_state_dict if not k.endswith(hf_adapter._IGNORED_SUFFIXES)}
