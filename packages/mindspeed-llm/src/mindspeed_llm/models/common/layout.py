@@ -121,6 +121,8 @@ def _check_tensor_parallel(model_cfg: TransformerConfig, tp: int, name) -> None:
     if model_cfg.index_topk:
         raise LayoutError(
             f"{name('tp')}={tp}: DeepSeek sparse attention (index_topk) has no tensor-parallel "
+            "plan yet; use tp=1 (fsdp, ep, pp work)"
+        )
     if model_cfg.linear_attention_layers:
         raise LayoutError(
             f"{name('tp')}={tp}: gated DeltaNet (linear attention) blocks have no tensor-parallel "
@@ -150,6 +152,7 @@ def _check_context_parallel(model_cfg, p: ParallelConfig, seq_len: int | None, n
         raise LayoutError(
             f"{name('cp')}={p.cp}: DeepSeek sparse attention (index_topk) under context parallel "
             "is not built yet"
+        )
     if model_cfg.linear_attention_layers:
         raise LayoutError(
             f"{name('cp')}={p.cp}: context parallel over gated DeltaNet (linear attention) blocks "
