@@ -2,7 +2,7 @@
 beside gated softmax attention with partial RoPE, zero-centred norms and a gated shared
 expert give transformers' logits (fp32) and greedy tokens through our cache (recurrent
 states included, left padding too); packed documents equal separate rows; the weights go to
-and from Hugging Face bit-identically; ep=2 equals one process; tp and cp are refused."""
+and from Hugging Face bit-identically; tp=2 (+SP) and ep=2 equal one process; cp is refused."""
 
 import dataclasses
 
@@ -142,8 +142,9 @@ def test_config_spellings_layouts_and_refusals():
     debug = build_model_config("qwen3_next", "debug")
     check_layout(debug, ParallelConfig(ep=2, dp_shard=2))
     check_layout(dataclasses.replace(debug, router_aux_loss_scope="layer"), ParallelConfig(pp=2))
-    with pytest.raises(LayoutError, match="tp=2: gated DeltaNet"):
-        check_layout(debug, ParallelConfig(tp=2), flag="{}")
+    check_layout(debug, ParallelConfig(tp=2))
+    with pytest.raises(LayoutError, match="tp=4 does not divide linear_num_key_heads=2"):
+        check_layout(debug, ParallelConfig(tp=4), flag="{}")
     with pytest.raises(LayoutError, match="cp=2: context parallel over gated DeltaNet"):
         check_layout(debug, ParallelConfig(cp=2), flag="{}")
     published = build_model_config("qwen3_next", "qwen3-next-80b-a3b")
@@ -160,3 +161,22 @@ def test_ep2_over_dp_shard2_matches_one_process():
         moe_parallel._compare, 2, 2, {"dp_shard": 2, "ep": 2}, "qwen3_next", changes, timeout=300
     )
     assert results[0] == results[1]
+
+
+def _tp():
+    families = import_sibling(__file__, "test_models_families")
+    return families._step("qwen3_next", {}, {"sequence_parallel": True})
+
+
+@pytest.mark.distributed
+def test_tp2_sp_matches_one_process():
+    """Key-head groups split over tp: projections, convolution channels, decay parameters;
+    the gated norm's weight replicated (logits, loss and every gradient)."""
+    families = import_sibling(__file__, "test_models_families")
+    ranks = run_distributed(_tp, 2, timeout=300)
+    ref = families._step("qwen3_next", {})
+    assert any("conv_weight" in k for k in ref) and any("attention.norm" in k for k in ref)
+    for result in ranks:
+        assert result.keys() == ref.keys()
+        for key, value in ref.items():
+            torch.testing.assert_close(result[key], value, atol=ATOL, rtol=0, msg=key)

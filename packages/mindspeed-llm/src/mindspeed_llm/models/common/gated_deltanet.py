@@ -3,10 +3,16 @@ in place of `Attention`: same `forward(x, rope, position_ids, cu_seqlens, kv_cac
 
 x -> in_proj_qkvz (q, k, v and the output gate z, grouped per key head as Qwen3-Next's
 checkpoints hold them) and in_proj_ba (write strength b and decay input a per value head)
--> a short causal depthwise convolution over [q, k, v] with SiLU -> the gated delta rule
+-> a short causal depthwise convolution over [q, k, v] with SiLU (its channels grouped per
+key head too: each head's q, k, v; the adapter reorders Hugging Face's [all q, all k, all v])
+-> the gated delta rule
 (`mindspeed_ops.gated_delta_rule`: q, k L2-normalised, decay g = -exp(A_log) *
 softplus(a + dt_bias), beta = sigmoid(b)) -> RMSNorm of each value head times silu(z)
 -> out_proj. RoPE is not used.
+
+Tensor parallel splits the key-head groups: in_proj_qkvz / in_proj_ba by column, the
+convolution, dt_bias and A_log alike (`parallelize.py`), out_proj by row; the forward counts
+its local heads from its weights.
 
 Packed documents (`cu_seqlens`) reset both the convolution and the recurrent state at each
 document. Decoding keeps, per layer, the last (kernel - 1) convolution inputs and the
@@ -21,7 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial
 
+from mindspeed_core.parallel import dtensor
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import gated_delta_rule, gated_delta_rule_step
@@ -40,7 +48,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * normed.to(x.dtype)
+        weight = self.weight
+        if isinstance(weight, DTensor):  # replicated under tp: each rank's heads, a partial grad
+            weight = weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
+        out = weight * normed.to(x.dtype)
         return (out * F.silu(gate.float())).to(x.dtype)
 
 
@@ -89,20 +100,22 @@ class GatedDeltaNet(nn.Module):
         if kv_cache is not None and (mask := kv_cache.new_positions_mask(seq)) is not None:
             x = x * mask[..., None].to(x.dtype)  # left padding: no input, so no state
         ratio = self.num_v_heads // self.num_k_heads
-        qkvz = self.in_proj_qkvz(x).view(batch, seq, self.num_k_heads, -1)
-        q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, ratio * self.head_v_dim,
-                                 ratio * self.head_v_dim], dim=-1)  # fmt: skip
-        b, a = self.in_proj_ba(x).view(batch, seq, self.num_k_heads, -1).split(ratio, dim=-1)
-        mixed = torch.cat([t.reshape(batch, seq, -1) for t in (q, k, v)], dim=-1)
+        dk, dv = self.head_k_dim, self.head_v_dim
+        per_head = 2 * dk + ratio * dv  # one key head's q, k and v channels
+        qkvz = self.in_proj_qkvz(x).view(batch, seq, -1, per_head + ratio * dv)  # local heads
+        heads = qkvz.shape[2]
+        mixed, z = qkvz.split([per_head, ratio * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(batch, seq, heads, -1).split(ratio, dim=-1)
         state = None if kv_cache is None else kv_cache.state
         conv_state, recurrent = (None, None) if state is None else state
-        mixed, conv_state = self._conv(mixed, conv_state, cu_seqlens, keep=kv_cache is not None)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(batch, seq, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(batch, seq, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(batch, seq, self.num_v_heads, self.head_v_dim)
+        mixed, conv_state = self._conv(
+            mixed.reshape(batch, seq, -1), conv_state, cu_seqlens, keep=kv_cache is not None
+        )
+        q, k, v = mixed.view(batch, seq, heads, per_head).split([dk, dk, ratio * dv], dim=-1)
+        v = v.reshape(batch, seq, heads * ratio, dv)
         beta = b.reshape(batch, seq, -1).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(batch, seq, -1).float() + self.dt_bias)
+        a_log, dt_bias = dtensor.local(self.A_log), dtensor.local(self.dt_bias)
+        g = -a_log.float().exp() * F.softplus(a.reshape(batch, seq, -1).float() + dt_bias)
         if kv_cache is not None and seq == 1 and recurrent is not None:
             out, recurrent = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                                                    recurrent)  # fmt: skip
@@ -118,7 +131,7 @@ class GatedDeltaNet(nn.Module):
             )  # fmt: skip
         if kv_cache is not None:
             kv_cache.state = (conv_state, recurrent)
-        out = self.norm(out, z.reshape(batch, seq, self.num_v_heads, self.head_v_dim))
+        out = self.norm(out, z.reshape(batch, seq, -1, dv))
         return self.out_proj(out.reshape(batch, seq, -1))
 
     def _conv(self, x: Tensor, state: Tensor | None, cu_seqlens: Tensor | None, *, keep: bool):
@@ -126,7 +139,8 @@ class GatedDeltaNet(nn.Module):
         from `state` (batch, channels, kernel - 1) (None: zeros) and restarting at every
         document of `cu_seqlens`; -> (y, the last kernel - 1 inputs if `keep`)."""
         batch, seq, channels = x.shape
-        weight = self.conv_weight[:, 0]  # (channels, kernel): tap kernel - 1 reads x_t
+        conv_weight = dtensor.local(self.conv_weight)
+        weight = conv_weight[:, 0]  # (channels, kernel): tap kernel - 1 reads x_t
         if cu_seqlens is not None:
             flat = x.reshape(-1, channels)
             tokens = torch.arange(flat.shape[0], device=x.device)
@@ -139,6 +153,6 @@ class GatedDeltaNet(nn.Module):
             return F.silu(y).view(batch, seq, channels), None
         past = x.new_zeros(batch, channels, self.kernel - 1) if state is None else state
         full = torch.cat([past.to(x.dtype), x.transpose(1, 2)], dim=-1)
-        y = F.conv1d(full, self.conv_weight.to(x.dtype), groups=channels)
+        y = F.conv1d(full, conv_weight.to(x.dtype), groups=channels)
         new_state = full[..., full.shape[-1] - (self.kernel - 1) :] if keep else None
         return F.silu(y).transpose(1, 2), new_state

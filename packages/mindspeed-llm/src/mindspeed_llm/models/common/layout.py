@@ -123,10 +123,10 @@ def _check_tensor_parallel(model_cfg: TransformerConfig, tp: int, name) -> None:
             f"{name('tp')}={tp}: DeepSeek sparse attention (index_topk) has no tensor-parallel "
             "plan yet; use tp=1 (fsdp, ep, pp work)"
         )
-    if model_cfg.linear_attention_layers:
+    if model_cfg.linear_attention_layers and model_cfg.linear_num_key_heads % tp:
         raise LayoutError(
-            f"{name('tp')}={tp}: gated DeltaNet (linear attention) blocks have no tensor-parallel "
-            "plan yet; use tp=1 (fsdp, ep, pp work)"
+            f"{name('tp')}={tp} does not divide linear_num_key_heads="
+            f"{model_cfg.linear_num_key_heads}: gated DeltaNet blocks split by key-head group"
         )
     moe = [
         bool(model_cfg.num_experts) and model_cfg.is_moe_layer(i)

@@ -9,7 +9,8 @@ skipped on reading, as transformers does; `mtp_num_hidden_layers` is not trained
 Weights: full-attention blocks `self_attn.{q,k,v,o}_proj` with q_proj rows [q, gate] per
 head, `self_attn.{q,k}_norm`; linear blocks `linear_attn.{in_proj_qkvz, in_proj_ba,
 conv1d, dt_bias, A_log, norm, out_proj}` (kept in the checkpoints' per-key-head grouping,
-so only names change); MoE blocks as Qwen2-MoE. Hugging Face rotates the first
+so only names change, but for the convolution: Hugging Face's channels [all q, all k,
+all v] become ours grouped per key head, each head's q, k, v); MoE blocks as Qwen2-MoE. Hugging Face rotates the first
 `rotary_dim` channels of a head in rotate-half pairs (i, i + rotary_dim / 2); ours pairs
 (i, i + head_dim / 2), so the q rows (not the gate's), k rows and q/k norm weights are
 permuted per head, which leaves every attention score unchanged.
@@ -140,13 +141,39 @@ class Qwen3NextAdapter(MoEAdapter):
 
     def to_hf(self, state_dict: Mapping[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
         out = super().to_hf(state_dict, config)
-        return _rotary_rows(out, config, inverse=True)
+        return _conv_channels(_rotary_rows(out, config, inverse=True), config, inverse=True)
 
     def from_hf(
         self, hf_state_dict: Mapping[str, Tensor], config: TransformerConfig
     ) -> dict[str, Tensor]:
         kept = {k: v for k, v in hf_state_dict.items() if not k.startswith("mtp.")}
-        return super().from_hf(_rotary_rows(kept, config, inverse=False), config)
+        kept = _conv_channels(_rotary_rows(kept, config, inverse=False), config, inverse=False)
+        return super().from_hf(kept, config)
+
+
+def conv_grouping(config: TransformerConfig) -> Tensor:
+    """Channel index of the convolution: ours[c] = Hugging Face's[index[c]], ours grouped
+    per key head (its q, k, then its value heads' channels)."""
+    nk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    v_per = config.linear_num_value_heads // nk * config.linear_value_head_dim
+    index = []
+    for h in range(nk):
+        index += range(h * dk, (h + 1) * dk)
+        index += range(nk * dk + h * dk, nk * dk + (h + 1) * dk)
+        index += range(2 * nk * dk + h * v_per, 2 * nk * dk + (h + 1) * v_per)
+    return torch.tensor(index)
+
+
+def _conv_channels(sd: Mapping[str, Tensor], config: TransformerConfig, *, inverse: bool):
+    """The linear blocks' conv1d weights from Hugging Face's channel order to ours (or back)."""
+    index = conv_grouping(config)
+    index = torch.argsort(index) if inverse else index
+    out = dict(sd)
+    for i in config.linear_attention_layers:
+        key = f"model.layers.{i}.linear_attn.conv1d.weight"
+        if key in out:
+            out[key] = out[key][index]
+    return out
 
 
 def _rotary_rows(sd: Mapping[str, Tensor], config: TransformerConfig, *, inverse: bool):
