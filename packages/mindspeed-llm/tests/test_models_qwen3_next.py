@@ -180,3 +180,53 @@ def test_tp2_sp_matches_one_process():
         assert result.keys() == ref.keys()
         for key, value in ref.items():
             torch.testing.assert_close(result[key], value, atol=ATOL, rtol=0, msg=key)
+
+
+# -- Qwen3.5: the same blocks, its linear inputs as four projections ------------------------
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3_5", "qwen3_5_moe"])
+def test_qwen3_5_logits_greedy_and_round_trip(moe):
+    cls = transformers.Qwen3_5MoeTextConfig if moe else transformers.Qwen3_5TextConfig
+    extra = {k: v for k, v in TINY.items() if moe or k not in (
+        "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "mlp_only_layers")}  # fmt: skip
+    if moe:
+        extra.pop("mlp_only_layers")
+    config = cls(**{**extra, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                 "partial_rotary_factor": 0.25}})  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "linear_attn.norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif "norm" in name:
+                p.uniform_(-0.5, 0.5)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.uniform_(-1.0, 1.0)
+            else:
+                p.normal_(0, 0.08)
+    hf.eval()
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight" in hf.state_dict()
+    ours = models_hf.ours_from(hf)
+    assert ours.config.family == ("qwen3_5_moe" if moe else "qwen3_5")
+    ids = models_hf.tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=ATOL, rtol=0)
+    prompt = torch.randint(0, 512, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    got = generate(ours, [prompt], GenerationConfig(max_new_tokens=32))[0]
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
+                      min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
+    assert got == out[0, len(prompt) :].tolist()
+    adapter = get_model_spec(ours.config.family).hf_adapter
+    sd = hf.state_dict()
+    back = adapter.to_hf(adapter.from_hf(sd, ours.config), ours.config)
+    for name in ("model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.in_proj_z.weight",
+                 "model.layers.2.linear_attn.in_proj_b.weight", "model.layers.2.linear_attn.in_proj_a.weight",
+                 "model.layers.0.linear_attn.conv1d.weight", "model.layers.1.self_attn.q_proj.weight"):  # fmt: skip
+        assert torch.equal(back[name], sd[name]), name
+    # a multimodal config.json reads as its language model
+    vlm = {"model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": config.to_dict()}
+    assert TransformerConfig.from_hf(vlm) == ours.config

@@ -129,6 +129,15 @@ MOE = {
          "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
          "linear_value_head_dim": 16},
     ),
+    # Qwen3.5-MoE text: the linear blocks' inputs as four projections, regrouped and back
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        {"num_hidden_layers": 4, "head_dim": 32, "num_experts": 4, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48,
+         "layer_types": ["linear_attention", "full_attention"] * 2,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+         "linear_value_head_dim": 16},
+    ),
 }
 
 
@@ -190,6 +199,7 @@ def _same_config(a: Path, b: Path):
         ("glm4_moe", "40KB"),
         ("minimax_m2", None),
         ("qwen3_next", "40KB"),
+        ("qwen3_5_moe", "40KB"),
     ],
 )
 def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):

@@ -30,6 +30,8 @@ from mindspeed_llm.models import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
     qwen3_next,
 )
@@ -66,6 +68,8 @@ for _family in (
     deepseek_v32,
     minimax_m2,
     qwen3_next,
+    qwen3_5,
+    qwen3_5_moe,
 ):
     register_model(_family.SPEC)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.errors import ConfigError
-from mindspeed_llm.models.hf_format import format_of_family, format_of_model_type
+from mindspeed_llm.models.hf_format import format_of_family, format_of_model_type, model_types
 
 _ROUTER_SCORES = ("softmax", "sigmoid")
 _GROUP_SCORES = ("top2_sum", "max")
@@ -519,6 +519,11 @@ class TransformerConfig:
             ConfigError: unreadable file, unknown `model_type`, or a feature we do not build.
         """
         hf = _read_hf(source)
+        text = hf.get("text_config")
+        known = model_types()
+        if hf.get("model_type") not in known and isinstance(text, dict) and text.get("model_type") in known:
+            # a multimodal model (Qwen3.5's): its language model's config
+            hf = {**text, "dtype": text.get("dtype") or hf.get("dtype") or hf.get("torch_dtype")}
         family, hf_format = format_of_model_type(hf.get("model_type"))
         return cls(**{"family": family, **hf_format.read(hf), **overrides})
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_llm.models.common import hf_adapter
 from mindspeed_llm.models.common.hf_config import HFKeys, decoder_format, qwen_experts
 from mindspeed_llm.models.common.moe_hf_adapter import MoEAdapter
 from mindspeed_llm.models.config import TransformerConfig
@@ -70,31 +71,42 @@ def _write_layers(config: TransformerConfig) -> dict[str, Any]:
     }
 
 
-_BASE = decoder_format(
-    "qwen3_next",
-    "Qwen3NextForCausalLM",
-    flags={"qk_norm": True, "norm_unit_offset": True, "attention_output_gate": True},
-    experts=qwen_experts(shared_expert=False),
-    extra=HFKeys(read=_read_layers, write=_write_layers),
-)
+def hybrid_format(
+    model_type: str, architecture: str, *, experts: bool, every_block_moe: bool = False
+) -> HFFormat:
+    """The config.json format of Qwen3-Next and its Qwen3.5 successors (`experts`: routed
+    experts with a gated shared expert, Qwen-MoE's keys; `every_block_moe`: Qwen3.5-MoE's,
+    which has no sparse-step keys and always renormalises the top-k weights). A multimodal
+    Qwen3.5 config (its language model in `text_config`) reads as that language model."""
+    base = decoder_format(
+        model_type,
+        architecture,
+        flags={"qk_norm": True, "norm_unit_offset": True, "attention_output_gate": True},
+        experts=qwen_experts(shared_expert=False) if experts else None,
+        extra=HFKeys(read=_read_layers, write=_write_layers),
+    )
+
+    def read(hf: dict[str, Any]) -> dict[str, Any]:
+        hf = dict(hf.get("text_config") or hf)
+        rope = dict(hf.get("rope_parameters") or {})
+        factor = rope.pop("partial_rotary_factor", None) or hf.pop("partial_rotary_factor", 0.25)
+        hf.pop("partial_rotary_factor", None)
+        # Qwen3.5's multimodal RoPE: text tokens have equal t/h/w positions, plain RoPE
+        for key in ("mrope_section", "mrope_interleaved"):
+            rope.pop(key, None)
+        if rope:
+            hf["rope_parameters"] = rope
+        fields = base.read(hf)
+        head_dim = fields["head_dim"] or fields["hidden_size"] // fields["num_heads"]
+        rotary_dim = int(head_dim * factor)
+        if every_block_moe:
+            fields.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+        return {**fields, "rotary_dim": None if rotary_dim == head_dim else rotary_dim}
+
+    return HFFormat(model_type=model_type, architecture=architecture, read=read, write=base.write)
 
 
-def _read(hf: dict[str, Any]) -> dict[str, Any]:
-    hf = dict(hf)
-    rope = dict(hf.get("rope_parameters") or {})
-    factor = rope.pop("partial_rotary_factor", None) or hf.pop("partial_rotary_factor", 0.25)
-    hf.pop("partial_rotary_factor", None)
-    if rope:
-        hf["rope_parameters"] = rope
-    fields = _BASE.read(hf)
-    head_dim = fields["head_dim"] or fields["hidden_size"] // fields["num_heads"]
-    rotary_dim = int(head_dim * factor)
-    return {**fields, "rotary_dim": None if rotary_dim == head_dim else rotary_dim}
-
-
-FORMAT = HFFormat(
-    model_type="qwen3_next", architecture="Qwen3NextForCausalLM", read=_read, write=_BASE.write
-)
+FORMAT = hybrid_format("qwen3_next", "Qwen3NextForCausalLM", experts=True)
 
 
 def pairing(head_dim: int, rotary_dim: int) -> Tensor:
@@ -120,7 +132,11 @@ def _permute_rows(tensor: Tensor, index: Tensor, block: int) -> Tensor:
 
 @dataclass(frozen=True)
 class Qwen3NextAdapter(MoEAdapter):
-    """Qwen3-Next's `hf_adapter` (see the module docstring)."""
+    """Qwen3-Next's `hf_adapter` (see the module docstring); `split_projections`: Qwen3.5's
+    spelling of the linear blocks' inputs, `in_proj_qkv` ([all q, all k, all v] rows),
+    `in_proj_z`, `in_proj_b`, `in_proj_a`, regrouped per key head into ours (bit-exact)."""
+
+    split_projections: bool = False
 
     def name_map(self, config: TransformerConfig, *, fused: bool = False) -> dict[str, str]:
         names = super().name_map(config, fused=fused)
@@ -128,9 +144,12 @@ class Qwen3NextAdapter(MoEAdapter):
             for key in [k for k in names if k.startswith(f"layers.{i}.attention.")]:
                 del names[key]
             prefix = f"model.layers.{i}.linear_attn"
+            if not self.split_projections:
+                names.update({
+                    f"layers.{i}.attention.in_proj_qkvz.weight": f"{prefix}.in_proj_qkvz.weight",
+                    f"layers.{i}.attention.in_proj_ba.weight": f"{prefix}.in_proj_ba.weight",
+                })  # fmt: skip
             names.update({
-                f"layers.{i}.attention.in_proj_qkvz.weight": f"{prefix}.in_proj_qkvz.weight",
-                f"layers.{i}.attention.in_proj_ba.weight": f"{prefix}.in_proj_ba.weight",
                 f"layers.{i}.attention.conv_weight": f"{prefix}.conv1d.weight",
                 f"layers.{i}.attention.dt_bias": f"{prefix}.dt_bias",
                 f"layers.{i}.attention.A_log": f"{prefix}.A_log",
@@ -140,15 +159,74 @@ class Qwen3NextAdapter(MoEAdapter):
         return names
 
     def to_hf(self, state_dict: Mapping[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
+        fused = {}
+        if self.split_projections:  # ours -> Qwen3.5's four projections, per linear block
+            state_dict = dict(state_dict)
+            for i in config.linear_attention_layers:
+                ours = f"layers.{i}.attention."
+                qkvz = state_dict.pop(ours + "in_proj_qkvz.weight")
+                ba = state_dict.pop(ours + "in_proj_ba.weight")
+                fused.update(_split_projections(qkvz, ba, config, f"model.layers.{i}.linear_attn."))
         out = super().to_hf(state_dict, config)
-        return _conv_channels(_rotary_rows(out, config, inverse=True), config, inverse=True)
+        out = _conv_channels(_rotary_rows(out, config, inverse=True), config, inverse=True)
+        return {**out, **fused}
 
     def from_hf(
         self, hf_state_dict: Mapping[str, Tensor], config: TransformerConfig
     ) -> dict[str, Tensor]:
         kept = {k: v for k, v in hf_state_dict.items() if not k.startswith("mtp.")}
         kept = _conv_channels(_rotary_rows(kept, config, inverse=False), config, inverse=False)
-        return super().from_hf(kept, config)
+        grouped = {}
+        if self.split_projections:
+            for i in config.linear_attention_layers:
+                hf = f"model.layers.{i}.linear_attn."
+                parts = [f"{hf}in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")]
+                missing = [p for p in parts if p not in kept]
+                if missing:
+                    hf_adapter._check(missing=set(missing), unexpected=set(), side="Hugging Face")
+                tensors = [kept.pop(p) for p in parts]
+                ours = f"layers.{i}.attention."
+                grouped[ours + "in_proj_qkvz.weight"], grouped[ours + "in_proj_ba.weight"] = (
+                    _group_projections(*tensors, config)
+                )
+        return {**super().from_hf(kept, config), **grouped}
+
+
+def _projection_index(config: TransformerConfig) -> tuple[Tensor, Tensor]:
+    """Row indices: our in_proj_qkvz rows from cat(in_proj_qkv, in_proj_z) rows, and our
+    in_proj_ba rows from cat(in_proj_b, in_proj_a) rows (Qwen3.5's), grouped per key head."""
+    nk, dk = config.linear_num_key_heads, config.linear_key_head_dim
+    nv, dv = config.linear_num_value_heads, config.linear_value_head_dim
+    r = nv // nk
+    qkv_rows = 2 * nk * dk + nv * dv
+    qkvz, ba = [], []
+    for h in range(nk):
+        qkvz += range(h * dk, (h + 1) * dk)  # q
+        qkvz += range(nk * dk + h * dk, nk * dk + (h + 1) * dk)  # k
+        qkvz += range(2 * nk * dk + h * r * dv, 2 * nk * dk + (h + 1) * r * dv)  # v
+        qkvz += range(qkv_rows + h * r * dv, qkv_rows + (h + 1) * r * dv)  # z
+        ba += range(h * r, (h + 1) * r)
+        ba += range(nv + h * r, nv + (h + 1) * r)
+    return torch.tensor(qkvz), torch.tensor(ba)
+
+
+def _group_projections(qkv, z, b, a, config) -> tuple[Tensor, Tensor]:
+    qkvz_index, ba_index = _projection_index(config)
+    return torch.cat([qkv, z])[qkvz_index], torch.cat([b, a])[ba_index]
+
+
+def _split_projections(qkvz: Tensor, ba: Tensor, config, prefix: str) -> dict[str, Tensor]:
+    qkvz_index, ba_index = _projection_index(config)
+    rows = qkvz[torch.argsort(qkvz_index)]
+    ba_rows = ba[torch.argsort(ba_index)]
+    qkv_rows = qkvz.shape[0] - config.linear_num_value_heads * config.linear_value_head_dim
+    nv = config.linear_num_value_heads
+    return {
+        prefix + "in_proj_qkv.weight": rows[:qkv_rows],
+        prefix + "in_proj_z.weight": rows[qkv_rows:],
+        prefix + "in_proj_b.weight": ba_rows[:nv],
+        prefix + "in_proj_a.weight": ba_rows[nv:],
+    }
 
 
 def conv_grouping(config: TransformerConfig) -> Tensor:
