@@ -2,7 +2,8 @@
 beside gated softmax attention with partial RoPE, zero-centred norms and a gated shared
 expert give transformers' logits (fp32) and greedy tokens through our cache (recurrent
 states included, left padding too); packed documents equal separate rows; the weights go to
-and from Hugging Face bit-identically; tp=2 (+SP) and ep=2 equal one process; cp is refused."""
+and from Hugging Face bit-identically; tp=2 (+SP), ep=2 and cp=2 (the state passed along the
+zig-zag chunks) equal one process."""
 
 import dataclasses
 
@@ -145,8 +146,9 @@ def test_config_spellings_layouts_and_refusals():
     check_layout(debug, ParallelConfig(tp=2))
     with pytest.raises(LayoutError, match="tp=4 does not divide linear_num_key_heads=2"):
         check_layout(debug, ParallelConfig(tp=4), flag="{}")
-    with pytest.raises(LayoutError, match="cp=2: context parallel over gated DeltaNet"):
-        check_layout(debug, ParallelConfig(cp=2), flag="{}")
+    check_layout(debug, ParallelConfig(cp=2))
+    with pytest.raises(LayoutError, match="cp_mode=hybrid with gated DeltaNet"):
+        check_layout(debug, ParallelConfig(cp=4, cp_mode="hybrid", ulysses_degree=2), flag="{}")
     published = build_model_config("qwen3_next", "qwen3-next-80b-a3b")
     assert len(published.linear_attention_layers) == 36 and published.rotary_dim == 64
 
@@ -230,3 +232,21 @@ def test_qwen3_5_logits_greedy_and_round_trip(moe):
     # a multimodal config.json reads as its language model
     vlm = {"model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": config.to_dict()}
     assert TransformerConfig.from_hf(vlm) == ours.config
+
+
+CP_CASES = {
+    "ring_qwen3_next": ("qwen3_next", {"cp": 2}, {"cp_mode": "ring"}, False),
+    "ulysses_qwen3_next": ("qwen3_next", {"cp": 2}, {"cp_mode": "ulysses"}, False),
+}
+
+
+def _cp_layouts():
+    return import_sibling(__file__, "test_models_cp")._layouts(CP_CASES)
+
+
+@pytest.mark.distributed
+def test_cp2_passes_the_state_along_the_chunks():
+    """Zig-zag chunks at cp=2: the convolution's last inputs and the recurrent state go from
+    chunk to chunk across the ranks (forward) and their gradients back (loss, every grad)."""
+    models_cp = import_sibling(__file__, "test_models_cp")
+    models_cp._check(run_distributed(_cp_layouts, 2, timeout=300), CP_CASES)

@@ -14,6 +14,10 @@ Tensor parallel splits the key-head groups: in_proj_qkvz / in_proj_ba by column,
 convolution, dt_bias and A_log alike (`parallelize.py`), out_proj by row; the forward counts
 its local heads from its weights.
 
+Context parallel (whole rows, zig-zag chunks) passes the convolution's last inputs and the
+recurrent state from chunk to chunk along the cp ranks (`mindspeed_core.parallel.chunk_scan`):
+the projections run on each rank's own tokens, the recurrence chunk after chunk.
+
 Packed documents (`cu_seqlens`) reset both the convolution and the recurrent state at each
 document. Decoding keeps, per layer, the last (kernel - 1) convolution inputs and the
 recurrent state in the `KVCache` (`LayerCache.state`); left-padding positions are zeroed
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
 
-from mindspeed_core.parallel import dtensor
+from mindspeed_core.parallel import chunk_scan, dtensor
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import gated_delta_rule, gated_delta_rule_step
@@ -76,6 +80,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.norm_eps)
         self.out_proj = Linear(self.value_dim, config.hidden_size, bias=False)
+        # Set by mindspeed_core's `apply_cp`: inputs are this rank's zig-zag sequence shards.
+        self.context_parallel = None
 
     def init_weights(self, std: float, out_std: float) -> None:
         for linear in (self.in_proj_qkvz, self.in_proj_ba):
@@ -106,16 +112,19 @@ class GatedDeltaNet(nn.Module):
         heads = qkvz.shape[2]
         mixed, z = qkvz.split([per_head, ratio * dv], dim=-1)
         b, a = self.in_proj_ba(x).view(batch, seq, heads, -1).split(ratio, dim=-1)
-        state = None if kv_cache is None else kv_cache.state
-        conv_state, recurrent = (None, None) if state is None else state
-        mixed, conv_state = self._conv(
-            mixed.reshape(batch, seq, -1), conv_state, cu_seqlens, keep=kv_cache is not None
-        )
-        q, k, v = mixed.view(batch, seq, heads, per_head).split([dk, dk, ratio * dv], dim=-1)
-        v = v.reshape(batch, seq, heads * ratio, dv)
         beta = b.reshape(batch, seq, -1).sigmoid()
         a_log, dt_bias = dtensor.local(self.A_log), dtensor.local(self.dt_bias)
         g = -a_log.float().exp() * F.softplus(a.reshape(batch, seq, -1).float() + dt_bias)
+        mixed = mixed.reshape(batch, seq, -1)
+        if self.context_parallel is not None and kv_cache is None:
+            out = self._context_parallel(mixed, g, beta, heads, cu_seqlens)
+            out = self.norm(out, z.reshape(batch, seq, -1, dv))
+            return self.out_proj(out.reshape(batch, seq, -1))
+        state = None if kv_cache is None else kv_cache.state
+        conv_state, recurrent = (None, None) if state is None else state
+        mixed, conv_state = self._conv(mixed, conv_state, cu_seqlens, keep=kv_cache is not None)
+        q, k, v = mixed.view(batch, seq, heads, per_head).split([dk, dk, ratio * dv], dim=-1)
+        v = v.reshape(batch, seq, heads * ratio, dv)
         if kv_cache is not None and seq == 1 and recurrent is not None:
             out, recurrent = gated_delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                                                    recurrent)  # fmt: skip
@@ -134,12 +143,44 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out, z.reshape(batch, seq, -1, dv))
         return self.out_proj(out.reshape(batch, seq, -1))
 
-    def _conv(self, x: Tensor, state: Tensor | None, cu_seqlens: Tensor | None, *, keep: bool):
+    def _context_parallel(self, mixed, g, beta, heads, cu_seqlens) -> Tensor:
+        """Convolution and recurrence of this rank's two zig-zag chunks, each continuing the
+        state of the chunk before it in the sequence (`chunk_scan` over the cp ranks)."""
+        cp = self.context_parallel
+        if cu_seqlens is not None:
+            raise ValueError("gated DeltaNet under context parallel takes whole rows (data.pack "
+                             "off), not packed documents")  # fmt: skip
+        if cp.ring_group is not None and cp.ulysses_group is not None:
+            raise ValueError("gated DeltaNet under context parallel needs cp_mode ring or ulysses")
+        group = cp.ring_group if cp.ring_group is not None else cp.ulysses_group
+        batch, dk, dv = mixed.shape[0], self.head_k_dim, self.head_v_dim
+        ratio = self.num_v_heads // self.num_k_heads
+        per_head = 2 * dk + ratio * dv
+
+        def run(inputs, params, state):
+            x, g_chunk, beta_chunk = inputs
+            y, conv_state = self._conv(x, state[0], None, keep=True, weight=params[0])
+            chunk = x.shape[1]
+            q, k, v = y.view(batch, chunk, heads, per_head).split([dk, dk, ratio * dv], dim=-1)
+            v = v.reshape(batch, chunk, heads * ratio, dv)
+            out, final = gated_delta_rule(q, k, v, g_chunk, beta_chunk, initial_state=state[1],
+                                          output_final_state=True, impl=self.impl)  # fmt: skip
+            return [out], [conv_state, final.to(state[1].dtype)]
+
+        init = [mixed.new_zeros(batch, mixed.shape[-1], self.kernel - 1),
+                mixed.new_zeros(batch, heads * ratio, dk, dv, dtype=torch.float32)]  # fmt: skip
+        weight = dtensor.local(self.conv_weight)
+        (out,) = chunk_scan(run, [mixed, g, beta], [weight], init, group)
+        return out
+
+    def _conv(self, x: Tensor, state: Tensor | None, cu_seqlens: Tensor | None, *, keep: bool,
+              weight: Tensor | None = None):  # fmt: skip
         """Causal depthwise convolution of x (batch, seq, channels) with SiLU, continuing
         from `state` (batch, channels, kernel - 1) (None: zeros) and restarting at every
-        document of `cu_seqlens`; -> (y, the last kernel - 1 inputs if `keep`)."""
+        document of `cu_seqlens`; -> (y, the last kernel - 1 inputs if `keep`). `weight`:
+        this rank's (channels, 1, kernel) weight, default the module's."""
         batch, seq, channels = x.shape
-        conv_weight = dtensor.local(self.conv_weight)
+        conv_weight = dtensor.local(self.conv_weight) if weight is None else weight
         weight = conv_weight[:, 0]  # (channels, kernel): tap kernel - 1 reads x_t
         if cu_seqlens is not None:
             flat = x.reshape(-1, channels)

@@ -153,10 +153,10 @@ def _check_context_parallel(model_cfg, p: ParallelConfig, seq_len: int | None, n
             f"{name('cp')}={p.cp}: DeepSeek sparse attention (index_topk) under context parallel "
             "is not built yet"
         )
-    if model_cfg.linear_attention_layers:
+    if model_cfg.linear_attention_layers and p.cp_mode == "hybrid":
         raise LayoutError(
-            f"{name('cp')}={p.cp}: context parallel over gated DeltaNet (linear attention) blocks "
-            "(their state passed along the ring) is not built yet"
+            f"{name('cp_mode')}=hybrid with gated DeltaNet (linear attention) blocks: their state "
+            "passes along one cp group (ring or ulysses)"
         )
     if seq_len is not None and seq_len % (2 * p.cp):
         raise LayoutError(
