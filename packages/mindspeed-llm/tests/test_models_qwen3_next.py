@@ -229,9 +229,16 @@ def test_qwen3_5_logits_greedy_and_round_trip(moe):
                  "model.layers.2.linear_attn.in_proj_b.weight", "model.layers.2.linear_attn.in_proj_a.weight",
                  "model.layers.0.linear_attn.conv1d.weight", "model.layers.1.self_attn.q_proj.weight"):  # fmt: skip
         assert torch.equal(back[name], sd[name]), name
-    # a multimodal config.json reads as its language model
+    # a multimodal checkpoint reads as its language model: config.json's text_config, and the
+    # weights under model.language_model.* (the vision tower and MTP weights skipped)
     vlm = {"model_type": "qwen3_5_moe" if moe else "qwen3_5", "text_config": config.to_dict()}
     assert TransformerConfig.from_hf(vlm) == ours.config
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in sd.items()}
+    renamed["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    renamed["mtp.fc.weight"] = torch.zeros(3, 3)
+    from_vlm = adapter.from_hf(renamed, ours.config)
+    for name, tensor in adapter.from_hf(sd, ours.config).items():
+        assert torch.equal(from_vlm[name], tensor), name
 
 
 CP_CASES = {

@@ -523,7 +523,9 @@ class TransformerConfig:
         known = model_types()
         if hf.get("model_type") not in known and isinstance(text, dict) and text.get("model_type") in known:
             # a multimodal model (Qwen3.5's): its language model's config
-            hf = {**text, "dtype": text.get("dtype") or hf.get("dtype") or hf.get("torch_dtype")}
+            outer = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf and k not in text}
+            hf = {**text, **outer,
+                  "dtype": text.get("dtype") or hf.get("dtype") or hf.get("torch_dtype")}  # fmt: skip
         family, hf_format = format_of_model_type(hf.get("model_type"))
         return cls(**{"family": family, **hf_format.read(hf), **overrides})
 

@@ -174,7 +174,11 @@ class Qwen3NextAdapter(MoEAdapter):
     def from_hf(
         self, hf_state_dict: Mapping[str, Tensor], config: TransformerConfig
     ) -> dict[str, Tensor]:
-        kept = {k: v for k, v in hf_state_dict.items() if not k.startswith("mtp.")}
+        # a multimodal Qwen3.5 checkpoint: its language model, without the vision tower
+        kept = {
+            _language_model_name(k): v for k, v in hf_state_dict.items()
+            if not k.startswith(("mtp.", "model.visual."))
+        }  # fmt: skip
         kept = _conv_channels(_rotary_rows(kept, config, inverse=False), config, inverse=False)
         grouped = {}
         if self.split_projections:
@@ -190,6 +194,12 @@ class Qwen3NextAdapter(MoEAdapter):
                     _group_projections(*tensors, config)
                 )
         return {**super().from_hf(kept, config), **grouped}
+
+
+def _language_model_name(name: str) -> str:
+    """`model.language_model.X` (a multimodal checkpoint's) -> `model.X`."""
+    prefix = "model.language_model."
+    return "model." + name[len(prefix) :] if name.startswith(prefix) else name
 
 
 def _projection_index(config: TransformerConfig) -> tuple[Tensor, Tensor]:
