@@ -140,7 +140,7 @@ def test_config_errors_name_the_field(changes, field):
     [
         (
             _v4("gpt2"),
-            "model_type='gpt2' is not supported; known: deepseek_v2, deepseek_v3, deepseek_v32, gemma2, gemma3_text, glm, glm4, glm4_moe, gpt_oss, internlm2, internlm3, llama, minimax_m2, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe",
+            "model_type='gpt2' is not supported; known: deepseek_v2, deepseek_v3, deepseek_v32, gemma2, gemma3_text, glm, glm4, glm4_moe, gpt_oss, internlm2, internlm3, llama, minimax_m2, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, qwen3_next",
         ),
         (_v4(num_key_value_heads=3), "num_kv_heads=3 must divide num_heads=4"),
         (_v4(hidden_act="gelu"), "hidden_act='gelu'"),
@@ -178,7 +178,10 @@ def test_registry():
         "qwen2",
         "qwen2_moe",
         "qwen3",
+        "qwen3_5",
+        "qwen3_5_moe",
         "qwen3_moe",
+        "qwen3_next",
     ]
     with pytest.raises(ConfigError, match="unknown model family 'gpt'; known: deepseek_v2, deepseek_v3, deepseek_v32, gemma2, gemma3, glm, glm4, glm4_moe, gpt_oss, internlm2, internlm3, llama"):
         get_model_spec("gpt")

@@ -120,6 +120,24 @@ MOE = {
          "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
          "v_head_dim": 12, "index_topk": 8, "index_n_heads": 2, "index_head_dim": 16},
     ),
+    # hybrid: gated DeltaNet blocks beside gated attention with partial RoPE (q/k rows
+    # permuted), zero-centred norms, a gated shared expert
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {"num_hidden_layers": 4, "head_dim": 32, "num_experts": 4, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "full_attention_interval": 2,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+         "linear_value_head_dim": 16},
+    ),
+    # Qwen3.5-MoE text: the linear blocks' inputs as four projections, regrouped and back
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        {"num_hidden_layers": 4, "head_dim": 32, "num_experts": 4, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48,
+         "layer_types": ["linear_attention", "full_attention"] * 2,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+         "linear_value_head_dim": 16},
+    ),
 }
 
 
@@ -180,6 +198,8 @@ def _same_config(a: Path, b: Path):
         ("deepseek_v32", "40KB"),
         ("glm4_moe", "40KB"),
         ("minimax_m2", None),
+        ("qwen3_next", "40KB"),
+        ("qwen3_5_moe", "40KB"),
     ],
 )
 def test_round_trip_is_bit_identical_and_gives_the_same_logits(tmp_path, case, shard):

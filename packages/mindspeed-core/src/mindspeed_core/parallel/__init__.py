@@ -23,6 +23,7 @@ from mindspeed_core.parallel.context_parallel import (
     unshard_packed,
     unshard_sequence,
 )
+from mindspeed_core.parallel.cp_scan import chunk_scan
 from mindspeed_core.parallel.data_parallel import apply_ddp, apply_fsdp
 from mindspeed_core.parallel.dims import MESH_NAMES, ParallelDims
 from mindspeed_core.parallel.expert_parallel import (
@@ -71,6 +72,7 @@ __all__ = [
     "apply_expert_fsdp",
     "apply_fsdp",
     "apply_tp",
+    "chunk_scan",
     "cp_degrees",
     "build_pipeline_schedule",
     "check_microbatches",

@@ -46,6 +46,8 @@ class KVCache:
         self.key_mask: Tensor | None = None  # (batch, max_len) bool; None: no padding
         # DeepSeek sparse attention: layer -> its indexer's keys (batch, max_len, d)
         self.indexer_keys: dict[int, Tensor] = {}
+        # Recurrent layers (gated DeltaNet): layer -> (conv inputs, state), one row each.
+        self.states: dict[int, tuple[Tensor | None, Tensor | None]] = {}
         self._mask_for: tuple | None = None  # (offset, seq, window) of the cached mask
         self._mask: Tensor | None = None
 
@@ -65,7 +67,10 @@ class KVCache:
     @staticmethod
     def _layout(model: nn.Module) -> dict:
         config = model.config
-        attention = next(iter(model.layers.values())).attention
+        mixers = [layer.attention for layer in model.layers.values()]
+        # the first softmax attention (a hybrid model's linear layers keep states instead)
+        attention = next((m for m in mixers if hasattr(m, "wk") or hasattr(m, "kv_cache_layout")),
+                         mixers[0])  # fmt: skip
         if hasattr(attention, "kv_cache_layout"):  # e.g. latent attention: its own widths
             heads, head_dim, dtype, device = attention.kv_cache_layout()
         else:
@@ -84,6 +89,7 @@ class KVCache:
         self.offset = 0
         self._mask_for = self._mask = None
         self.indexer_keys = {}
+        self.states = {}
         if pad_lengths is None or not any(pad_lengths):
             self.key_mask = None
             return
@@ -99,6 +105,8 @@ class KVCache:
         self.keys = [k.repeat_interleave(n, dim=0) for k in self.keys]
         self.values = [v.repeat_interleave(n, dim=0) for v in self.values]
         self.indexer_keys = {i: t.repeat_interleave(n, dim=0) for i, t in self.indexer_keys.items()}
+        self.states = {i: _rows(s, lambda t: t.repeat_interleave(n, dim=0))
+                       for i, s in self.states.items()}  # fmt: skip
         if self.key_mask is not None:
             self.key_mask = self.key_mask.repeat_interleave(n, dim=0)
         self.batch *= n
@@ -109,6 +117,8 @@ class KVCache:
         self.keys = [k.index_select(0, index) for k in self.keys]
         self.values = [v.index_select(0, index) for v in self.values]
         self.indexer_keys = {i: t.index_select(0, index) for i, t in self.indexer_keys.items()}
+        self.states = {i: _rows(s, lambda t: t.index_select(0, index))
+                       for i, s in self.states.items()}  # fmt: skip
         if self.key_mask is not None:
             self.key_mask = self.key_mask.index_select(0, index)
         self.batch = int(index.numel())
@@ -150,6 +160,10 @@ class KVCache:
                     out[row_slice, :, src + shift - trim : offset] = cache[:, :, src:written]
                 getattr(merged, name).append(out)
         merged._layers = [LayerCache(merged, i) for i in range(len(merged.keys))]
+        merged.states = {  # a recurrent state belongs to its row, whatever its columns
+            i: tuple(None if a is None else torch.cat([a, b]) for a, b in zip(s, second.states[i], strict=True))
+            for i, s in first.states.items()
+        }
         merged.batch, merged.max_len, merged.offset = batch, offset + room, offset
         merged.indexer_keys = {}
         starts = starts - trim
@@ -238,6 +252,10 @@ class KVCache:
         return self._mask
 
 
+def _rows(state: tuple, fn) -> tuple:
+    return tuple(None if t is None else fn(t) for t in state)
+
+
 def _plain(q, keys, values, mask, scale, softcap, sinks) -> Tensor:
     """Attention of q (batch, seq, heads, d) to cached keys/values (batch, kv_heads, len, d)
     under a bool mask (None: causal from offset 0), with soft-capped scores and/or sinks."""
@@ -286,3 +304,17 @@ class LayerCache:
     def visible(self, seq: int) -> Tensor:
         """(batch or 1, seq, offset + seq) bool: the cached keys the next queries may see."""
         return self.cache.visible_mask(seq, self.cache.keys[0].device)[:, 0]
+    @property
+    def state(self) -> tuple[Tensor | None, Tensor | None] | None:
+        """A recurrent layer's (conv inputs, state) after the tokens so far; None at first."""
+        return self.cache.states.get(self.index)
+
+    @state.setter
+    def state(self, value: tuple[Tensor | None, Tensor | None]) -> None:
+        self.cache.states[self.index] = value
+
+    def new_positions_mask(self, seq: int) -> Tensor | None:
+        """(batch, seq) bool: which of the `seq` positions about to be written are not
+        left padding; None when no row is padded."""
+        mask = self.cache.key_mask
+        return None if mask is None else mask[:, self.cache.offset : self.cache.offset + seq]

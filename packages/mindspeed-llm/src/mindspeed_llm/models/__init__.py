@@ -30,7 +30,10 @@ from mindspeed_llm.models import (
     qwen2,
     qwen2_moe,
     qwen3,
+    qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
 )
 from mindspeed_llm.models.common import Transformer
 from mindspeed_llm.models.config import TransformerConfig
@@ -64,6 +67,9 @@ for _family in (
     gpt_oss,
     deepseek_v32,
     minimax_m2,
+    qwen3_next,
+    qwen3_5,
+    qwen3_5_moe,
 ):
     register_model(_family.SPEC)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.errors import ConfigError
-from mindspeed_llm.models.hf_format import format_of_family, format_of_model_type
+from mindspeed_llm.models.hf_format import format_of_family, format_of_model_type, model_types
 
 _ROUTER_SCORES = ("softmax", "sigmoid")
 _GROUP_SCORES = ("top2_sum", "max")
@@ -211,6 +211,22 @@ class TransformerConfig:
     +-limit, out = (up + 1) * gate * sigmoid(swiglu_alpha * gate); None: SwiGLU."""
     swiglu_alpha: float = 1.702
     """The sigmoid gain of the clamped activation (only with `swiglu_limit`)."""
+    attention_output_gate: bool = False
+    """Qwen3-Next's gated attention: wq also gives a gate per head channel (rows [q, gate]
+    per head) and the attention output is multiplied by sigmoid(gate) before wo."""
+    linear_attention_layers: tuple[int, ...] = ()
+    """Blocks whose token mixer is gated DeltaNet linear attention (`common.gated_deltanet`,
+    Qwen3-Next's `linear_attention` layer_types) instead of softmax attention."""
+    linear_num_key_heads: int | None = None
+    """Gated DeltaNet: query/key heads."""
+    linear_num_value_heads: int | None = None
+    """Gated DeltaNet: value heads (a multiple of the key heads, which they share)."""
+    linear_key_head_dim: int | None = None
+    """Gated DeltaNet: channels of each query/key head."""
+    linear_value_head_dim: int | None = None
+    """Gated DeltaNet: channels of each value head."""
+    linear_conv_kernel_dim: int = 4
+    """Gated DeltaNet: taps of the short causal depthwise convolution over q, k and v."""
     index_topk: int = 0
     """DeepSeek Sparse Attention (DeepSeek-V3.2, with latent attention): each query attends
     to the `index_topk` keys its lightning indexer scores highest (all of them when it sees
@@ -285,7 +301,26 @@ class TransformerConfig:
         self._check_moe()
         self._check_mla()
         self._check_gpt_oss()
+        self._check_linear_attention()
         self._check_sparse_attention()
+
+    def _check_linear_attention(self) -> None:
+        self.linear_attention_layers = tuple(self.linear_attention_layers)
+        if not self.linear_attention_layers:
+            return
+        bad = [i for i in self.linear_attention_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"linear_attention_layers {bad} are not blocks of {self.num_layers}")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                     "linear_value_head_dim", "linear_conv_kernel_dim"):  # fmt: skip
+            _check_positive_int(name, getattr(self, name))
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(
+                f"linear_num_key_heads={self.linear_num_key_heads} must divide "
+                f"linear_num_value_heads={self.linear_num_value_heads}"
+            )
+        if self.kv_lora_rank is not None:
+            raise ConfigError("linear_attention_layers are not supported with kv_lora_rank")
 
     def _check_sparse_attention(self) -> None:
         if not isinstance(self.index_topk, int) or self.index_topk < 0:
@@ -484,6 +519,13 @@ class TransformerConfig:
             ConfigError: unreadable file, unknown `model_type`, or a feature we do not build.
         """
         hf = _read_hf(source)
+        text = hf.get("text_config")
+        known = model_types()
+        if hf.get("model_type") not in known and isinstance(text, dict) and text.get("model_type") in known:
+            # a multimodal model (Qwen3.5's): its language model's config
+            outer = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf and k not in text}
+            hf = {**text, **outer,
+                  "dtype": text.get("dtype") or hf.get("dtype") or hf.get("torch_dtype")}  # fmt: skip
         family, hf_format = format_of_model_type(hf.get("model_type"))
         return cls(**{"family": family, **hf_format.read(hf), **overrides})
 

@@ -41,7 +41,10 @@ class Attention(nn.Module):
         # Set by mindspeed_core's `apply_cp`: inputs are this rank's zig-zag sequence shards.
         self.context_parallel = None
         q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.wq = Linear(config.hidden_size, q_dim, bias=config.qkv_bias)
+        # Qwen3-Next: wq's rows are [q, gate] per head; the output passes sigmoid(gate).
+        self.output_gate = config.attention_output_gate
+        q_rows = 2 * q_dim if self.output_gate else q_dim
+        self.wq = Linear(config.hidden_size, q_rows, bias=config.qkv_bias)
         self.wk = Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wv = Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.wo = Linear(q_dim, config.hidden_size, bias=config.attention_out_bias)
@@ -102,6 +105,10 @@ class Attention(nn.Module):
         """
         batch, seq, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (batch, seq, local heads x head_dim)
+        gate = None
+        if self.output_gate:  # Qwen3-Next: wq's rows are each head's q, then its gate
+            q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
         if self.q_norm is not None and self.qk_norm_all:  # MiniMax-M2: over all heads
             q, k = self._norm_all_heads(self.q_norm, q), self._norm_all_heads(self.k_norm, k)
         q = q.view(batch, seq, -1, self.head_dim)  # (batch, seq, local heads, head_dim)
@@ -118,11 +125,14 @@ class Attention(nn.Module):
             options["sinks"] = dtensor.local(self.sinks)
         if kv_cache is not None:
             out = kv_cache.attend(q, k, v, **options)
-            return self.wo(out.reshape(batch, seq, -1))
+            return self._output(out.reshape(batch, seq, -1), gate)
         if cu_seqlens is not None:  # packed layout: (batch * seq, heads, head_dim)
             q, k, v = (t.flatten(0, 1) for t in (q, k, v))
         if self.context_parallel is not None:
             out = self.context_parallel(q, k, v, cu_seqlens=cu_seqlens, **options)
         else:
             out = attention(q, k, v, cu_seqlens=cu_seqlens, impl=self.impl, **options)
-        return self.wo(out.reshape(batch, seq, -1))
+        return self._output(out.reshape(batch, seq, -1), gate)
+
+    def _output(self, out: Tensor, gate: Tensor | None) -> Tensor:
+        return self.wo(out if gate is None else out * torch.sigmoid(gate))

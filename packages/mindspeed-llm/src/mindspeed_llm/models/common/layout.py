@@ -123,6 +123,11 @@ def _check_tensor_parallel(model_cfg: TransformerConfig, tp: int, name) -> None:
             f"{name('tp')}={tp}: DeepSeek sparse attention (index_topk) has no tensor-parallel "
             "plan yet; use tp=1 (fsdp, ep, pp work)"
         )
+    if model_cfg.linear_attention_layers and model_cfg.linear_num_key_heads % tp:
+        raise LayoutError(
+            f"{name('tp')}={tp} does not divide linear_num_key_heads="
+            f"{model_cfg.linear_num_key_heads}: gated DeltaNet blocks split by key-head group"
+        )
     moe = [
         bool(model_cfg.num_experts) and model_cfg.is_moe_layer(i)
         for i in range(model_cfg.num_layers)
@@ -147,6 +152,11 @@ def _check_context_parallel(model_cfg, p: ParallelConfig, seq_len: int | None, n
         raise LayoutError(
             f"{name('cp')}={p.cp}: DeepSeek sparse attention (index_topk) under context parallel "
             "is not built yet"
+        )
+    if model_cfg.linear_attention_layers and p.cp_mode == "hybrid":
+        raise LayoutError(
+            f"{name('cp_mode')}=hybrid with gated DeltaNet (linear attention) blocks: their state "
+            "passes along one cp group (ring or ulysses)"
         )
     if seq_len is not None and seq_len % (2 * p.cp):
         raise LayoutError(

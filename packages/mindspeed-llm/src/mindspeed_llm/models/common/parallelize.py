@@ -18,7 +18,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from mindspeed_core.errors import ConfigError, ParallelError
 from mindspeed_core.fp8 import convert_fp8
@@ -38,6 +43,7 @@ from mindspeed_core.parallel import (
     pipeline_ends_group,
     split_pipeline,
 )
+from mindspeed_llm.models.common.gated_deltanet import GatedDeltaNet
 from mindspeed_llm.models.common.layout import check_layout, layout_of
 from mindspeed_llm.models.common.moe import MoE
 from mindspeed_llm.models.common.tp_plan import (
@@ -204,8 +210,12 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         plan["output"] = PrepareModuleInput(
             input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
         )
+    if config.linear_attention_layers:
+        plan.update(_linear_attention_plan(model, sequence_parallel))
     apply_tp(model, tp_mesh, _owned_entries(plan, model))
     tie_embeddings(model)
+    if config.linear_attention_layers:
+        _shard_linear_attention(model, tp_mesh)
     if config.qk_norm and config.qk_norm_scope == "all":
         _shard_qk_norms(model, tp_mesh)
     elif config.qk_norm:
@@ -395,6 +405,35 @@ def _shard_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         attention.qk_norm_group = tp_mesh.get_group()
 
 
+def _linear_attention_plan(model: nn.Module, sequence_parallel: bool) -> dict:
+    """Gated DeltaNet blocks: their projections split by key-head group (the checkpoints'
+    grouping: each group's q, k, v, z rows and b, a rows are contiguous), out_proj by row."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {}
+    for name, layer in model.layers.items():
+        if isinstance(layer.attention, GatedDeltaNet):
+            prefix = f"layers.{name}.attention"
+            plan[f"{prefix}.in_proj_qkvz"] = ColwiseParallel()
+            plan[f"{prefix}.in_proj_ba"] = ColwiseParallel()
+            plan[f"{prefix}.out_proj"] = RowwiseParallel(output_layouts=seq)
+    return plan
+
+
+def _shard_linear_attention(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The rest of a gated DeltaNet block under tp: the convolution's channels (grouped per
+    key head), dt_bias and A_log (per value head) sharded like the projections' rows; the
+    gated norm's weight, shared by every head, replicated (its gradient summed over ranks)."""
+    for layer in model.layers.values():
+        mixer = layer.attention
+        if not isinstance(mixer, GatedDeltaNet):
+            continue
+        for name in ("conv_weight", "dt_bias", "A_log"):
+            param = getattr(mixer, name)
+            sharded = distribute_tensor(param.detach(), tp_mesh, [Shard(0)])
+            setattr(mixer, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        distribute_module(mixer.norm, tp_mesh)
+
+
 def _replicate_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Make the per-head q/k norm weights replicated DTensors over the tp mesh.
 
@@ -402,5 +441,7 @@ def _replicate_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     as DTensors, `RMSNorm` marks that gradient Partial and DTensor sums it over ranks.
     """
     for layer in model.layers.values():
+        if getattr(layer.attention, "q_norm", None) is None:
+            continue  # a gated DeltaNet block
         distribute_module(layer.attention.q_norm, tp_mesh)
         distribute_module(layer.attention.k_norm, tp_mesh)

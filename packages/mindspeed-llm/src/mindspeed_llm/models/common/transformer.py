@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from mindspeed_core.checkpoint.saved import SavedParam
 from mindspeed_llm.models.common.attention import Attention, RopeTables
 from mindspeed_llm.models.common.feed_forward import FeedForward
+from mindspeed_llm.models.common.gated_deltanet import GatedDeltaNet
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.common.mla import MultiLatentAttention
 from mindspeed_llm.models.common.moe import MoE
@@ -40,7 +41,10 @@ class Block(nn.Module):
         self.attention_norm = _norm(config)
         # DeepSeek-V2/V3: multi-head latent attention
         mla = config.kv_lora_rank is not None
-        self.attention = (MultiLatentAttention if mla else Attention)(config, layer_id)
+        mixer = MultiLatentAttention if mla else Attention
+        if layer_id in config.linear_attention_layers:  # Qwen3-Next: linear attention
+            mixer = GatedDeltaNet
+        self.attention = mixer(config, layer_id)
         self.ffn_norm = _norm(config)
         self.feed_forward = (
             MoE(config)
