@@ -149,6 +149,21 @@ def ours_from(hf_model) -> Transformer:
     return model.eval()
 
 
+def prompts(lengths, seed=3) -> list[list[int]]:
+    """Random token prompts of the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, TINY["vocab_size"], (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(hf_model, prompt: list[int], new: int = 32) -> list[int]:
+    """transformers' greedy continuation of `prompt`: exactly `new` tokens, no EOS stop."""
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
+                            pad_token_id=0)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
 def tokens(batch=2, seq=SEQ, seed=1):
     return torch.randint(
         0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(seed)

@@ -118,19 +118,13 @@ def test_greedy_with_cache_matches_transformers():
     """32 tokens past the 8-key selection: the indexer's keys cached, the cache masked."""
     hf = make_hf()
     ours = models_hf.ours_from(hf)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (11, 3)]
+    prompts = models_hf.prompts((11, 3))
     config = GenerationConfig(max_new_tokens=32)
     # One prompt at a time: a left-padded batch shifts the key positions, and keys whose
     # index scores tie (relu makes exact zeros common) may then be chosen otherwise.
     alone = [generate(ours, [p], config)[0] for p in prompts]
     for prompt, got in zip(prompts, alone, strict=True):
-        ids = torch.tensor([prompt])
-        out = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
-            min_new_tokens=32, eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
-        assert got == out[0, len(prompt) :].tolist()
+        assert got == models_hf.hf_greedy(hf, prompt)
 
 
 def test_index_loss_trains_the_indexer_alone():

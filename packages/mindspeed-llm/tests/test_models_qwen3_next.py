@@ -91,18 +91,12 @@ def test_greedy_with_cache_matches_transformers():
     one-by-one tokens (padding leaves the states at zero)."""
     hf = make_hf()
     ours = models_hf.ours_from(hf)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (11, 3)]
+    prompts = models_hf.prompts((11, 3))
     config = GenerationConfig(max_new_tokens=32)
     alone = [generate(ours, [p], config)[0] for p in prompts]
     assert generate(ours, prompts, config) == alone
     for prompt, got in zip(prompts, alone, strict=True):
-        ids = torch.tensor([prompt])
-        out = hf.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
-            min_new_tokens=32, eos_token_id=None, pad_token_id=0,
-        )  # fmt: skip
-        assert got == out[0, len(prompt) :].tolist()
+        assert got == models_hf.hf_greedy(hf, prompt)
 
 
 def test_state_dict_round_trips_bit_identical():
@@ -216,12 +210,9 @@ def test_qwen3_5_logits_greedy_and_round_trip(moe):
     ids = models_hf.tokens()
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids).logits, atol=ATOL, rtol=0)
-    prompt = torch.randint(0, 512, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    (prompt,) = models_hf.prompts((11,))
     got = generate(ours, [prompt], GenerationConfig(max_new_tokens=32))[0]
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
-                      min_new_tokens=32, eos_token_id=None, pad_token_id=0)  # fmt: skip
-    assert got == out[0, len(prompt) :].tolist()
+    assert got == models_hf.hf_greedy(hf, prompt)
     adapter = get_model_spec(ours.config.family).hf_adapter
     sd = hf.state_dict()
     back = adapter.to_hf(adapter.from_hf(sd, ours.config), ours.config)
