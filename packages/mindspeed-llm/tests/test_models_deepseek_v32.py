@@ -1,7 +1,8 @@
 """DeepSeek-V3.2 (DeepSeek Sparse Attention): the indexer chooses transformers' keys, each
 query attends to those only (equal to dense attention restricted to them), and the model gives
 transformers' logits and greedy tokens through our cache (sparse there too); the indexer's KL
-loss trains the indexer alone; weights go to and from Hugging Face bit-identically."""
+loss trains the indexer alone; weights go to and from Hugging Face bit-identically; tp=2
+(+SP) equals one process."""
 
 import dataclasses
 
@@ -12,7 +13,7 @@ import transformers
 
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.parallel import ParallelConfig
-from mindspeed_core.testing import import_sibling
+from mindspeed_core.testing import import_sibling, run_distributed
 from mindspeed_llm.generation import GenerationConfig, generate
 from mindspeed_llm.models import Transformer, TransformerConfig, build_model_config, get_model_spec
 from mindspeed_llm.models.common.layout import LayoutError, check_layout
@@ -184,6 +185,25 @@ def test_config_and_layouts():
         dataclasses.replace(config, index_head_dim=8)
     debug = build_model_config("deepseek_v32", "debug")
     check_layout(debug, ParallelConfig(ep=2, dp_shard=2))
-    for degrees, message in (({"tp": 2}, "tp=2: DeepSeek sparse"), ({"cp": 2}, "cp=2: DeepSeek")):
-        with pytest.raises(LayoutError, match=message):
-            check_layout(debug, ParallelConfig(**degrees), flag="{}")
+    check_layout(debug, ParallelConfig(tp=2))
+    with pytest.raises(LayoutError, match="cp=2: DeepSeek"):
+        check_layout(debug, ParallelConfig(cp=2), flag="{}")
+
+
+def _tp():
+    families = import_sibling(__file__, "test_models_families")
+    return families._step("deepseek_v32", {"index_loss_scale": 1.0}, {"sequence_parallel": True})
+
+
+@pytest.mark.distributed
+def test_tp2_sp_matches_one_process_with_the_index_loss():
+    """Heads split over tp, the indexer whole on each rank (same choice), its KL target
+    summed over the ranks' heads: logits, loss and every gradient (the indexer's included)."""
+    families = import_sibling(__file__, "test_models_families")
+    ranks = run_distributed(_tp, 2, timeout=300)
+    ref = families._step("deepseek_v32", {"index_loss_scale": 1.0})
+    assert any(".indexer." in k and v.abs().sum() > 0 for k, v in ref.items())
+    for result in ranks:
+        assert result.keys() == ref.keys()
+        for key, value in ref.items():
+            torch.testing.assert_close(result[key], value, atol=ATOL, rtol=0, msg=key)

@@ -118,11 +118,6 @@ def _check_latent_attention(model_cfg: TransformerConfig, p: ParallelConfig, nam
 def _check_tensor_parallel(model_cfg: TransformerConfig, tp: int, name) -> None:
     if tp == 1:
         return
-    if model_cfg.index_topk:
-        raise LayoutError(
-            f"{name('tp')}={tp}: DeepSeek sparse attention (index_topk) has no tensor-parallel "
-            "plan yet; use tp=1 (fsdp, ep, pp work)"
-        )
     if model_cfg.linear_attention_layers and model_cfg.linear_num_key_heads % tp:
         raise LayoutError(
             f"{name('tp')}={tp} does not divide linear_num_key_heads="

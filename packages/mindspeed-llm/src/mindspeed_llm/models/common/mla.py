@@ -36,6 +36,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
@@ -74,7 +75,12 @@ def _local_share(t: Tensor) -> Tensor:
 
 
 class Indexer(nn.Module):
-    """DSA's lightning indexer: which keys each query attends to (see the module docstring)."""
+    """DSA's lightning indexer: which keys each query attends to (see the module docstring).
+
+    Under tensor parallel its weights are replicated DTensors (`parallelize.py`) that every
+    rank runs whole on the gathered input: the same choice everywhere, and the same gradient
+    (its KL loss sums the attention target over the ranks' heads), so they are used as
+    replicated local tensors."""
 
     def __init__(self, config: TransformerConfig):
         super().__init__()
@@ -99,13 +105,17 @@ class Indexer(nn.Module):
     def queries(self, x: Tensor, q_resid: Tensor, rope: RopeTables, position_ids) -> tuple:
         """(q (batch, seq, heads, d), head weights (batch, seq, heads)) of the indexer."""
         batch, seq, _ = x.shape
-        q = self.wq_b(q_resid).view(batch, seq, self.n_heads, self.head_dim)
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5
+        q = F.linear(q_resid, dtensor.local(self.wq_b.weight))
+        q = q.view(batch, seq, self.n_heads, self.head_dim)
+        weights = F.linear(x, dtensor.local(self.weights_proj.weight)).float() * self.n_heads**-0.5
         return self._rotate(q, rope, position_ids), weights
 
     def keys(self, x: Tensor, rope: RopeTables, position_ids) -> Tensor:
         """(batch, seq, d) indexer keys."""
-        k = self.k_norm(self.wk(x))[:, :, None]
+        norm = self.k_norm
+        k = F.layer_norm(F.linear(x, dtensor.local(self.wk.weight)), norm.normalized_shape,
+                         dtensor.local(norm.weight), dtensor.local(norm.bias), norm.eps)  # fmt: skip
+        k = k[:, :, None]
         return self._rotate(k, rope, position_ids)[:, :, 0]
 
     def scores(self, q: Tensor, weights: Tensor, keys: Tensor, allowed: Tensor) -> Tensor:
@@ -141,16 +151,22 @@ def sparse_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, valid: Tens
 
 
 def index_kl_loss(q: Tensor, k: Tensor, scale: float, index_scores: Tensor, index: Tensor,
-                  valid: Tensor) -> Tensor:  # fmt: skip
+                  valid: Tensor, tp_group=None) -> Tensor:  # fmt: skip
     """DeepSeek's indexer loss: KL(p || softmax(index scores)) over each query's selected
     keys, p the main attention's distribution averaged over heads (no gradient), the mean
-    over queries."""
+    over queries. Under tensor parallel (`tp_group`) q and k hold this rank's heads and the
+    head sum runs over the group."""
     with torch.no_grad():
         batch = index.shape[0]
         rows = torch.arange(batch, device=q.device)[:, None, None]
         scores = torch.einsum("bshd,bskhd->bshk", q.float(), k[rows, index].float()) * scale
         scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-        target = torch.softmax(scores, dim=-1).nan_to_num(0.0).mean(dim=2)  # (batch, seq, k)
+        target = torch.softmax(scores, dim=-1).nan_to_num(0.0).sum(dim=2)  # (batch, seq, k)
+        heads = q.shape[2]
+        if tp_group is not None:
+            dist.all_reduce(target, group=tp_group)
+            heads *= dist.get_world_size(tp_group)
+        target = target / heads
     chosen = index_scores.gather(-1, index).masked_fill(~valid, float("-inf"))
     log_q = torch.log_softmax(chosen, dim=-1)
     terms = torch.where(valid, target * (target.clamp_min(1e-30).log() - log_q), 0.0)
@@ -194,6 +210,9 @@ class MultiLatentAttention(nn.Module):
         self.wo = Linear(heads * self.v_head_dim, hidden, bias=False)
         self.indexer = Indexer(config) if config.index_topk else None
         self.index_loss_scale = config.index_loss_scale
+        # Set by `parallelize_decoder` under tensor parallel: the ranks that split the heads
+        # (the indexer's KL target averages over all of them).
+        self.tp_group = None
         self.last_index_loss: Tensor | None = None  # the last training forward's, detached
 
     def init_weights(self, std: float, out_std: float) -> None:
@@ -255,7 +274,8 @@ class MultiLatentAttention(nn.Module):
         with torch.set_grad_enabled(learn and torch.is_grad_enabled()):
             # the indexer reads detached inputs: the main loss never trains it, nor it the rest
             x_in = x.detach()
-            q_resid = self.q_norm(self.wq_a(x_in)).detach()
+            q_resid = dtensor.local(self.q_norm(self.wq_a(x_in))).detach()
+            x_in = dtensor.local(x_in)
             iq, weights = indexer.queries(x_in, q_resid, rope, position_ids)
             keys = indexer.keys(x_in, rope, position_ids)
         if kv_cache is not None:
@@ -270,7 +290,8 @@ class MultiLatentAttention(nn.Module):
         index, valid = select_keys(scores.detach(), allowed, indexer.topk)
         out = sparse_attention(q, k, v, index, valid, self.scale)
         if learn:
-            loss = index_kl_loss(q.detach(), k.detach(), self.scale, scores, index, valid)
+            loss = index_kl_loss(q.detach(), k.detach(), self.scale, scores, index, valid,
+                                 self.tp_group)  # fmt: skip
             self.last_index_loss = loss.detach()
             out = AttachAux.apply(out, loss * self.index_loss_scale)
         return out.view(x.shape[0], x.shape[1], *out.shape[2:])

@@ -224,6 +224,10 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         _shard_sinks(model, tp_mesh)
     if config.kv_lora_rank is not None:
         _replicate_latent_parts(model, tp_mesh)
+    if config.index_topk:
+        for layer in model.layers.values():  # DSA's indexer: whole on every rank
+            distribute_module(layer.attention.indexer, tp_mesh)
+            layer.attention.tp_group = tp_mesh.get_group()
 
 
 def _vocab_matrices(model: nn.Module) -> list[tuple[nn.Module, str]]:

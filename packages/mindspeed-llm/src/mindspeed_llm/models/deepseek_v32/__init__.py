@@ -1,7 +1,7 @@
 """DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention, a lightning indexer choosing
 each query's top-k keys for the latent attention (`common.mla`); sizes in flavors.py,
-Hugging Face spelling and weight names in hf.py. Layouts as DeepSeek-V3 (pp, ep); the
-sparse attention is refused under tensor and context parallel."""
+Hugging Face spelling and weight names in hf.py. Layouts as DeepSeek-V3 (tp, pp, ep); the
+sparse attention is refused under context parallel."""
 
 from mindspeed_llm.models.common.family import decoder_family
 from mindspeed_llm.models.deepseek_v32 import flavors, hf
