@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Partial
 from mindspeed_core.parallel import chunk_scan, dtensor
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.config import TransformerConfig
-from mindspeed_ops import gated_delta_rule, gated_delta_rule_step
+from mindspeed_ops import causal_conv1d, gated_delta_rule, gated_delta_rule_step
 
 if TYPE_CHECKING:
     from mindspeed_llm.generation.kv_cache import LayerCache
@@ -167,7 +167,7 @@ class GatedDeltaNet(nn.Module):
                                           output_final_state=True, impl=self.impl)  # fmt: skip
             return [out], [conv_state, final.to(state[1].dtype)]
 
-        init = [mixed.new_zeros(batch, mixed.shape[-1], self.kernel - 1),
+        init = [mixed.new_zeros(batch, self.kernel - 1, mixed.shape[-1]),
                 mixed.new_zeros(batch, heads * ratio, dk, dv, dtype=torch.float32)]  # fmt: skip
         weight = dtensor.local(self.conv_weight)
         (out,) = chunk_scan(run, [mixed, g, beta], [weight], init, group)
@@ -176,7 +176,7 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, x: Tensor, state: Tensor | None, cu_seqlens: Tensor | None, *, keep: bool,
               weight: Tensor | None = None):  # fmt: skip
         """Causal depthwise convolution of x (batch, seq, channels) with SiLU, continuing
-        from `state` (batch, channels, kernel - 1) (None: zeros) and restarting at every
+        from `state` (batch, kernel - 1, channels) (None: zeros; `mindspeed_ops.causal_conv1d`) and restarting at every
         document of `cu_seqlens`; -> (y, the last kernel - 1 inputs if `keep`). `weight`:
         this rank's (channels, 1, kernel) weight, default the module's."""
         batch, seq, channels = x.shape
@@ -192,8 +192,5 @@ class GatedDeltaNet(nn.Module):
                 same = F.pad(doc, (j, 0), value=-1)[: flat.shape[0]] == doc
                 y = y + shifted * same[:, None].to(flat.dtype) * weight[:, -1 - j]
             return F.silu(y).view(batch, seq, channels), None
-        past = x.new_zeros(batch, channels, self.kernel - 1) if state is None else state
-        full = torch.cat([past.to(x.dtype), x.transpose(1, 2)], dim=-1)
-        y = F.conv1d(full, conv_weight.to(x.dtype), groups=channels)
-        new_state = full[..., full.shape[-1] - (self.kernel - 1) :] if keep else None
-        return F.silu(y).transpose(1, 2), new_state
+        y, new_state = causal_conv1d(x, weight.to(x.dtype), cache=state)
+        return y, new_state if keep else None
