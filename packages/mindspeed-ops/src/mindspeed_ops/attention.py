@@ -154,8 +154,13 @@ def _backward(ctx, dout, dlse):
     # statistics gives exact dq, dk, dv (a sink is one more key whose value is 0).
     causal, window, softcap, scale, kernel = ctx.options
     kernel = kernel if sinks is None else kernels.from_statistics(kernel)
-    dq, dk, dv = _attention_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal,
-                                window, softcap, scale, kernel)  # fmt: skip
+    # A recomputing kernel differentiates its own forward with autograd, which a custom op's
+    # body cannot record (autograd is dispatched below there), so it runs here instead.
+    args = (dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal, window, softcap, scale)
+    if kernel in kernels.RECOMPUTING:
+        dq, dk, dv = kernels.backward(kernel, *args)
+    else:
+        dq, dk, dv = _attention_bwd(*args, kernel)
     dsinks = None if sinks is None else sink_grad(dout, dlse, out, lse, sinks)
     return dq, dk, dv, None, None, None, None, None, None, None, None, dsinks
 

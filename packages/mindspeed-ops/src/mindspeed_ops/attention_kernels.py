@@ -45,11 +45,14 @@ def choose(device: str, q: Tensor, v: Tensor, window: int, softcap: float, offse
         )
     if device == "cuda":
         flash_shape = q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and v.shape[-1] <= q.shape[-1]
+        flash_shape = flash_shape and "window_size" in _varlen_arguments()  # torch >= 2.11
         if plain and flash_shape and q.dtype in (torch.float16, torch.bfloat16):
             return "cuda_flash"
         # torch's flex_attention lowers only heads of at least 16 channels (seen on an H200,
-        # torch 2.11: "NYI: embedding dimension ... must be at least 16")
-        flex_shape = min(q.shape[-1], v.shape[-1]) >= 16
+        # torch 2.11: "NYI: embedding dimension ... must be at least 16"), and its decoding
+        # kernel found no config for 20 channels with 8 query heads on one kv head and 17
+        # queries: multiples of 16 only.
+        flex_shape = all(d >= 16 and d % 16 == 0 for d in (q.shape[-1], v.shape[-1]))
         return "flex" if flex_shape and _flex() is not None else "composed"
     if device == "npu" and plain and v.shape[-1] == q.shape[-1]:
         return "npu_fusion"
@@ -165,15 +168,26 @@ def _pad_to(t: Tensor, width: int) -> Tensor:
     return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
 
-def _cuda_flash_fwd(q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale):
-    import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn)
+@cache
+def _varlen_arguments() -> frozenset[str]:
+    """The argument names of torch's varlen flash op; empty where this torch has none."""
+    try:
+        import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn)
+    except ImportError:
+        return frozenset()
+    return frozenset(a.name for a in torch.ops.torch_attn._varlen_attn.default._schema.arguments)
 
+
+def _cuda_flash_fwd(q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale):
     is_causal, window_size = _flash_window(causal, window)
     cu_q32, cu_k32 = cu_q.to(torch.int32), cu_k.to(torch.int32)
     max_q, max_k = int(cu_q.diff().max()), int(cu_k.diff().max())
+    # Newer torch (2.14 here) asks for enable_gqa; 2.11's op has no such argument and takes
+    # GQA as is (its flash kernel reads each kv head for its group of query heads).
+    gqa = {"enable_gqa": k.shape[1] != q.shape[1]} if "enable_gqa" in _varlen_arguments() else {}
     out, lse, _ = torch.ops.torch_attn._varlen_attn(
         q, k, _pad_to(v, q.shape[-1]), cu_q32, cu_k32, max_q, max_k, is_causal, scale,
-        window_size, k.shape[1] != q.shape[1], None, None, None,
+        window_size, **gqa,
     )  # fmt: skip
     return out[..., : v.shape[-1]].contiguous(), lse
 
