@@ -38,7 +38,7 @@ TINY = {
     "qk_rope_head_dim": 8,
     "v_head_dim": 12,
     "index_topk": 8,  # below the 24-token rows: attention is sparse
-    "index_n_heads": 2,
+    "index_n_heads": 8,  # ties at a zero score (every head's relu 0) made rare: see select_keys
     "index_head_dim": 16,
 }
 
@@ -157,6 +157,39 @@ def test_index_loss_trains_the_indexer_alone():
         for s in range(6)
     ]).mean()  # fmt: skip
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def _step_grads(micro_batches):
+    """The indexer's and the rest's gradients of one trainer step (no clipping)."""
+    from mindspeed_core.optim import OptimConfig
+    from mindspeed_llm.train.build import build_model, build_train_parts
+    from mindspeed_llm.train.objectives import NextToken
+    from mindspeed_llm.train.step import TrainStep
+
+    config = dataclasses.replace(build_model_config("deepseek_v32", "debug"), index_loss_scale=1.0)
+    parallel = ParallelConfig()
+    dims = parallel.dims(1).build("cpu")
+    torch.manual_seed(0)
+    built = build_model(config, dims, torch.device("cpu"), parallel=parallel, seq_len=16)
+    parts = build_train_parts(built, OptimConfig(lr=1e-3, warmup_steps=0), total_steps=1)
+    TrainStep(parts, NextToken(), dims, clip_grad=0.0)(micro_batches)
+    return {n: p.grad.clone() for n, p in built.model.named_parameters() if p.grad is not None}
+
+
+def test_index_loss_is_each_micro_batch_share_of_the_step():
+    """The trainer scales the indexer loss each micro-batch attaches by its share of the
+    step, like the model's other losses: two rows in one micro-batch or one row in each of
+    two give the same gradients, the indexer's included."""
+    from mindspeed_llm.data.collate import lm_batch, split_batch
+
+    ids = torch.randint(8, 512, (2, 17), generator=torch.Generator().manual_seed(3))
+    batch = lm_batch(ids, 7)
+    halves = split_batch(batch, 2)
+    whole, split = _step_grads([batch]), _step_grads(halves)
+    assert any(".indexer." in name for name in whole)
+    assert whole.keys() == split.keys()
+    for name, grad in whole.items():
+        torch.testing.assert_close(split[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_state_dict_round_trips_bit_identical():

@@ -145,32 +145,48 @@ def test_config_spellings_layouts_and_refusals():
         check_layout(debug, ParallelConfig(cp=4, cp_mode="hybrid", ulysses_degree=2), flag="{}")
     published = build_model_config("qwen3_next", "qwen3-next-80b-a3b")
     assert len(published.linear_attention_layers) == 36 and published.rotary_dim == 64
+    # Qwen3.5-MoE's config has no intermediate_size (no dense block): it reads all the same
+    every_block_moe = transformers.Qwen3_5MoeTextConfig().to_dict()
+    assert "intermediate_size" not in every_block_moe
+    moe35 = TransformerConfig.from_hf(every_block_moe)
+    assert (moe35.family, moe35.num_layers, moe35.num_experts) == ("qwen3_5_moe", 40, 256)
+    assert moe35.mlp_only_layers == () and len(moe35.linear_attention_layers) == 30
+
+
+# Qwen3.5 shares Qwen3-Next's blocks (its checkpoints split the projections differently, which
+# only the adapter sees): its layouts are the slow cases.
+QWEN3_5_SLOW = pytest.mark.slow
 
 
 @pytest.mark.distributed
-def test_ep2_over_dp_shard2_matches_one_process():
+@pytest.mark.parametrize("family", ["qwen3_next", pytest.param("qwen3_5_moe", marks=QWEN3_5_SLOW)])
+def test_ep2_over_dp_shard2_matches_one_process(family):
     """Three AdamW steps under expert parallel give one process's losses, gradients and
     weights (test_models_moe_parallel's comparison), the linear blocks FSDP-sharded."""
     moe_parallel = import_sibling(__file__, "test_models_moe_parallel")
     changes = {"mlp_only_layers": ()}
     results = run_distributed(
-        moe_parallel._compare, 2, 2, {"dp_shard": 2, "ep": 2}, "qwen3_next", changes, timeout=300
+        moe_parallel._compare, 2, 2, {"dp_shard": 2, "ep": 2}, family, changes, timeout=300
     )
     assert results[0] == results[1]
 
 
-def _tp():
+def _tp(family):
     families = import_sibling(__file__, "test_models_families")
-    return families._step("qwen3_next", {}, {"sequence_parallel": True})
+    return families._step(family, {}, {"sequence_parallel": True})
 
 
 @pytest.mark.distributed
-def test_tp2_sp_matches_one_process():
+@pytest.mark.parametrize("family", [
+    "qwen3_next", pytest.param("qwen3_5", marks=QWEN3_5_SLOW),
+    pytest.param("qwen3_5_moe", marks=QWEN3_5_SLOW),
+])  # fmt: skip
+def test_tp2_sp_matches_one_process(family):
     """Key-head groups split over tp: projections, convolution channels, decay parameters;
     the gated norm's weight replicated (logits, loss and every gradient)."""
     families = import_sibling(__file__, "test_models_families")
-    ranks = run_distributed(_tp, 2, timeout=300)
-    ref = families._step("qwen3_next", {})
+    ranks = run_distributed(_tp, 2, family, timeout=300)
+    ref = families._step(family, {})
     assert any("conv_weight" in k for k in ref) and any("attention.norm" in k for k in ref)
     for result in ranks:
         assert result.keys() == ref.keys()

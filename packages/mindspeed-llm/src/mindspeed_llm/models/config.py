@@ -238,9 +238,9 @@ class TransformerConfig:
     index_loss_scale: float = 0.0
     """DSA training: weight of the indexer's KL loss (the main attention's head-averaged
     distribution over the selected keys as the target, DeepSeek's warm-up objective); its
-    gradient reaches the indexer only. It is attached per forward (as Megatron's aux-loss
-    scaler with scale 1): with n micro-batches a step it weighs n times what it would in
-    one. 0: the indexer is not trained."""
+    gradient reaches the indexer only. It is attached to each forward's output (Megatron's
+    aux-loss scaler) with the micro-batch's share of the step, so gradient accumulation does
+    not change its weight. 0: the indexer is not trained."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
     ops_impl: str = "auto"

@@ -35,7 +35,7 @@ from mindspeed_llm.data.collate import (
     shard_context_parallel,
     split_batch,
 )
-from mindspeed_llm.models.common.moe import moe_aux_loss, moe_layers
+from mindspeed_llm.models.common.moe import moe_aux_loss
 from mindspeed_llm.models.common.mtp import take_mtp_loss
 from mindspeed_llm.models.common.parallelize import tied_embedding_grads
 from mindspeed_llm.train.build import TrainParts
@@ -193,6 +193,7 @@ class TrainStep:
         """Gradient accumulation: each micro-batch backpropagates its share of the step."""
         loss_sum, sums = torch.zeros((), device=self.model.device), self._zero_metrics()
         scaler = self.parts.scaler
+        self._scale_attached_aux(len(micro_batches))
         for batch in micro_batches:
             with self._compute_context():
                 out = self._forward(batch, train=True)
@@ -241,13 +242,17 @@ class TrainStep:
         return reduced[0], dict(zip(sums, reduced[1:], strict=True))
 
     def _scale_attached_aux(self, n_microbatches: int) -> None:
-        """Pipeline parallel: the MoE blocks attach their aux loss to their outputs; each
-        micro-batch's is its share of the step, as `_forward_backward` adds it."""
+        """Losses that blocks attach to their outputs (`AttachAux`: MoE's aux loss under
+        pipeline parallel, DeepSeek sparse attention's indexer loss always): each
+        micro-batch's is its share of the step, as `_forward_backward` adds the model's
+        other losses, times the fp16 loss scale (the objective's backward carries it)."""
         scale = 1.0 / n_microbatches
         if self.parts.scaler is not None:
             scale *= self.parts.scaler.scale
-        for block in moe_layers(self.model.parts).values():
-            block.aux_grad_scale = scale
+        for part in self.model.parts:
+            for module in part.modules():
+                if hasattr(module, "aux_grad_scale"):
+                    module.aux_grad_scale = scale
 
     def _pipeline_loss(self, outputs: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
         """The schedule's loss_fn: this microbatch's share of the step (scaled for fp16).

@@ -129,9 +129,11 @@ class Indexer(nn.Module):
 def select_keys(scores: Tensor, allowed: Tensor, topk: int) -> tuple[Tensor, Tensor]:
     """(index (batch, seq, k) long, valid (batch, seq, k) bool): each query's `topk` best
     keys by `scores`, k = min(topk, keys); an entry is valid where the key is allowed (a
-    query that sees fewer keys than k gets some invalid ones)."""
+    query that sees fewer keys than k gets some invalid ones). Equal scores (relu zeroes
+    many) go to the earlier key, so a document packed after others picks the keys it picks
+    alone (topk's order among ties is unspecified)."""
     k = min(topk, scores.shape[-1])
-    index = scores.topk(k, dim=-1).indices
+    index = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     valid = allowed.expand_as(scores).gather(-1, index)
     return index, valid
 
@@ -214,6 +216,9 @@ class MultiLatentAttention(nn.Module):
         # (the indexer's KL target averages over all of them).
         self.tp_group = None
         self.last_index_loss: Tensor | None = None  # the last training forward's, detached
+        # The micro-batch's share of the step (times the fp16 loss scale), set by the
+        # trainer before each step; the indexer loss's gradient is scaled by it.
+        self.aux_grad_scale = 1.0
 
     def init_weights(self, std: float, out_std: float) -> None:
         if self.indexer is not None:
@@ -293,7 +298,7 @@ class MultiLatentAttention(nn.Module):
             loss = index_kl_loss(q.detach(), k.detach(), self.scale, scores, index, valid,
                                  self.tp_group)  # fmt: skip
             self.last_index_loss = loss.detach()
-            out = AttachAux.apply(out, loss * self.index_loss_scale)
+            out = AttachAux.apply(out, loss * (self.index_loss_scale * self.aux_grad_scale))
         return out.view(x.shape[0], x.shape[1], *out.shape[2:])
 
     def _sparse_cached(self, q, k, v, iq, weights, keys, kv_cache) -> Tensor | None:

@@ -96,6 +96,8 @@ def hybrid_format(
             rope.pop(key, None)
         if rope:
             hf["rope_parameters"] = rope
+        if every_block_moe and "intermediate_size" not in hf:  # no dense block to size
+            hf["intermediate_size"] = hf.get("moe_intermediate_size")
         fields = base.read(hf)
         head_dim = fields["head_dim"] or fields["hidden_size"] // fields["num_heads"]
         rotary_dim = int(head_dim * factor)
