@@ -52,7 +52,8 @@ def _ours(folder: Path, data: Path, args) -> dict:
         "--data.epochs=1", "--data.valid_fraction=0", f"--data.cache_dir={folder.parent / 'cache'}",
         f"--train.micro_batch={args.batch}", f"--train.global_batch={args.batch}",
         "--train.eval_interval=0", "--optim.warmup_steps=1", "--optim.lr=1e-5",
-        f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
+        # a reference forward every step, as TRL's; auto would precompute outside the timing
+        "--dpo.ref=model", f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
     info = init_distributed(device_type="cpu")
     baseline = _rss_mb()
     objective = PreferenceObjective(cfg.dpo)

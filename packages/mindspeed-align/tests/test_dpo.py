@@ -59,7 +59,7 @@ def _alone(model, ids, labels):
 def test_first_step_is_the_pure_loss_of_separate_forwards(tmp_path):
     folder, data = make_inputs(tmp_path)
     args = run_args(folder, data, tmp_path / "run", "--train.steps=2", "--train.micro_batch=4",
-                    "--train.global_batch=8", "--dpo.loss=ipo", "--dpo.beta=0.5", "--dpo.pref_ftx=0.3")  # fmt: skip
+                    "--train.global_batch=8", "--dpo.loss=ipo", "--dpo.beta=0.5", "--dpo.pref_ftx=0.3", "--dpo.ref=model")  # fmt: skip
     cfg = load_config(DPOConfig, None, args)
     info = init_distributed(device_type="cpu")
     try:
@@ -292,12 +292,16 @@ def test_lora_reference_is_the_base_with_adapters_off(tmp_path, monkeypatch):
 
 
 def test_precomputed_reference_equals_the_model_and_is_reused(tmp_path, monkeypatch):
+    """`dpo.ref: auto` precomputes once the steps read every pair (a shorter run keeps a
+    model); the values equal the model's, are cached, reused, and rebuilt when unusable."""
     import mindspeed_align.reference as reference
 
     folder, data = make_inputs(tmp_path)
     cache = f"--data.cache_dir={tmp_path / 'cache'}"
-    model = _losses(folder, data, tmp_path / "model", cache)
-    first = _losses(folder, data, tmp_path / "pre", cache, "--dpo.ref=precompute")
+    model = _losses(folder, data, tmp_path / "model", cache, "--dpo.ref=model")
+    _losses(folder, data, tmp_path / "short", cache, "--train.steps=1")  # auto: 4 of 8 pairs read
+    assert not list((tmp_path / "cache").glob("ref-*.pt"))  # neither precomputed
+    first = _losses(folder, data, tmp_path / "pre", cache)  # auto: 3 x 4 pairs read, precomputed
     files = list((tmp_path / "cache").glob("ref-*.pt"))
     assert len(files) == 1 and not list((tmp_path / "cache").glob(".ref-*"))  # no temporary left
     for key in ("loss", "rewards/chosen", "rewards/margins", "logps/rejected", "grad_norm"):

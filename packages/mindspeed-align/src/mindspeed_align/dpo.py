@@ -53,14 +53,17 @@ class PreferenceObjective(Objective):
         reference_after_tp: the model hook the reference is built with (the run's `after_tp`
             without LoRA).
         lora: the policy carries LoRA adapters (its base is a reference for free).
+        keep_reference: `dpo.ref: auto` keeps its reference model even when precomputing
+            would pay (the demo scores held-out pairs with it after training).
     """
 
     metric_names = METRICS
 
     def __init__(self, section: DPOSection, reference=None, reference_ctx: LossContext | None = None, *,
-                 reference_after_tp=None, lora: bool = False):  # fmt: skip
+                 reference_after_tp=None, lora: bool = False, keep_reference: bool = False):  # fmt: skip
         self.section, self.reference, self.reference_ctx = section, reference, reference_ctx
         self.reference_after_tp, self.lora = reference_after_tp, lora
+        self.keep_reference = keep_reference
         self.cp_group, self.cp_size = None, 1
 
     def setup(self, run: RunContext) -> None:
@@ -75,6 +78,9 @@ class PreferenceObjective(Objective):
         from mindspeed_llm.demo import cache_root
 
         whole = run.dims.pp > 1 or run.dims.cp > 1
+        precompute = self.section.ref == "precompute" or whole or (
+            self.section.ref == "auto" and not self.keep_reference and _reads_every_pair(run)
+        )
         if whole:
             self.reference, self.reference_ctx = _whole_reference(run)
         elif self.lora and self.section.ref in ("auto", "precompute"):
@@ -84,7 +90,7 @@ class PreferenceObjective(Objective):
             if run.init_state is not None:
                 reference.model.load_state_dict(run.init_state)
             self.reference, self.reference_ctx = reference.model, reference.loss
-        if self.section.ref == "precompute" or whole:
+        if precompute:
             precompute_reference(run.data, self.reference, self.reference_ctx, device=run.device,
                                  micro_pairs=run.cfg.train.micro_batch,
                                  cache_dir=run.cfg.data.cache_dir or cache_root() / "dpo")  # fmt: skip
@@ -168,7 +174,8 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
         lora = lora_trainer_options(
             cfg.lora, precision=cfg.train.precision, device_type=info.device.type
         )
-        objective = PreferenceObjective(cfg.dpo, reference_after_tp=after_tp, lora=bool(lora))
+        objective = PreferenceObjective(cfg.dpo, reference_after_tp=after_tp, lora=bool(lora),
+                                        keep_reference=demo)  # fmt: skip
         name = cfg.dpo.loss if cfg.dpo.loss in REFERENCE_FREE else "dpo"
         trainer = Trainer(cfg, info, data=PairData, objective=objective, before_tp=before_tp,
                           after_tp=chain_hooks(after_tp, lora.pop("after_tp", None)), command=name,
@@ -255,3 +262,16 @@ orpo_command = config_command(
 if __name__ == "__main__":
     args = sys.argv[1:]
     sys.exit(guarded(main, [a for a in args if a != "--debug"], debug=debug_enabled(args)))
+
+
+def _reads_every_pair(run) -> bool:
+    """`dpo.ref: auto`: precompute when the run's steps read every training pair at least
+    once: one pass of the reference over the data then costs no more forwards than scoring
+    each step's pairs, and the frozen copy's memory is freed before step 1."""
+    pairs = len(run.data.train)
+    reads = run.cfg.train.steps * run.cfg.train.global_batch
+    choice = reads >= pairs
+    logger.info("dpo.ref=auto: %s (%d steps x %d pairs read %d of %d training pairs)",
+                "precomputing the reference log-probs" if choice else "a reference model",
+                run.cfg.train.steps, run.cfg.train.global_batch, reads, pairs)  # fmt: skip
+    return choice

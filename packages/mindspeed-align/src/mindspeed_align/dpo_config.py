@@ -39,7 +39,10 @@ class DPOSection:
     `precompute`: that copy scores every pair once before step 1 (cached in the data cache
     folder, keyed by the pairs and its weights) and is then dropped; none (`none`, only for
     simpo and orpo); or `auto`: none for simpo/orpo, else with LoRA the base itself (the
-    policy with its adapters bypassed: no second copy), else `model`."""
+    policy with its adapters bypassed: no second copy), else `model`; and precomputed (by
+    that base or copy) when `train.steps x train.global_batch` reads every training pair at
+    least once (then one pass costs no more forwards than scoring each step's pairs, and the
+    copy is freed before step 1)."""
     pref_ftx: float = 0.0
     """Weight of the NLL of the chosen reply (per-token mean, per pair) added to each pair's loss
     (MindSpeed-LLM's name; ORPO always adds it with weight 1 + pref_ftx)."""
