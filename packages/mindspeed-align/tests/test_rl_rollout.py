@@ -28,8 +28,11 @@ def _policy(parallel: ParallelConfig, world_size=None):
 def _recomputed(policy, rollout, temperature):
     batch = pack_samples(rollout.prompt_ids, rollout.response_ids, {}, {},
                          agg="token-mean", max_new_tokens=8)  # fmt: skip
-    logps = recompute_logps(policy, batch, temperature)[0]
-    return logps[batch["labels"][0] != -100]
+    logps = recompute_logps(policy, batch, temperature)
+    # the output layer on the response positions alone gives the same values, zeros elsewhere
+    responses_only = recompute_logps(policy, batch, temperature, supervised_only=True)
+    torch.testing.assert_close(responses_only, logps, rtol=0, atol=1e-6)
+    return logps[0][batch["labels"][0] != -100]
 
 
 def _sampler(rollout):
@@ -70,19 +73,19 @@ def _fixed_rollout():
     return prompts, responses, adv
 
 
-def _micro_batches(policy, prompts, responses, adv, agg, ref=None):
+def _micro_batches(policy, prompts, responses, adv, agg, rows=None):
+    """Packed micro-batches of the samples in `rows` (default: three consecutive each)."""
     batches = []
-    for lo in range(0, len(prompts), 3):
-        sl = slice(lo, lo + 3)
-        b = pack_samples(prompts[sl], responses[sl], {"advantages": adv[sl]}, {},
-                         agg=agg, max_new_tokens=8)  # fmt: skip
+    for sl in rows or [list(range(lo, lo + 3)) for lo in range(0, len(prompts), 3)]:
+        b = pack_samples([prompts[i] for i in sl], [responses[i] for i in sl],
+                         {"advantages": [adv[i] for i in sl]}, {}, agg=agg, max_new_tokens=8)  # fmt: skip
         b["old_logps"] = recompute_logps(policy, b) - 0.4 * b["advantages"]  # off-policy
         b["ref_logps"] = recompute_logps(policy, b) + 0.05 * (b["labels"] % 3)
         batches.append(b)
     return batches
 
 
-def _grpo_step(parallel, agg, world_size=None, rank=0, ranks=1):
+def _grpo_step(parallel, agg, world_size=None, rank=0, ranks=1, rows=None):
     policy, dims = _policy(parallel, world_size)
     parts = build_train_parts(policy, OptimConfig(lr=1e-3, warmup_steps=0), total_steps=2)
     objective = GRPOObjective(eps_low=0.2, eps_high=0.28, kl_coef=0.1, kl_estimator="k3")
@@ -90,10 +93,37 @@ def _grpo_step(parallel, agg, world_size=None, rank=0, ranks=1):
     prompts, responses, adv = _fixed_rollout()
     per = len(prompts) // ranks
     mine = slice(rank * per, (rank + 1) * per)
-    result = step(_micro_batches(policy, prompts[mine], responses[mine], adv[mine], agg))
+    result = step(_micro_batches(policy, prompts[mine], responses[mine], adv[mine], agg, rows))
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
              for n, p in policy.model.named_parameters()}  # fmt: skip
     return result, grads, policy
+
+
+def test_micro_batches_split_by_tokens_and_the_step_does_not_depend_on_the_split():
+    """GRPOStep's micro-batches: `accum` parts of about equal tokens (the longest sample
+    first onto the lightest part), each in sample order; the step's loss, metrics and
+    gradients are those of the consecutive split (both loss aggregations)."""
+    from types import SimpleNamespace
+
+    from mindspeed_align.rl.grpo import GRPOStep
+
+    prompts, responses, _ = _fixed_rollout()
+    size = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    rows = GRPOStep._rows(SimpleNamespace(accum=4), SimpleNamespace(prompt_ids=prompts, response_ids=responses),
+                          list(range(12)))  # fmt: skip
+    assert sorted(i for r in rows for i in r) == list(range(12)) and all(r == sorted(r) for r in rows)
+    balanced = [sum(size[i] for i in r) for r in rows]
+    consecutive = [sum(size[lo : lo + 3]) for lo in range(0, 12, 3)]
+    assert max(balanced) - min(balanced) <= max(size)  # within one sample of each other
+    assert max(balanced) < max(consecutive)  # the largest micro-batch shrinks
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        (r1, g1, _), (r2, g2, _) = (_grpo_step(ParallelConfig(), agg, world_size=1, rows=split)
+                                    for split in (None, rows))  # fmt: skip
+        assert r2.num_units == r1.num_units and r2.loss == pytest.approx(r1.loss, rel=1e-6), agg
+        for key in r1.metrics:
+            assert r2.metrics[key] == pytest.approx(r1.metrics[key], rel=1e-5, abs=1e-7), (agg, key)
+        for name, grad in g1.items():
+            torch.testing.assert_close(g2[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def _layouts():

@@ -36,7 +36,7 @@ from mindspeed_core.errors import ConfigError
 from mindspeed_llm.chat_template import encode_text
 from mindspeed_llm.data.collate import IGNORE_INDEX
 from mindspeed_llm.train.objectives import RunContext
-from mindspeed_llm.train.step import StepResult, TrainStep
+from mindspeed_llm.train.step import StepResult, TrainStep, supervised_positions_layout
 
 logger = logging.getLogger("mindspeed.grpo")
 
@@ -77,6 +77,8 @@ class GRPOStep(TrainStep):
                                        temperature=cfg.rl.temperature, stop_token_ids=stops,
                                        kv_budget_mb=cfg.rl.rollout_kv_mb)  # fmt: skip
         self.pad_multiple = 8 * dims.tp
+        # old log-probs: the output layer on the response positions alone where it can
+        self._recompute_responses_only = supervised_positions_layout(parts.model, dims)
 
     def __call__(self, records: list[dict[str, Any]]) -> StepResult:
         rollout = self._sample(records)
@@ -107,7 +109,7 @@ class GRPOStep(TrainStep):
         `ratio/epoch_k` (k from 1)."""
         if self.num_updates == 1:
             return update(micro, True)
-        fixed = _per_sample(micro, self._rows(keep), batch.response_ids)
+        fixed = _per_sample(micro, self._rows(batch, keep), batch.response_ids)
         count = self._min_over_ranks(len(keep))  # the same number of updates on every rank
         parts = max(1, min(self.rl.mini_batches, count))
         results, epochs = [], []
@@ -132,10 +134,20 @@ class GRPOStep(TrainStep):
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=mesh.get_group())
         return int(tensor.item())
 
-    def _rows(self, keep: list[int]) -> list[list[int]]:
-        """`keep` in `accum` consecutive parts (some may be empty)."""
-        size = math.ceil(len(keep) / self.accum)
-        return [keep[k * size : (k + 1) * size] for k in range(self.accum)]
+    def _rows(self, batch: RolloutBatch, keep: list[int]) -> list[list[int]]:
+        """`keep` in `accum` parts (some may be empty) of about equal token counts (prompt
+        + response): the longest sample first, each onto the part with the fewest tokens so
+        far, then each part in sample order. By tokens, not by sample count, so that a few
+        long responses do not make one micro-batch (and its activations) far larger than
+        the rest; the step's loss does not depend on the split (it is normalised per step)."""
+        parts: list[list[int]] = [[] for _ in range(self.accum)]
+        loads = [0] * self.accum
+        size = {i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in keep}
+        for i in sorted(keep, key=lambda i: -size[i]):
+            lightest = min(range(self.accum), key=loads.__getitem__)
+            parts[lightest].append(i)
+            loads[lightest] += size[i]
+        return [sorted(part) for part in parts]
 
     def _pack(self, batch: RolloutBatch, per_token: dict[str, Any], keep: list[int]) -> list:
         """`accum` packed micro-batches of the samples `keep` with `per_token` values (per
@@ -147,7 +159,7 @@ class GRPOStep(TrainStep):
                 agg=self.rl.loss_agg, max_new_tokens=self.rl.max_new_tokens,
                 pad_multiple=self.pad_multiple,
             )
-            for rows in self._rows(keep)
+            for rows in self._rows(batch, keep)
         ]  # fmt: skip
 
     def _sample(self, records: list[dict[str, Any]]) -> _Rollout:
@@ -203,7 +215,8 @@ class GRPOStep(TrainStep):
         # the reference's log-probs are asked for first: a Ray reference works meanwhile
         pending = None if self.reference is None else self.reference.submit(out, self.rl.temperature)
         for b in out if recompute else ():
-            b["old_logps"] = recompute_logps(self.parts.model, b, self.rl.temperature)
+            b["old_logps"] = recompute_logps(self.parts.model, b, self.rl.temperature,
+                                             supervised_only=self._recompute_responses_only)  # fmt: skip
             mismatch.add(b["old_logps"], b.pop("sampler_logps"), b["labels"] != -100)
         for b, ref in zip(out, pending() if pending else [None] * len(out), strict=True):
             if ref is not None:
@@ -371,7 +384,9 @@ class GRPOMethod(GRPOObjective):
             reference = run.build_model(frozen=True)
             if self.init_from is not None:
                 load_weights(reference, self.init_from, what=what)
-            self.reference = LocalReference(reference)
+            self.reference = LocalReference(
+                reference, supervised_only=supervised_positions_layout(reference, run.dims)
+            )
 
     def step_extras(self) -> dict[str, Any]:
         """More keyword arguments of `step_cls` (PPO's critic)."""

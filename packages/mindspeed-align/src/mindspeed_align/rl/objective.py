@@ -181,16 +181,25 @@ def _entropy(logits: Tensor, temperature: float) -> Tensor:
 
 
 @torch.no_grad()
-def recompute_logps(model, batch: Batch, temperature: float = 1.0) -> Tensor:
+def recompute_logps(model, batch: Batch, temperature: float = 1.0, *,
+                    supervised_only: bool = False) -> Tensor:  # fmt: skip
     """Teacher-forced log-probs of `batch`'s labels under `model` (a `BuiltModel`), shaped
-    like input_ids (0 where unsupervised): the loss's old log-probs, or the reference's."""
+    like input_ids (0 where unsupervised): the loss's old log-probs, or the reference's.
+    `supervised_only` (a layout where `supervised_positions_layout` holds): the output
+    layer runs on the response positions alone, not on every prompt token too."""
     b = {k: v.to(model.device) for k, v in batch.items()}
+    labels = b["labels"]
+    extra = {"keep": labels != IGNORE_INDEX} if supervised_only else {}
     with contextlib.ExitStack() as stack:
         if model.autocast is not None:
             stack.enter_context(torch.autocast(model.device.type, dtype=model.autocast))
         stack.enter_context(loss_parallel_context(model.loss.loss_parallel))
         logits = model.model(
-            b["input_ids"], position_ids=b["position_ids"], cu_seqlens=b["cu_seqlens"]
+            b["input_ids"], position_ids=b["position_ids"], cu_seqlens=b["cu_seqlens"], **extra
         )
-        logps = token_logps(logits, b["labels"], model.loss, temperature)
-    return logps.float().view_as(b["labels"]).cpu()
+        if not supervised_only:
+            return token_logps(logits, labels, model.loss, temperature).float().view_as(labels).cpu()
+        kept = token_logps(logits, labels[extra["keep"]], model.loss, temperature)
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=kept.device)
+    out[extra["keep"]] = kept.float()
+    return out.cpu()

@@ -41,12 +41,14 @@ logger = logging.getLogger("mindspeed.rl")
 class LocalReference:
     """The colocated reference: a frozen `BuiltModel` under the run's layout."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, *, supervised_only: bool = False):
+        self.model, self.supervised_only = model, supervised_only
 
     def submit(self, batches: list[Batch], temperature: float) -> Callable[[], list[Tensor]]:
-        """Log-probs of the batches' labels, computed when the result is asked for."""
-        return lambda: [recompute_logps(self.model, b, temperature) for b in batches]
+        """Log-probs of the batches' labels (the response positions alone projected where
+        the layout allows), computed when the result is asked for."""
+        return lambda: [recompute_logps(self.model, b, temperature, supervised_only=self.supervised_only)
+                        for b in batches]  # fmt: skip
 
 
 class _ReferenceWorker:
@@ -68,7 +70,8 @@ class _ReferenceWorker:
             load_weights(self.model, init_from)
 
     def logps(self, batches: list[Batch], temperature: float) -> list[Tensor]:
-        return [recompute_logps(self.model, b, temperature) for b in batches]
+        # one whole process: the output layer runs on the response positions alone
+        return [recompute_logps(self.model, b, temperature, supervised_only=True) for b in batches]
 
 
 class _RewardWorker:

@@ -43,7 +43,7 @@ from mindspeed_llm.train.objectives import LossOutput, Objective
 
 logger = logging.getLogger("mindspeed.train")
 
-__all__ = ["StepResult", "TrainStep", "TrainingError"]
+__all__ = ["StepResult", "TrainStep", "TrainingError", "supervised_positions_layout"]
 
 
 class TrainingError(MindSpeedError):
@@ -108,9 +108,9 @@ class TrainStep:
         self._tied = tied_embedding_grads(self.model.parts, dims)
         # logits at the supervised positions only (see Objective.supervised_logits_only)
         self._supervised_only = bool(
-            getattr(objective, "supervised_logits_only", False) and self.schedule is None
-            and dims.tp == 1 and dims.cp == 1 and not self.model.loss.loss_parallel
-        )  # fmt: skip
+            getattr(objective, "supervised_logits_only", False)
+            and supervised_positions_layout(self.model, dims)
+        )
 
     @property
     def state(self) -> TrainState:
@@ -357,6 +357,14 @@ class TrainStep:
             stack.enter_context(torch.autocast(self.model.device.type, dtype=self.model.autocast))
         stack.enter_context(loss_parallel_context(self.model.loss.loss_parallel))
         return stack
+
+
+def supervised_positions_layout(model, dims) -> bool:
+    """Whether `model` (a `BuiltModel`) under `dims` can project the supervised positions
+    alone (`Transformer.forward(keep=)`): one whole model (no pipeline stages) whose hidden
+    states are plain tensors (no tensor or context parallel) and no vocab-sharded loss."""
+    return bool(model.pipeline is None and dims.tp == 1 and dims.cp == 1
+                and not model.loss.loss_parallel)  # fmt: skip
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
