@@ -270,6 +270,35 @@ def _losses(folder, data, run_dir, *extra):
     return read_metrics(run_dir / "metrics.jsonl")
 
 
+def test_replies_only_logits_equal_every_position(tmp_path, monkeypatch):
+    """The policy and the reference project the replies' positions alone (A3 item 2): three
+    steps give the losses, rewards and gradient norms of projecting every position, while
+    the output layer sees fewer rows."""
+    from mindspeed_align.dpo import PreferenceObjective
+    from mindspeed_llm.models.common.transformer import Transformer
+
+    folder, data = make_inputs(tmp_path)
+    rows = []
+    project = Transformer.project
+    monkeypatch.setattr(Transformer, "project", lambda self, h: rows.append(h.numel() // h.shape[-1]) or project(self, h))
+    cut = _losses(folder, data, tmp_path / "cut", "--dpo.ref=model")
+    cut_rows, rows[:] = list(rows), []
+    monkeypatch.setattr(PreferenceObjective, "supervised_logits_only", False)
+    monkeypatch.setattr(PreferenceObjective, "setup", _every_position(PreferenceObjective.setup))
+    full = _losses(folder, data, tmp_path / "full", "--dpo.ref=model")
+    assert cut_rows and sum(cut_rows) < sum(rows) / 2  # prompts and padding left out
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "grad_norm"):
+        torch.testing.assert_close([m[key] for m in cut], [m[key] for m in full], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _every_position(setup):
+    def every_position(self, run):
+        setup(self, run)
+        self.reference_keep = False
+
+    return every_position
+
+
 def test_lora_reference_is_the_base_with_adapters_off(tmp_path, monkeypatch):
     """LoRA-DPO's default reference is the policy with its adapters bypassed (no second model
     is built), and scores as a frozen copy of the base does: after the adapters have moved,

@@ -31,7 +31,7 @@ from mindspeed_align.losses import dpo_loss, orpo_loss, simpo_loss
 from mindspeed_align.reference import REF_KEY
 from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import process_group
-from mindspeed_llm.data.collate import forward_packed
+from mindspeed_llm.data.collate import IGNORE_INDEX, forward_packed
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, RunContext
 
 __all__ = ["PreferenceObjective", "command", "dpo", "orpo_command", "simpo_command"]
@@ -58,6 +58,7 @@ class PreferenceObjective(Objective):
     """
 
     metric_names = METRICS
+    supervised_logits_only = True  # log-probs are sums over the replies' tokens alone
 
     def __init__(self, section: DPOSection, reference=None, reference_ctx: LossContext | None = None, *,
                  reference_after_tp=None, lora: bool = False, keep_reference: bool = False):  # fmt: skip
@@ -65,6 +66,7 @@ class PreferenceObjective(Objective):
         self.reference_after_tp, self.lora = reference_after_tp, lora
         self.keep_reference = keep_reference
         self.cp_group, self.cp_size = None, 1
+        self.reference_keep = False  # the reference projects the replies' positions alone
 
     def setup(self, run: RunContext) -> None:
         """Context parallel's group, then the reference of `section.ref`: the policy with its
@@ -72,6 +74,9 @@ class PreferenceObjective(Objective):
         (always under pipeline or context parallel: the whole model scores every pair once)."""
         if run.dims.cp > 1:
             self.cp_group, self.cp_size = run.dims.mesh("cp").get_group(), run.dims.cp
+        from mindspeed_llm.train.step import supervised_positions_layout
+
+        self.reference_keep = supervised_positions_layout(run.policy, run.dims)
         if not self.section.uses_reference or self.reference is not None:
             return
         from mindspeed_align.reference import AdaptersOff, precompute_reference
@@ -109,9 +114,15 @@ class PreferenceObjective(Objective):
             ref = torch.zeros(num_slots, dtype=torch.float32, device=slots.device)
             targets["ref_logps"] = ref.index_add(0, slots[keep], batch[REF_KEY][keep].float())
         elif self.reference is not None:
+            labels = batch["labels"]
             with torch.no_grad():
-                logits = forward_packed(self.reference, batch)
-                targets["ref_logps"] = sequence_logps(logits, batch["labels"], slots, num_slots,
+                if self.reference_keep:  # the output layer on the replies' positions only
+                    keep = labels != IGNORE_INDEX
+                    logits = forward_packed(self.reference, batch, keep=keep)
+                    labels, ref_slots = labels[keep], slots[keep]
+                else:
+                    logits, ref_slots = forward_packed(self.reference, batch), slots
+                targets["ref_logps"] = sequence_logps(logits, labels, ref_slots, num_slots,
                                                       self.reference_ctx)[0]  # fmt: skip
         elif self.section.uses_reference:
             raise RuntimeError("PreferenceObjective: set .reference before the first step")

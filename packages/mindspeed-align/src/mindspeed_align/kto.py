@@ -98,6 +98,7 @@ class KTOObjective(PreferenceObjective):
     """
 
     metric_names = SUMS
+    supervised_logits_only = False  # every position projected (not yet checked for KTO)
 
     def __init__(self, section: KTOSection, reference=None, reference_ctx: LossContext | None = None,
                  kl_group=None, *, reference_after_tp=None):  # fmt: skip

@@ -182,9 +182,9 @@ class TrainStep:
                 batch, self.dims.rank("cp"), self.dims.cp, targets
             )
         extra = {"mtp_labels": batch["labels"]} if train and self._mtp is not None else {}
-        if self._supervised_only:
+        if self._supervised_only:  # per-token targets follow the kept positions
             keep = batch["labels"] != IGNORE_INDEX
-            targets = {k: v[keep] for k, v in targets.items()}
+            targets = {k: v[keep] if v.shape == keep.shape else v for k, v in targets.items()}
             extra["keep"] = keep
         outputs = forward_packed(self.model.model, batch, **extra)
         return self.objective.loss(outputs, targets, self.model.loss)
