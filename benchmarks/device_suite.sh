@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The accelerator checks in one script, for one GPU in under 8 minutes:
-#   1. the CUDA tests (pytest -m gpu);
+#   1. the CUDA tests (pytest -m gpu, every failure listed);
 #   2. benchmarks/attention.py: packed attention at 4k/16k/32k tokens, ours vs the previous op
 #      vs SDPA (bf16, 8 query / 2 kv heads of 64);
 #   3. benchmarks/train_throughput.py --shape llama-1b: training tokens/s, MFU and peak memory of
@@ -42,7 +42,7 @@ if [ "$dry" = 1 ]; then
     train=(--shape tiny --steps 1 --device cpu)
 else
     device=cuda
-    tests=(-m gpu -q -x)
+    tests=(-m gpu -q -rfE)  # every failure listed (no -x: one would hide the rest)
     attention=(--seqs 4096,16384,32768 --docs 1,8 --repeat 3 --device cuda)
     train=(--shape llama-1b --steps 3 --device cuda)
 fi

@@ -118,7 +118,8 @@ MOE = {
         {"num_hidden_layers": 3, "first_k_dense_replace": 1, "num_key_value_heads": 4,
          "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "moe_intermediate_size": 32,
          "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
-         "v_head_dim": 12, "index_topk": 8, "index_n_heads": 2, "index_head_dim": 16},
+         "v_head_dim": 12, "index_topk": 8, "index_head_dim": 16,
+         "index_n_heads": 8},  # zero index scores (ties transformers breaks otherwise) rare
     ),
     # hybrid: gated DeltaNet blocks beside gated attention with partial RoPE (q/k rows
     # permuted), zero-centred norms, a gated shared expert
