@@ -156,6 +156,7 @@ def _objective_on_rank():
     targets = {
         "labels": batch["labels"],
         SLOT_KEY: batch[SLOT_KEY],
+        "num_slots": torch.tensor(num_slots),
         "ref_logps": ref,
         "kto_label": batch["kto_label"],
     }

@@ -98,7 +98,6 @@ class KTOObjective(PreferenceObjective):
     """
 
     metric_names = SUMS
-    supervised_logits_only = False  # every position projected (not yet checked for KTO)
 
     def __init__(self, section: KTOSection, reference=None, reference_ctx: LossContext | None = None,
                  kl_group=None, *, reference_after_tp=None):  # fmt: skip
@@ -116,13 +115,16 @@ class KTOObjective(PreferenceObjective):
             self.reference, self.reference_ctx = reference.model, reference.loss
         mesh = run.dims.mesh("dp")
         self.kl_group = None if mesh is None else mesh.get_group()
+        from mindspeed_llm.train.step import supervised_positions_layout
+
+        self.reference_keep = supervised_positions_layout(run.policy, run.dims)
 
     def targets(self, batch):
         return {**super().targets(batch), LABEL_KEY: batch[LABEL_KEY]}
 
     def loss(self, outputs, targets, ctx: LossContext) -> LossOutput:
         s = self.section
-        num_slots = int(targets[SLOT_KEY].max()) + 1
+        num_slots = int(targets["num_slots"])  # whole: the kept positions may miss a slot's
         logps = sequence_logps(outputs, targets["labels"], targets[SLOT_KEY], num_slots, ctx)[0]
         ref, labels = targets["ref_logps"], targets[LABEL_KEY].bool()
         kl = kto_kl_estimate(logps[1::2], ref[1::2], group=self.kl_group)
