@@ -1,6 +1,7 @@
 """`mindspeed dpo` against TRL's DPOTrainer: the same model, pairs and batch, one epoch.
 
-    python benchmarks/dpo_throughput.py [--pairs 256] [--seq 512] [--batch 8] [--threads 2]
+    python benchmarks/dpo_throughput.py [--shape short|real] [--pairs 256] [--seq N] [--batch 8]
+                                        [--threads 2]
 
 Both sides train the same randomly initialised Llama folder as `sft_throughput.py` (vocab
 2048, hidden 256, 4 layers, fp32) with sigmoid DPO (beta 0.1) and a frozen reference copy,
@@ -28,12 +29,21 @@ from pathlib import Path
 
 from sft_throughput import WORDS, _peak_mb, _rss_mb, make_inputs, run_sides
 
+SHAPES = {
+    # shape: (prompt words, reply words, --seq), each words range inclusive
+    "short": ((15, 60), (20, 100), 512),
+    # A3 item 5's real lengths: prompts of about 512 and replies of about 256 tokens (a word
+    # of this vocabulary is about one token), both replies and the prompt twice in one row
+    "real": ((480, 512), (224, 256), 2048),
+}
 
-def make_pairs(root: Path, num_pairs: int) -> Path:
+
+def make_pairs(root: Path, num_pairs: int, shape: str = "short") -> Path:
     rng = random.Random(1)
+    prompt, reply, _ = SHAPES[shape]
     text = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
-    rows = [{"prompt": text(rng.randint(15, 60)), "chosen": text(rng.randint(20, 100)),
-             "rejected": text(rng.randint(20, 100))} for _ in range(num_pairs)]  # fmt: skip
+    rows = [{"prompt": text(rng.randint(*prompt)), "chosen": text(rng.randint(*reply)),
+             "rejected": text(rng.randint(*reply))} for _ in range(num_pairs)]  # fmt: skip
     path = root / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -103,12 +113,16 @@ def _theirs(folder: Path, data: Path, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="short",
+                        help="short: prompts of 15-60 words, replies of 20-100 (seq 512); real: "
+                             "prompts of ~512 and replies of ~256 tokens (seq 2048)")
+    parser.add_argument("--seq", type=int, help="row length (default: the shape's)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--side", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.seq = args.seq or SHAPES[args.shape][2]
     if args.side:  # one side, in this subprocess
         import torch
 
@@ -119,11 +133,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_inputs(root, 1)
-        make_pairs(root, args.pairs)
+        make_pairs(root, args.pairs, args.shape)
         results = run_sides(__file__, root, args.threads, [f"--seq={args.seq}", f"--batch={args.batch}"])
     ours, theirs = results["ours"], results["theirs"]
     print(json.dumps({
-        "benchmark": "dpo_throughput", "dtype": "fp32", "seq": args.seq, "batch_pairs": args.batch,
+        "benchmark": "dpo_throughput", "shape": args.shape, "dtype": "fp32", "seq": args.seq,
+        "batch_pairs": args.batch,
         "ours": ours, "trl": theirs, "speedup": round(ours["pairs_per_s"] / theirs["pairs_per_s"], 2),
         "memory_ratio": round(ours["peak_mem_mb"] / theirs["peak_mem_mb"], 2),
         "load_avg_1min": round(os.getloadavg()[0], 2)}))  # fmt: skip
