@@ -205,6 +205,19 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
         return summary
 
 
+def _reads_every_pair(run) -> bool:
+    """`dpo.ref: auto`: precompute when the run's steps read every training pair at least
+    once: one pass of the reference over the data then costs no more forwards than scoring
+    each step's pairs, and the frozen copy's memory is freed before step 1."""
+    pairs = len(run.data.train)
+    reads = run.cfg.train.steps * run.cfg.train.global_batch
+    choice = reads >= pairs
+    logger.info("dpo.ref=auto: %s (%d steps x %d pairs read %d of %d training pairs)",
+                "precomputing the reference log-probs" if choice else "a reference model",
+                run.cfg.train.steps, run.cfg.train.global_batch, reads, pairs)  # fmt: skip
+    return choice
+
+
 def _whole_reference(run: RunContext):
     """The starting model whole and unsplit in this process (pipeline parallel runs precompute
     the reference log-probs with it; a pipeline stage cannot score a pair alone), drawn with
@@ -274,15 +287,3 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     sys.exit(guarded(main, [a for a in args if a != "--debug"], debug=debug_enabled(args)))
 
-
-def _reads_every_pair(run) -> bool:
-    """`dpo.ref: auto`: precompute when the run's steps read every training pair at least
-    once: one pass of the reference over the data then costs no more forwards than scoring
-    each step's pairs, and the frozen copy's memory is freed before step 1."""
-    pairs = len(run.data.train)
-    reads = run.cfg.train.steps * run.cfg.train.global_batch
-    choice = reads >= pairs
-    logger.info("dpo.ref=auto: %s (%d steps x %d pairs read %d of %d training pairs)",
-                "precomputing the reference log-probs" if choice else "a reference model",
-                run.cfg.train.steps, run.cfg.train.global_batch, reads, pairs)  # fmt: skip
-    return choice
