@@ -106,6 +106,9 @@ class TrainStep:
         self._mtp = [] if self.model.config.num_nextn_predict_layers else None
         # tied embeddings under pp: the first and last stage's copies sum their gradients
         self._tied = tied_embedding_grads(self.model.parts, dims)
+        # the blocks that attach a loss to their output (`_scale_attached_aux`)
+        self._attaching = [m for part in self.model.parts for m in part.modules()
+                           if hasattr(m, "aux_grad_scale")]  # fmt: skip
         # logits at the supervised positions only (see Objective.supervised_logits_only)
         self._supervised_only = bool(
             getattr(objective, "supervised_logits_only", False)
@@ -249,10 +252,8 @@ class TrainStep:
         scale = 1.0 / n_microbatches
         if self.parts.scaler is not None:
             scale *= self.parts.scaler.scale
-        for part in self.model.parts:
-            for module in part.modules():
-                if hasattr(module, "aux_grad_scale"):
-                    module.aux_grad_scale = scale
+        for module in self._attaching:
+            module.aux_grad_scale = scale
 
     def _pipeline_loss(self, outputs: torch.Tensor, handle: torch.Tensor) -> torch.Tensor:
         """The schedule's loss_fn: this microbatch's share of the step (scaled for fp16).
