@@ -1,7 +1,7 @@
 """`mindspeed grpo` against TRL's GRPOTrainer: the same model, prompts, group size and lengths.
 
-    python benchmarks/grpo_throughput.py [--steps 8] [--prompts-per-step 4] [--n 8]
-                                         [--max-new-tokens 32] [--threads 2]
+    python benchmarks/grpo_throughput.py [--shape short|real] [--steps 8] [--prompts-per-step 4]
+                                         [--n 8] [--max-new-tokens N] [--threads 2]
 
 Both sides train the randomly initialised Llama folder of `sft_throughput.py` (hidden 256,
 4 layers, fp32) with GRPO (group-normalised advantages, PPO clip 0.2, no KL so no reference
@@ -37,9 +37,19 @@ def word_count_reward(prompts, completions, **_) -> list[float]:
     return [float(str(c).count("apples")) for c in completions]
 
 
-def make_prompts(root: Path, count: int) -> Path:
+SHAPES = {
+    # shape: (prompt words, inclusive; --max-new-tokens; our data.seq_len)
+    "short": ((10, 30), 32, 128),
+    # A3 item 5's real lengths: prompts of about 256 tokens (a word of this vocabulary is
+    # about one token), completions of up to 256 (a random model rarely stops early)
+    "real": ((240, 256), 256, 640),
+}
+
+
+def make_prompts(root: Path, count: int, shape: str = "short") -> Path:
     rng = random.Random(2)
-    rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 30)))}
+    words = SHAPES[shape][0]
+    rows = [{"prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(*words)))}
             for _ in range(count)]  # fmt: skip
     path = root / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -59,7 +69,7 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
     samples = args.prompts_per_step * args.n
     cfg = load_config(GRPOConfig, None, [
         f"--model.hf_path={folder}", f"--data.prompts={prompts}", f"--data.tokenizer={folder}",
-        "--data.seq_len=128", "--data.eval_prompts=0", f"--grpo.n={args.n}",
+        f"--data.seq_len={args.seq_len}", "--data.eval_prompts=0", f"--grpo.n={args.n}",
         f"--grpo.max_new_tokens={args.max_new_tokens}", "--grpo.reward_workers=0",
         "--grpo.rewards=[grpo_throughput:word_count_reward]", "--grpo.kl_coef=0",
         f"--train.steps={args.steps}", f"--train.micro_batch={samples}",
@@ -71,7 +81,7 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
     rewards = Rewards(cfg.grpo.rewards, workers=0)
 
     def data(cfg_, model_cfg):
-        return PromptSource(records, tokenizer, max_prompt_len=128 - args.max_new_tokens,
+        return PromptSource(records, tokenizer, max_prompt_len=args.seq_len - args.max_new_tokens,
                             prompts_per_step=args.prompts_per_step, seed=0)  # fmt: skip
 
     baseline = _rss_mb()
@@ -128,11 +138,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompts-per-step", type=int, default=4)
     parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="short",
+                        help="short: prompts of 10-30 words, 32 new tokens; real: prompts of "
+                             "~256 tokens, 256 new tokens")
+    parser.add_argument("--max-new-tokens", type=int, help="default: the shape's")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--side", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.max_new_tokens = args.max_new_tokens or SHAPES[args.shape][1]
+    args.seq_len = SHAPES[args.shape][2]
     if args.side:  # one side, in this subprocess
         import torch
 
@@ -144,13 +159,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_inputs(root, 1)
-        make_prompts(root, args.steps * args.prompts_per_step)
+        make_prompts(root, args.steps * args.prompts_per_step, args.shape)
         results = run_sides(__file__, root, args.threads, [
             f"--steps={args.steps}", f"--prompts-per-step={args.prompts_per_step}", f"--n={args.n}",
-            f"--max-new-tokens={args.max_new_tokens}"])  # fmt: skip
+            f"--max-new-tokens={args.max_new_tokens}", f"--shape={args.shape}"])  # fmt: skip
     ours, theirs = results["ours"], results["theirs"]
     print(json.dumps({
-        "benchmark": "grpo_throughput", "dtype": "fp32", "n": args.n,
+        "benchmark": "grpo_throughput", "shape": args.shape, "dtype": "fp32", "n": args.n,
         "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens,
         "ours": ours, "trl": theirs, "speedup": round(ours["samples_per_s"] / theirs["samples_per_s"], 2),
         "memory_ratio": round(ours["peak_mem_mb"] / max(theirs["peak_mem_mb"], 1e-9), 2),
