@@ -41,9 +41,15 @@ TINY = {
 
 def make_hf(**changes):
     config = transformers.Qwen3NextConfig(**{**TINY, **changes})
+    return _random_hf(config)
+
+
+def _random_hf(config):
+    """transformers' model of `config` with every tensor random: zero-centred norms near 0,
+    the gated one near 1."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():  # every tensor random; zero-centred norms near 0, the gated one near 1
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "linear_attn.norm" in name:
                 p.uniform_(0.5, 1.5)
@@ -207,19 +213,7 @@ def test_qwen3_5_logits_greedy_and_round_trip(moe):
         extra.pop("mlp_only_layers")
     config = cls(**{**extra, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
                                                  "partial_rotary_factor": 0.25}})  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "linear_attn.norm" in name:
-                p.uniform_(0.5, 1.5)
-            elif "norm" in name:
-                p.uniform_(-0.5, 0.5)
-            elif name.endswith(("A_log", "dt_bias")):
-                p.uniform_(-1.0, 1.0)
-            else:
-                p.normal_(0, 0.08)
-    hf.eval()
+    hf = _random_hf(config)
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in hf.state_dict()
     ours = models_hf.ours_from(hf)
     assert ours.config.family == ("qwen3_5_moe" if moe else "qwen3_5")
