@@ -15,6 +15,7 @@ from mindspeed_core.lifeline import arm_if_spawned_helper
 arm_if_spawned_helper(__name__)  # a reward worker re-importing this module: armed first
 
 # ruff: noqa: E402 (the imports below pull in torch: they come after the line above)
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 from mindspeed_align.rl.config import DAPOConfig, GRPOConfig, PPOConfig, RLConfig
 from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import process_group
-from mindspeed_core.errors import ConfigError
+from mindspeed_core.errors import ConfigError, DataError
 
 logger = logging.getLogger("mindspeed.grpo")
 
@@ -33,9 +34,32 @@ def _is_demo(cfg: GRPOConfig) -> bool:
     return cfg.data.prompts is None and cfg.rl.init_from is None and cfg.model.hf_path is None
 
 
+CALCULATOR_DEMO = {"data.seq_len": 128, "data.eval_prompts": 128, "grpo.max_new_tokens": 40,
+                   "grpo.warmup_steps": 1500, "train.steps": 30}  # fmt: skip
+"""The calculator demo's values of the fields left at their (story demo's) defaults."""
+
+
+def _calculator_defaults(cfg: GRPOConfig) -> None:
+    """`--env calculator` alone: the calculator demo's lengths and steps, for every field
+    the user did not set (its value is still the class default), said in the log."""
+    if not (cfg.rl.env == "calculator" and _is_demo(cfg)):
+        return
+    fresh, changed = type(cfg)(), []
+    for key, value in CALCULATOR_DEMO.items():
+        section, name = key.split(".")
+        section = cfg.rl.section if section == "grpo" else section
+        here, default = getattr(cfg, section), getattr(getattr(fresh, section), name)
+        if getattr(here, name) == default:
+            setattr(here, name, value)
+            changed.append(f"{section}.{name}={value}")
+    if changed:
+        logger.info("calculator demo: %s", ", ".join(changed))
+
+
 def _warmup(cfg: GRPOConfig) -> Path | None:
     """The demo's starting model: a short pretraining on the demo corpus (resumed, so a
-    second run skips it); its checkpoints folder."""
+    second run skips it), or for the calculator SFT on its demonstrations; its checkpoints
+    folder."""
     from mindspeed_llm.pretrain import pretrain
     from mindspeed_llm.train.config import LoggingSection, PretrainConfig, TrainSection
 
@@ -43,6 +67,9 @@ def _warmup(cfg: GRPOConfig) -> Path | None:
     if cfg.rl.warmup_steps == 0:
         return None
     from mindspeed_core.optim import OptimConfig
+
+    if cfg.rl.env == "calculator":
+        return _calculator_warmup(cfg, run_dir)
 
     pre = PretrainConfig(
         model=cfg.model,
@@ -58,25 +85,139 @@ def _warmup(cfg: GRPOConfig) -> Path | None:
     return run_dir / "checkpoints"
 
 
+def _calculator_warmup(cfg: GRPOConfig, run_dir: Path) -> Path:
+    """SFT of the demo's model on the calculator demonstrations (resumed when done)."""
+    from mindspeed_align.rl.calculator import ensure_calculator_demo
+    from mindspeed_core.checkpoint import CheckpointConfig
+    from mindspeed_core.optim import OptimConfig
+    from mindspeed_llm.sft import sft
+    from mindspeed_llm.train.config import LoggingSection, TrainSection
+    from mindspeed_llm.train.sft_config import SFTConfig, SFTDataSection
+
+    demo = _on_rank0_first(ensure_calculator_demo)
+    pre = SFTConfig(
+        model=cfg.model,
+        data=SFTDataSection(paths=[str(demo.train)], handler="messages", tokenizer=demo.tokenizer,
+                            chat_template=str(demo.template), seq_len=128),
+        optim=OptimConfig(lr=2e-3, warmup_steps=20),
+        parallel=cfg.parallel,
+        train=TrainSection(steps=cfg.rl.warmup_steps, micro_batch=16, global_batch=16,
+                           device=cfg.train.device, eval_interval=0, seed=cfg.train.seed),
+        checkpoint=CheckpointConfig(interval=cfg.rl.warmup_steps),
+        logging=LoggingSection(run_dir=run_dir, log_interval=100, tensorboard=False,
+                               progress=cfg.logging.progress),
+    )  # fmt: skip
+    logger.info("calculator demo: SFT of the starting model on tool-use demonstrations for %d "
+                "steps (%s)", pre.train.steps, run_dir)  # fmt: skip
+    sft(pre)
+    return run_dir / "checkpoints"
+
+
+def _on_rank0_first(build):
+    """`build()` on rank 0, then on the others (a cached build: they find it made)."""
+    import torch.distributed as dist
+
+    from mindspeed_core.distributed import is_rank0
+
+    if is_rank0():
+        build()
+    if dist.is_initialized():
+        dist.barrier()
+    return build()
+
+
+def _env_records(cfg: GRPOConfig):
+    """(training records, held-out records) of an environment run."""
+    from mindspeed_align.rl.data import read_prompts
+
+    if cfg.data.prompts is None:
+        if cfg.rl.env != "calculator":
+            raise ConfigError(f"{cfg.rl.section}.env={cfg.rl.env!r} needs data.prompts")
+        from mindspeed_align.rl.calculator import records as calculator_records
+
+        train = calculator_records(4096, seed=cfg.train.seed)
+        return train, calculator_records(cfg.data.eval_prompts, seed=cfg.train.seed + 1)
+    return _held_out(cfg, read_prompts(cfg.data.prompts, any_record=True))
+
+
+def _held_out(cfg: GRPOConfig, records: list):
+    k = cfg.data.eval_prompts
+    if k >= len(records):
+        raise ConfigError(
+            f"data.eval_prompts={k} leaves none of the {len(records)} prompts of "
+            f"{cfg.data.prompts} to train on"
+        )
+    return (records[:-k], records[-k:]) if k else (records, [])
+
+
+def _env_prompts(cfg: GRPOConfig, make_env, template, records, source: str) -> None:
+    """Each record's "prompt": its environment's reset conversation, rendered."""
+    from mindspeed_align.rl.data import render_prompts
+
+    for i, record in enumerate(records):
+        try:
+            messages = make_env().reset(record)
+        except Exception as err:  # the user's environment refusing its record
+            raise DataError(f"{source}: record {i}: {cfg.rl.section}.env reset failed: {err!r}") from None
+        record["messages"] = messages
+    render_prompts(records, template, source=source)
+
+
 def _task(cfg: GRPOConfig, init_from: Path | None):
-    """(tokenizer, its path, training records, held-out records)."""
+    """(tokenizer, its path, training records, held-out records, environment class,
+    chat template); the last two are None for single-turn runs."""
     from mindspeed_align.rl.data import demo_records, read_prompts
     from mindspeed_llm.tokenizer import load_tokenizer
 
+    if cfg.rl.env is not None:
+        return _env_task(cfg, init_from)
     if cfg.data.prompts is None:
         records = demo_records(4096, seed=cfg.train.seed)
         held_out = demo_records(cfg.data.eval_prompts, seed=cfg.train.seed + 1)
     else:
         from mindspeed_align.rl.rewards import required_columns
 
-        records = read_prompts(cfg.data.prompts, required_columns(cfg.rl.rewards))
-        k = cfg.data.eval_prompts
-        if k >= len(records):
-            raise ConfigError(
-                f"data.eval_prompts={k} leaves none of the {len(records)} prompts of "
-                f"{cfg.data.prompts} to train on"
-            )
-        records, held_out = (records[:-k], records[-k:]) if k else (records, [])
+        records, held_out = _held_out(cfg, read_prompts(cfg.data.prompts, required_columns(cfg.rl.rewards)))
+    path = _tokenizer_path(cfg, init_from)
+    if cfg.data.chat_template is not None or any("messages" in r for r in records + held_out):
+        from mindspeed_align.rl.data import render_prompts
+        from mindspeed_llm.data.sft_templates import resolve_template
+
+        template = resolve_template(cfg.data.chat_template, path)
+        source = str(cfg.data.prompts or "the demo prompts")
+        render_prompts(records, template, source=source)
+        render_prompts(held_out, template, source=f"{source} (held out)")
+        logger.info("prompts rendered by the chat template %s", template.origin)
+    return load_tokenizer(path), path, records, held_out, None, None
+
+
+def _env_task(cfg: GRPOConfig, init_from: Path | None):
+    """`_task` of an environment run: the records' prompts are the environment's reset
+    conversations rendered by the chat template (the calculator demo's own template and
+    tokenizer when it is the demo)."""
+    from mindspeed_align.rl.env import load_environment
+    from mindspeed_llm.data.sft_templates import resolve_template
+    from mindspeed_llm.tokenizer import load_tokenizer
+
+    make_env = load_environment(cfg.rl.env, section=cfg.rl.section)
+    records, held_out = _env_records(cfg)
+    if cfg.data.prompts is None:  # the calculator demo
+        from mindspeed_align.rl.calculator import ensure_calculator_demo
+
+        demo = _on_rank0_first(ensure_calculator_demo)
+        path = cfg.data.tokenizer or demo.tokenizer
+        template = resolve_template(cfg.data.chat_template or str(demo.template), path)
+    else:
+        path = _tokenizer_path(cfg, init_from)
+        template = resolve_template(cfg.data.chat_template, path)
+    source = str(cfg.data.prompts or "the calculator demo")
+    _env_prompts(cfg, make_env, template, records, source)
+    _env_prompts(cfg, make_env, template, held_out, f"{source} (held out)")
+    logger.info("episodes in %s; prompts rendered by the chat template %s", cfg.rl.env, template.origin)
+    return load_tokenizer(path), path, records, held_out, make_env, template
+
+
+def _tokenizer_path(cfg: GRPOConfig, init_from: Path | None):
     path = cfg.data.tokenizer or cfg.model.hf_path
     if path is None and init_from is not None:
         from mindspeed_llm.loading import resolve_model_source
@@ -90,16 +231,7 @@ def _task(cfg: GRPOConfig, init_from: Path | None):
                 f"data.tokenizer is needed with data.prompts (or {cfg.rl.section}.init_from)"
             )
         path = ensure_demo_data().tokenizer
-    if cfg.data.chat_template is not None or any("messages" in r for r in records + held_out):
-        from mindspeed_align.rl.data import render_prompts
-        from mindspeed_llm.data.sft_templates import resolve_template
-
-        template = resolve_template(cfg.data.chat_template, path)
-        source = str(cfg.data.prompts or "the demo prompts")
-        render_prompts(records, template, source=source)
-        render_prompts(held_out, template, source=f"{source} (held out)")
-        logger.info("prompts rendered by the chat template %s", template.origin)
-    return load_tokenizer(path), path, records, held_out
+    return path
 
 
 def grpo(cfg: GRPOConfig) -> dict[str, float]:
@@ -121,29 +253,35 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
     from mindspeed_llm.train.trainer import Trainer
 
     rewards = roles = None
+    _calculator_defaults(cfg)
+    cfg.check_env_lengths()
     with process_group(cfg.train.device) as info:
         try:
             init_from = _warmup(cfg) if _is_demo(cfg) else cfg.rl.init_from
-            tokenizer, tokenizer_path, records, held_out = _task(cfg, init_from)
+            tokenizer, tokenizer_path, records, held_out, env, template = _task(cfg, init_from)
             g = cfg.rl
+            max_prompt = cfg.data.seq_len - (g.max_new_tokens if env is None else g.env_max_tokens)
             if g.placement == "ray":
                 from mindspeed_align.rl.placement import RayRoles
 
                 roles = RayRoles(g.section, info.world_size)
-                rewards = roles.rewards(g, tokenizer_path)
-            else:
+                rewards = None if env else roles.rewards(g, tokenizer_path)
+            elif env is None:  # an environment scores its own episodes
                 from mindspeed_align.rl.reward_model import section_rewards
 
                 rewards = section_rewards(g, tokenizer, info.device)
 
             def data(cfg_, model_cfg):
-                return PromptSource(records, tokenizer, max_prompt_len=cfg.data.seq_len - g.max_new_tokens,
+                return PromptSource(records, tokenizer, max_prompt_len=max_prompt,
                                     prompts_per_step=cfg.train.global_batch // g.n, seed=cfg.train.seed,
                                     source=str(cfg.data.prompts or "the demo prompts"))  # fmt: skip
 
-            objective = method(cfg, tokenizer, rewards, init_from, roles=roles)
+            objective = method(cfg, tokenizer, rewards, init_from, roles=roles, env=env,
+                               template=template)  # fmt: skip
             trainer = Trainer(cfg, info, data=data, objective=objective, command=command)
             step = trainer.step
+            if env is not None:
+                return _run_episodes(cfg, trainer, held_out, tokenizer)
             before = _evaluate(step, held_out, tokenizer, rewards, cfg)
             summary = trainer.run()
             after = _evaluate(step, held_out, tokenizer, rewards, cfg)
@@ -162,6 +300,30 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
                 roles.close()
 
 
+def _run_episodes(cfg: GRPOConfig, trainer, held_out, tokenizer) -> dict[str, float]:
+    """Train in the environment, with the held-out success (greedy) and tool calls per
+    episode printed before and after."""
+    from mindspeed_align.rl.grpo import evaluate_episodes
+
+    step, g = trainer.step, cfg.rl
+
+    def evaluate() -> tuple[float, float]:
+        step.rollout.sync_weights()
+        return evaluate_episodes(step.rollout, step.env, held_out, tokenizer, step.template, g)
+
+    before = evaluate()
+    summary = trainer.run()
+    after = evaluate()
+    summary.update(reward_before=before[0], reward_after=after[0], tool_calls_before=before[1],
+                   tool_calls_after=after[1])  # fmt: skip
+    logger.info(
+        "%s: held-out reward on %d episodes (greedy) %.3f at the start -> %.3f after step %d; "
+        "tool calls per episode %.2f -> %.2f; run directory %s", g.env, len(held_out), before[0],
+        after[0], summary["steps"], before[1], after[1], cfg.logging.run_dir,
+    )  # fmt: skip
+    return summary
+
+
 def _evaluate(step, held_out, tokenizer, rewards, cfg: GRPOConfig) -> tuple[float, float]:
     """(greedy, sampled) mean reward of the current policy on the held-out prompts."""
     from mindspeed_align.rl.grpo import evaluate_reward
@@ -174,22 +336,35 @@ def _evaluate(step, held_out, tokenizer, rewards, cfg: GRPOConfig) -> tuple[floa
     return greedy, sampled
 
 
-command = config_command(
+def _env_alias(command):
+    """The command with `--env X` read as `--grpo.env X` (the issue's and verl users' short
+    spelling of the environment)."""
+    inner = command.run
+
+    def run(argv: list[str]) -> int | None:
+        return inner(["--grpo.env" if a == "--env" else
+                      "--grpo.env=" + a[6:] if a.startswith("--env=") else a for a in argv])  # fmt: skip
+
+    return dataclasses.replace(command, run=run)
+
+
+command = _env_alias(config_command(
     "grpo",
     GRPOConfig,
     grpo,
-    help="GRPO with rule rewards (no arguments: the embedded demo)",
-    demo="GRPO on the demo's arithmetic (CPU, a few minutes).",
-)
+    help="GRPO with rule rewards or an environment (no arguments: the embedded demo)",
+    demo="GRPO on the demo's arithmetic (CPU, a few minutes); with --env calculator, "
+    "multi-turn tool use on two-digit products.",
+))
 main = command.run
 
-dapo_command = config_command(
+dapo_command = _env_alias(config_command(
     "dapo",
     DAPOConfig,
     grpo,
     help="DAPO: GRPO with clip-higher, dynamic sampling and token-mean loss (no arguments: the demo)",
     demo="DAPO on the demo's arithmetic (CPU, a few minutes).",
-)
+))
 ppo_command = config_command(
     "ppo",
     PPOConfig,

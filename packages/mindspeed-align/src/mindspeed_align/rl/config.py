@@ -116,7 +116,20 @@ class GRPOSection:
     demo's warm-up model (the default demo) or a random init."""
     warmup_steps: int = 150
     """Demo only (no data.prompts, no init_from, no model.hf_path): pretraining steps on
-    the demo corpus first, so the model speaks the task's format."""
+    the demo corpus first, so the model speaks the task's format (with env calculator:
+    SFT steps on the calculator's demonstrations, 1500 when left at 150)."""
+    env: str | None = None
+    """Multi-turn episodes in an environment instead of one completion per prompt:
+    "calculator" (the embedded tool-use demo: `mindspeed grpo --env calculator`) or
+    "module:Class" (one instance per episode; `reset(record) -> messages`, `step(messages,
+    reply) -> (observation messages, reward, done)`). The environment's rewards replace
+    the reward functions; prompts are its reset conversations, rendered by
+    data.chat_template. None: single-turn."""
+    env_max_turns: int = 4
+    """Replies per episode at most; an episode still going after them scores 0."""
+    env_max_tokens: int = 96
+    """Tokens after the prompt per episode at most (replies and observations); an episode
+    past it scores 0. Prompts may take data.seq_len minus this."""
 
     section = "grpo"
     """The section's name in configs and messages (a class attribute, not a field)."""
@@ -155,6 +168,9 @@ class GRPOSection:
                               f"[0, {name}.max_new_tokens={self.max_new_tokens})")  # fmt: skip
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"{name}.dual_clip={self.dual_clip} must be > 1")
+        if self.env_max_turns < 1 or self.env_max_tokens < 1:
+            raise ConfigError(f"{name}.env_max_turns={self.env_max_turns} and "
+                              f"{name}.env_max_tokens={self.env_max_tokens} must be positive")  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -221,6 +237,9 @@ class PPOSection(GRPOSection):
         super().__post_init__()
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ConfigError(f"ppo.gamma={self.gamma} and ppo.lam={self.lam} must be in [0, 1]")
+        if self.env is not None:
+            raise ConfigError("ppo.env: multi-turn episodes are for `mindspeed grpo` and "
+                              "`mindspeed dapo` (the critic does not mask tool tokens yet)")  # fmt: skip
         if self.kl_in_reward and self.kl_coef and not self.recompute_old_logps:
             raise ConfigError("ppo.recompute_old_logps=false: the KL in the reward "
                               "(ppo.kl_in_reward, ppo.kl_coef) needs the old log-probs first")  # fmt: skip
@@ -270,6 +289,16 @@ class RLConfig:
     @property
     def rl(self) -> GRPOSection:
         raise NotImplementedError
+
+    def check_env_lengths(self) -> None:
+        """Raise ConfigError when an environment run's episode budget leaves no room for a
+        prompt (checked when the run starts: the calculator demo sets its own lengths)."""
+        rl = self.rl
+        if rl.env is not None and rl.env_max_tokens >= self.data.seq_len:
+            raise ConfigError(
+                f"{rl.section}.env_max_tokens={rl.env_max_tokens} leaves no room for a prompt "
+                f"in data.seq_len={self.data.seq_len}"
+            )
 
     def __post_init__(self):
         rl, name = self.rl, self.rl.section

@@ -39,9 +39,11 @@ def demo_records(count: int, seed: int) -> list[dict[str, Any]]:
     return records
 
 
-def read_prompts(path: Path, required: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def read_prompts(path: Path, required: dict[str, str] | None = None, *,
+                 any_record: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """The records of a JSONL file; a line without a "prompt" string is refused, and so is
-    one without a column a reward needs (`required`: {column: the reward that needs it})."""
+    one without a column a reward needs (`required`: {column: the reward that needs it}).
+    `any_record`: every JSON object is a record (an environment reads them)."""
     if not Path(path).is_file():
         raise DataError(f"data.prompts: no file {path}")
     records = []
@@ -57,7 +59,7 @@ def read_prompts(path: Path, required: dict[str, str] | None = None) -> list[dic
                 raise DataError(f"{path}:{number}: a record must be a JSON object")
             if "messages" in record:
                 _check_messages(record["messages"], f"{path}:{number}")
-            elif not isinstance(record.get("prompt"), str):
+            elif not any_record and not isinstance(record.get("prompt"), str):
                 raise DataError(
                     f'{path}:{number}: a record needs a "prompt" string or a "messages" list'
                 )
@@ -94,6 +96,7 @@ def render_prompts(records: list[dict[str, Any]], template, *, source: str) -> N
     """
     for i, record in enumerate(records):
         turns = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+        _check_messages(turns, f"{source}: record {i}")
         try:
             record["prompt"] = template.render(turns, add_generation_prompt=True)
         except DataError as err:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from mindspeed_align.rl import advantages as adv_fns
 from mindspeed_align.rl.config import GROUP_ADVANTAGES, GRPOConfig
+from mindspeed_align.rl.env import run_episodes
 from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, recompute_logps
 from mindspeed_align.rl.placement import LocalReference
 from mindspeed_align.rl.rewards import Rewards
@@ -40,7 +41,10 @@ from mindspeed_llm.train.step import StepResult, TrainStep, supervised_positions
 
 logger = logging.getLogger("mindspeed.grpo")
 
-__all__ = ["GRPOMethod", "GRPOStep", "compute_advantages", "evaluate_reward"]
+__all__ = ["GRPOMethod", "GRPOStep", "compute_advantages", "evaluate_episodes", "evaluate_reward"]
+
+ENV_COUNTS = ("env/errors", "env/over_budget")
+"""Episode counts of the step (every rank's summed)."""
 
 
 def compute_advantages(kind: str, rewards: list[float], group: list[int], lengths: list[int],
@@ -67,9 +71,10 @@ class GRPOStep(TrainStep):
     """A `TrainStep` that takes this rank's prompt records, rolls out and trains."""
 
     def __init__(self, parts, objective, dims, *, cfg: GRPOConfig, tokenizer, rewards: Rewards,
-                 reference=None, accum: int = 1, **kwargs):  # fmt: skip
+                 reference=None, accum: int = 1, env=None, template=None, **kwargs):  # fmt: skip
         super().__init__(parts, objective, dims, **kwargs)
         self.cfg, self.rl, self.tokenizer, self.rewards = cfg, cfg.rl, tokenizer, rewards
+        self.env, self.template = env, template  # multi-turn episodes (`env.run_episodes`)
         self.reference, self.accum = reference, accum
         self.rollout = LocalRollout(parts.model)
         stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
@@ -109,7 +114,7 @@ class GRPOStep(TrainStep):
         `ratio/epoch_k` (k from 1)."""
         if self.num_updates == 1:
             return update(micro, True)
-        fixed = _per_sample(micro, self._rows(batch, keep), batch.response_ids)
+        fixed = _per_sample(micro, self._rows(batch, keep), batch)
         count = self._min_over_ranks(len(keep))  # the same number of updates on every rank
         parts = max(1, min(self.rl.mini_batches, count))
         results, epochs = [], []
@@ -158,6 +163,7 @@ class GRPOStep(TrainStep):
                 {}, {k: [v[i] for i in rows] for k, v in per_token.items()},
                 agg=self.rl.loss_agg, max_new_tokens=self.rl.max_new_tokens,
                 pad_multiple=self.pad_multiple,
+                masks=None if batch.response_mask is None else [batch.response_mask[i] for i in rows],
             )
             for rows in self._rows(batch, keep)
         ]  # fmt: skip
@@ -166,8 +172,16 @@ class GRPOStep(TrainStep):
         """Sync, sample this rank's completions, score them (with the overlong penalty)."""
         sync_s = self.rollout.sync_weights()
         seed = sampling_seed(self.cfg.train.seed, self.state.step, self.dims.rank("dp"))
-        batch = self.rollout.generate([r["prompt_ids"] for r in records], self.sampling, seed=seed)
-        rewards, reward_metrics = self._rewards(records, batch)
+        prompts = [r["prompt_ids"] for r in records]
+        if self.env is not None:
+            episodes = run_episodes(self.rollout, self.env, records, prompts, self.sampling,
+                                    template=self.template, tokenizer=self.tokenizer, seed=seed,
+                                    max_turns=self.rl.env_max_turns, max_tokens=self.rl.env_max_tokens)  # fmt: skip
+            batch, rewards = episodes.batch, episodes.rewards
+            reward_metrics = {"reward/failures": 0.0, **episodes.metrics}
+        else:
+            batch = self.rollout.generate(prompts, self.sampling, seed=seed)
+            rewards, reward_metrics = self._rewards(records, batch)
         lengths = [len(r) for r in batch.response_ids]
         if self.rl.overlong_buffer:
             penalty = adv_fns.overlong_penalty(lengths, self.rl.max_new_tokens, self.rl.overlong_buffer,
@@ -181,7 +195,7 @@ class GRPOStep(TrainStep):
         """The rollout's statistics over every data-parallel rank."""
         rewards, lengths, batch = rollout.rewards, rollout.lengths, rollout.batch
         reward_metrics = dict(rollout.reward_metrics)
-        stats = _Stats(self.dims)
+        stats = _Stats(self.dims, totals=ENV_COUNTS)
         stats.add_sums(
             reward=sum(rewards), reward_sq=sum(x * x for x in rewards), samples=len(rewards),
             zero_var=sum(rollout.flat), groups=len(rollout.flat), kept=kept, length=sum(lengths),
@@ -225,23 +239,34 @@ class GRPOStep(TrainStep):
         return out, mismatch
 
 
-def _per_sample(micro: list, rows: list[list[int]], responses) -> dict[str, dict[int, list]]:
+def _per_sample(micro: list, rows: list[list[int]], batch: RolloutBatch) -> dict[str, dict[int, list]]:
     """Every per-token float value of the packed `micro` (rows[k]: micro[k]'s samples),
-    per sample: {key: {sample: one value per response token}}."""
+    per sample: {key: {sample: one value per response token}} (0 on an environment's
+    tokens, which carry no label)."""
     skip = {"input_ids", "labels", "position_ids", "cu_seqlens", "weights", "metric_weights",
             "unit", "sampler_logps"}  # fmt: skip
+    masks = batch.response_mask
     out: dict[str, dict[int, list]] = {}
     for b, samples in zip(micro, rows, strict=True):
         mask = (b["labels"] != IGNORE_INDEX).flatten()
-        lengths = [len(responses[i]) for i in samples]
+        lengths = [len(batch.response_ids[i]) if masks is None else sum(masks[i]) for i in samples]
         for key, value in b.items():
             if key in skip:
                 continue
             pieces = value.flatten()[mask].split(lengths)
             out.setdefault(key, {}).update(
-                {i: p.tolist() for i, p in zip(samples, pieces, strict=True)}
+                {i: _unmasked(p.tolist(), None if masks is None else masks[i])
+                 for i, p in zip(samples, pieces, strict=True)}  # fmt: skip
             )
     return out
+
+
+def _unmasked(values: list[float], mask: list[int] | None) -> list[float]:
+    """`values` of the policy's tokens spread over every response token (0 elsewhere)."""
+    if mask is None:
+        return values
+    it = iter(values)
+    return [next(it) if m else 0.0 for m in mask]
 
 
 def combine_results(results: list[StepResult], epochs: list[int]) -> StepResult:
@@ -285,8 +310,10 @@ def _flat_groups(rewards: list[float], group: list[int]) -> list[bool]:
 class _Stats:
     """Rollout statistics summed (or maxed) over the data-parallel ranks."""
 
-    def __init__(self, dims):
+    def __init__(self, dims, totals: tuple[str, ...] = ()):
         self.mesh = dims.mesh("dp")
+        self.totals = totals
+        """Keys of the reward means that are counts: summed over the ranks, not averaged."""
         self.sums: dict[str, float] = {}
         self.maxes: dict[str, float] = {}
 
@@ -313,7 +340,7 @@ class _Stats:
         out = {
             "reward/mean": mean,
             "reward/std": math.sqrt(max(s["reward_sq"] / n - mean * mean, 0.0)),
-            **{k: s[k] / ranks for k in reward_means},
+            **{k: s[k] / (1 if k in self.totals else ranks) for k in reward_means},
             "reward/failures": s["failures"],
             "groups/zero_variance_fraction": s["zero_var"] / s["groups"],
             "groups/kept_fraction": s["kept"] / n,
@@ -356,6 +383,27 @@ def evaluate_reward(rollout: LocalRollout, records, tokenizer, rewards: Rewards,
     return sum(total) / len(total)
 
 
+@torch.no_grad()
+def evaluate_episodes(rollout: LocalRollout, env, records, tokenizer, template, rl, *,
+                      temperature: float = 0.0, n: int = 1, seed: int = 0) -> tuple[float, float]:  # fmt: skip
+    """(mean reward, tool calls per episode) of `n` episodes of each of `records` (greedy at
+    temperature 0) in the environment class `env`."""
+    if not records:
+        return math.nan, math.nan
+    stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
+    cfg = SamplingConfig(n=n, max_new_tokens=rl.max_new_tokens, temperature=temperature,
+                         stop_token_ids=stops)  # fmt: skip
+    rewards, calls = [], 0.0
+    for lo in range(0, len(records), 64):
+        chunk = records[lo : lo + 64]
+        episodes = run_episodes(rollout, env, chunk, [encode_text(tokenizer, r["prompt"]) for r in chunk],
+                                cfg, template=template, tokenizer=tokenizer, seed=seed,
+                                max_turns=rl.env_max_turns, max_tokens=rl.env_max_tokens)  # fmt: skip
+        rewards += episodes.rewards
+        calls += episodes.metrics["env/tool_calls"] * len(episodes.rewards)
+    return sum(rewards) / len(rewards), calls / len(rewards)
+
+
 class GRPOMethod(GRPOObjective):
     """GRPO as a `Trainer`'s objective: the loss (`GRPOObjective`, from `cfg.rl`), and the
     roles around it: `setup` loads `init_from` into the policy and creates the reference
@@ -364,13 +412,15 @@ class GRPOMethod(GRPOObjective):
 
     step_cls: type[GRPOStep] = GRPOStep
 
-    def __init__(self, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_from=None, *, roles=None):
+    def __init__(self, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_from=None, *, roles=None,
+                 env=None, template=None):  # fmt: skip
         g = cfg.rl
         kl_in_loss = 0.0 if getattr(g, "kl_in_reward", False) else g.kl_coef
         super().__init__(eps_low=g.clip_low, eps_high=g.clip_high, dual_clip=g.dual_clip,
                          kl_coef=kl_in_loss, kl_estimator=g.kl_estimator, temperature=g.temperature)  # fmt: skip
         self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, rewards
         self.init_from, self.roles, self.reference = init_from, roles, None
+        self.env, self.template = env, template
 
     def setup(self, run: RunContext) -> None:
         cfg, what = self.cfg, f"{self.cfg.rl.section}.init_from"
@@ -396,6 +446,7 @@ class GRPOMethod(GRPOObjective):
         g = self.cfg.rl
         step = self.step_cls(run.parts, self, run.dims, cfg=self.cfg, tokenizer=self.tokenizer,
                              rewards=self.rewards, reference=self.reference, accum=run.accum,
+                             env=self.env, template=self.template,
                              **run.step_options, **self.step_extras())  # fmt: skip
         if g.rollout_kv_mb:  # refused before anything is written, for the longest prompt allowed
             try:

@@ -39,17 +39,22 @@ def pack_samples(
     agg: str,
     max_new_tokens: int,
     pad_multiple: int = 8,
+    masks: Sequence[Sequence[int]] | None = None,
 ) -> Batch:
     """One packed row of samples. `per_sample` values (advantages) are spread over each
     response's tokens; `per_token` values (one per response token) land on the positions
-    that predict those tokens. Padding to a multiple of `pad_multiple` is one more,
-    unsupervised document."""
+    that predict those tokens. `masks` (per response token, 0 where an environment wrote
+    it) leave those tokens unlabelled and unweighted: a sample's length in the aggregation
+    is its policy tokens. Padding to a multiple of `pad_multiple` is one more, unsupervised
+    document."""
     ids, labels, positions, bounds = [], [], [], [0]
     extra = {k: [] for k in (*per_sample, *per_token, "weights", "metric_weights", "unit")}
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         seq, n = list(p) + list(r), len(r)
+        mask = [1] * n if masks is None else list(masks[i])
+        trained = sum(mask)
         ids += seq
-        labels += [IGNORE_INDEX] * (len(p) - 1) + list(r) + [IGNORE_INDEX]
+        labels += [IGNORE_INDEX] * (len(p) - 1) + [t if m else IGNORE_INDEX for t, m in zip(r, mask, strict=True)] + [IGNORE_INDEX]
         positions += range(len(seq))
         bounds.append(len(ids))
         lead, tail = [0.0] * (len(p) - 1), [0.0]
@@ -57,10 +62,11 @@ def pack_samples(
             extra[key] += lead + [float(values[i])] * n + tail
         for key, values in per_token.items():
             extra[key] += lead + [float(v) for v in values[i]] + tail
-        weight, metric = _weights(agg, n, max_new_tokens)
-        extra["weights"] += lead + [weight] * n + tail
-        extra["metric_weights"] += lead + [metric] * n + tail
-        units = [1.0] * n if agg == "token-mean" else [1.0] + [0.0] * (n - 1)
+        weight, metric = _weights(agg, max(trained, 1), max_new_tokens)
+        extra["weights"] += lead + [weight * m for m in mask] + tail
+        extra["metric_weights"] += lead + [metric * m for m in mask] + tail
+        first = mask.index(1) if trained else -1
+        units = [float(m) if agg == "token-mean" else float(t == first) for t, m in enumerate(mask)]
         extra["unit"] += lead + units + tail
     pad = -len(ids) % pad_multiple or (0 if ids else pad_multiple)  # never an empty row
     if pad:

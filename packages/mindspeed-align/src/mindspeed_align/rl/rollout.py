@@ -62,6 +62,9 @@ class RolloutBatch:
     stopped: list[bool]
     """The sample ended with a stop token (else it ran to max_new_tokens)."""
     seconds: float = 0.0
+    response_mask: list[list[int]] | None = None
+    """Per response token, 1 where the policy sampled it and 0 where an environment wrote
+    it (multi-turn episodes, `env.run_episodes`); None: every token is the policy's."""
 
 
 def sampling_seed(seed: int, step: int, dp_rank: int) -> int:
