@@ -1,7 +1,7 @@
 """`mindspeed grpo` against TRL's GRPOTrainer: the same model, prompts, group size and lengths.
 
     python benchmarks/grpo_throughput.py [--shape short|real] [--steps 8] [--prompts-per-step 4]
-                                         [--n 8] [--max-new-tokens N] [--threads 2]
+                                         [--n 8] [--max-new-tokens N] [--threads 2] [--async]
 
 Both sides train the randomly initialised Llama folder of `sft_throughput.py` (hidden 256,
 4 layers, fp32) with GRPO (group-normalised advantages, PPO clip 0.2, no KL so no reference
@@ -16,6 +16,11 @@ Each side runs in its own subprocess: samples/s is the completions of every step
 wall time of the steps (model loading left out on both sides). Prints one JSON line with
 both sides, their mean completion lengths and the ratio (ours / theirs). The goal (issue
 A2) is >= 1.5x TRL on CPU.
+
+`--async` instead runs ours twice, synchronous and with `grpo.async_rollout one_step` (the
+next step's rollout sampling in a thread while this step trains), and reports the overlap
+gain (async samples/s over sync; A4 item 5). The first step of the async run samples
+synchronously, as every run's first step must.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
         "--grpo.rewards=[grpo_throughput:word_count_reward]", "--grpo.kl_coef=0",
         f"--train.steps={args.steps}", f"--train.micro_batch={samples}",
         f"--train.global_batch={samples}", "--optim.lr=1e-5",
+        f"--grpo.async_rollout={'one_step' if args.side == 'ours_async' else 'off'}",
         f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
     info = init_distributed(device_type="cpu")
     tokenizer = load_tokenizer(folder)
@@ -95,6 +101,7 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
         trainer.state.step += 1
         lengths.append(result.metrics["response/length_mean"])
     seconds = time.perf_counter() - start
+    step.settle()
     destroy_distributed()
     return {"samples_per_s": round(samples * args.steps / seconds, 2), "steps": args.steps,
             "seconds": round(seconds, 2), "mean_completion_tokens": round(sum(lengths) / len(lengths), 2),
@@ -143,7 +150,9 @@ def main() -> None:
                              "~256 tokens, 256 new tokens")
     parser.add_argument("--max-new-tokens", type=int, help="default: the shape's")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--side", choices=["ours", "theirs"], help=argparse.SUPPRESS)
+    parser.add_argument("--async", dest="async_", action="store_true",
+                        help="ours synchronous vs ours one-step off-policy, no TRL")
+    parser.add_argument("--side", choices=["ours", "ours_async", "theirs"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.max_new_tokens = args.max_new_tokens or SHAPES[args.shape][1]
@@ -153,7 +162,7 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         sys.path.insert(0, str(Path(__file__).parent))  # the reward spec's module
-        side = _ours if args.side == "ours" else _theirs
+        side = _theirs if args.side == "theirs" else _ours
         print(json.dumps(side(args.root / "model", args.root / "prompts.jsonl", args)))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,7 +171,18 @@ def main() -> None:
         make_prompts(root, args.steps * args.prompts_per_step, args.shape)
         results = run_sides(__file__, root, args.threads, [
             f"--steps={args.steps}", f"--prompts-per-step={args.prompts_per_step}", f"--n={args.n}",
-            f"--max-new-tokens={args.max_new_tokens}", f"--shape={args.shape}"])  # fmt: skip
+            f"--max-new-tokens={args.max_new_tokens}", f"--shape={args.shape}"],
+            ("ours", "ours_async") if args.async_ else ("ours", "theirs"))  # fmt: skip
+    if args.async_:
+        sync, overlapped = results["ours"], results["ours_async"]
+        print(json.dumps({
+            "benchmark": "grpo_throughput_async", "shape": args.shape, "dtype": "fp32", "n": args.n,
+            "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens,
+            "threads": args.threads, "sync": sync, "one_step": overlapped,
+            "overlap_gain": round(overlapped["samples_per_s"] / sync["samples_per_s"], 2),
+            "memory_ratio": round(overlapped["peak_mem_mb"] / max(sync["peak_mem_mb"], 1e-9), 2),
+            "load_avg_1min": round(os.getloadavg()[0], 2)}))  # fmt: skip
+        return
     ours, theirs = results["ours"], results["theirs"]
     print(json.dumps({
         "benchmark": "grpo_throughput", "shape": args.shape, "dtype": "fp32", "n": args.n,

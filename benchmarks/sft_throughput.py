@@ -170,11 +170,12 @@ def _theirs(folder: Path, data: Path, args) -> dict:
             "last_loss": round(out.training_loss, 4)}  # fmt: skip
 
 
-def run_sides(script: str, root: Path, threads: int, args: list[str]) -> dict:
-    """Run `script --side ours` and `--side theirs` each in its own process (clean peak
-    memory) with `threads` threads; their last JSON lines, by side."""
+def run_sides(script: str, root: Path, threads: int, args: list[str],
+              sides: tuple[str, ...] = ("ours", "theirs")) -> dict:  # fmt: skip
+    """Run `script --side ours` and `--side theirs` (or `sides`) each in its own process
+    (clean peak memory) with `threads` threads; their last JSON lines, by side."""
     results = {}
-    for side in ("ours", "theirs"):
+    for side in sides:
         cmd = [sys.executable, script, "--side", side, "--root", str(root), f"--threads={threads}", *args]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)

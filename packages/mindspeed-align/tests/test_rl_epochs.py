@@ -2,7 +2,9 @@
 old log-probs are fixed before the first update, so the second epoch's ratio moves off 1,
 and its loss equals the clipped surrogate computed here by hand from the policy as the
 first update left it; mini-batches split the samples and the LR schedule moves once per
-rollout; one epoch of one mini-batch is today's single update."""
+rollout; one epoch of one mini-batch is today's single update. One-step off-policy
+(`grpo.async_rollout`): the next step's samples are drawn while this step trains, and the
+loss's ratio is against the sampler's log-probs."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class _Tokenizer:
         return " ".join(map(str, ids))
 
 
-def _step(epochs: int, mini_batches: int):
+def _step(epochs: int, mini_batches: int, **options):
     config = build_model_config("llama", flavor="debug", ops_impl="reference")
     dims = ParallelConfig().dims(1).build("cpu")
     torch.manual_seed(0)
@@ -63,7 +65,7 @@ def _step(epochs: int, mini_batches: int):
     optim = OptimConfig(lr=2e-2, warmup_steps=0, weight_decay=0.0)
     parts = build_train_parts(policy, optim, total_steps=10)
     rl = GRPOSection(n=2, epochs=epochs, mini_batches=mini_batches, clip_low=CLIP_LOW,
-                     clip_high=CLIP_HIGH, max_new_tokens=4, reward_workers=0)  # fmt: skip
+                     clip_high=CLIP_HIGH, max_new_tokens=4, reward_workers=0, **options)  # fmt: skip
     cfg = dataclasses.replace(GRPOConfig(), grpo=rl)
     objective = GRPOObjective(eps_low=CLIP_LOW, eps_high=CLIP_HIGH)
     step = GRPOStep(parts, objective, dims, cfg=cfg, tokenizer=_Tokenizer(),
@@ -182,3 +184,57 @@ def test_ppo_command_with_two_epochs_of_two_mini_batches(tmp_path):
         assert m["ratio/epoch_1"] == pytest.approx(1.0, abs=0.05)  # first update: mostly 1
         assert abs(m["ratio/epoch_2"] - 1.0) > 1e-4
         assert math.isfinite(m["critic/loss"]) and "clip_fraction/epoch_2" in m
+
+
+class _LoggedRollout(_FixedRollout):
+    """`_FixedRollout` that notes which step's seed each rollout drew with, and the weights
+    its module held then (a copy, as off-policy rollouts use)."""
+
+    def __init__(self, policy):
+        self.policy, self.calls = policy, []
+        self.module_weights = None
+
+    def sync_weights(self) -> float:
+        self.module_weights = {k: v.detach().clone() for k, v in self.policy.model.state_dict().items()}
+        return 0.0
+
+    def generate(self, prompts, sampling, seed):
+        self.calls.append((seed, self.module_weights))
+        return super().generate(prompts, sampling, seed)
+
+
+class _Prompts:
+    def __init__(self, records):
+        self.records = records
+
+    def peek(self):
+        return self.records
+
+
+def test_one_step_off_policy_trains_on_samples_of_the_policy_one_update_old():
+    """Step 1 samples first (nothing was prefetched), then starts step 2's rollout with the
+    weights step 1 starts from; step 2 trains on those samples, its ratio against the
+    sampler's log-probs (-1 here), so its loss is the clipped surrogate of the weights step
+    1 left over those log-probs, by hand (1e-6)."""
+    from mindspeed_align.rl.rollout import sampling_seed
+
+    step, policy, records, start, seen = _step(epochs=1, mini_batches=1, async_rollout="one_step")
+    step.rollout = _LoggedRollout(policy)
+    step.source = _Prompts(records)
+    first = step(records)
+    step.state.step += 1
+    after_first = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    second = step(records)
+    step.settle()
+    sampler = [torch.full((len(r),), -1.0) for r in RESPONSES]
+    loss1, ratio1 = _surrogate(_logps(policy, start), sampler)
+    loss2, ratio2 = _surrogate(_logps(policy, after_first), sampler)
+    assert first.loss == pytest.approx(loss1, abs=1e-6) and second.loss == pytest.approx(loss2, abs=1e-6)
+    assert second.metrics["ratio"] == pytest.approx(ratio2, rel=1e-5) and abs(ratio2 - ratio1) > 1e-3
+    assert (first.metrics["rollout/staleness"], second.metrics["rollout/staleness"]) == (0.0, 1.0)
+    # rollouts: step 1's (sampled first), step 2's (started during step 1, with the weights
+    # step 1 began from) and step 3's (during step 2, with the weights step 1 left)
+    seeds = [sampling_seed(GRPOConfig().train.seed, k, 0) for k in range(3)]
+    assert [seed for seed, _ in step.rollout.calls] == seeds
+    for (_, weights), expected in zip(step.rollout.calls[1:], (start, after_first), strict=True):
+        assert all(torch.equal(weights[k], expected[k]) for k in expected)

@@ -308,6 +308,7 @@ def _run_episodes(cfg: GRPOConfig, trainer, held_out, tokenizer) -> dict[str, fl
     step, g = trainer.step, cfg.rl
 
     def evaluate() -> tuple[float, float]:
+        step.settle()
         step.rollout.sync_weights()
         return evaluate_episodes(step.rollout, step.env, held_out, tokenizer, step.template, g)
 
@@ -329,6 +330,7 @@ def _evaluate(step, held_out, tokenizer, rewards, cfg: GRPOConfig) -> tuple[floa
     from mindspeed_align.rl.grpo import evaluate_reward
 
     g = cfg.rl
+    step.settle()
     step.rollout.sync_weights()
     greedy = evaluate_reward(step.rollout, held_out, tokenizer, rewards, g.max_new_tokens)
     sampled = evaluate_reward(step.rollout, held_out, tokenizer, rewards, g.max_new_tokens,

@@ -118,6 +118,12 @@ class GRPOSection:
     """Demo only (no data.prompts, no init_from, no model.hf_path): pretraining steps on
     the demo corpus first, so the model speaks the task's format (with env calculator:
     SFT steps on the calculator's demonstrations, 1500 when left at 150)."""
+    async_rollout: Literal["off", "one_step"] = "off"
+    """one_step: the rollout of step k+1 samples (in a background thread, through a copy of
+    the policy as step k starts) while step k trains; each step trains on samples of the
+    policy one update old, with the ratio against the sampler's log-probs (verl's and
+    AReaL's one-step off-policy). `rollout/staleness` logs the lag (0 on the first step and
+    after a resume, which sample synchronously). off: sample, then train."""
     env: str | None = None
     """Multi-turn episodes in an environment instead of one completion per prompt:
     "calculator" (the embedded tool-use demo: `mindspeed grpo --env calculator`) or
@@ -168,6 +174,8 @@ class GRPOSection:
                               f"[0, {name}.max_new_tokens={self.max_new_tokens})")  # fmt: skip
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"{name}.dual_clip={self.dual_clip} must be > 1")
+        if self.async_rollout not in ("off", "one_step"):
+            raise ConfigError(f"{name}.async_rollout={self.async_rollout!r} is not off or one_step")
         if self.env_max_turns < 1 or self.env_max_tokens < 1:
             raise ConfigError(f"{name}.env_max_turns={self.env_max_turns} and "
                               f"{name}.env_max_tokens={self.env_max_tokens} must be positive")  # fmt: skip
@@ -237,6 +245,9 @@ class PPOSection(GRPOSection):
         super().__post_init__()
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ConfigError(f"ppo.gamma={self.gamma} and ppo.lam={self.lam} must be in [0, 1]")
+        if self.async_rollout != "off":
+            raise ConfigError("ppo.async_rollout: one-step off-policy rollouts are for "
+                              "`mindspeed grpo` and `mindspeed dapo`")  # fmt: skip
         if self.env is not None:
             raise ConfigError("ppo.env: multi-turn episodes are for `mindspeed grpo` and "
                               "`mindspeed dapo` (the critic does not mask tool tokens yet)")  # fmt: skip

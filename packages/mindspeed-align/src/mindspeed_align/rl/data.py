@@ -150,6 +150,13 @@ class PromptSource:
 
     def next_step(self) -> list[dict[str, Any]]:
         """This rank's prompt records of the next step, each with its token ids."""
+        picked = self.peek()
+        self.position += self.prompts_per_step
+        return picked
+
+    def peek(self) -> list[dict[str, Any]]:
+        """What `next_step` will return, without moving on (a one-step off-policy rollout
+        samples them while the step before trains)."""
         per_rank = self.prompts_per_step // self.ranks
         picked = []
         for k in range(self.rank * per_rank, (self.rank + 1) * per_rank):
@@ -157,7 +164,6 @@ class PromptSource:
             epoch, offset = divmod(index, len(self.records))
             i = self._order(epoch)[offset]
             picked.append({**self.records[i], "prompt_ids": self.ids[i]})
-        self.position += self.prompts_per_step
         return picked
 
     def validation(self):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,12 +72,19 @@ class GRPOStep(TrainStep):
     """A `TrainStep` that takes this rank's prompt records, rolls out and trains."""
 
     def __init__(self, parts, objective, dims, *, cfg: GRPOConfig, tokenizer, rewards: Rewards,
-                 reference=None, accum: int = 1, env=None, template=None, **kwargs):  # fmt: skip
+                 reference=None, accum: int = 1, env=None, template=None, source=None,
+                 **kwargs):  # fmt: skip
         super().__init__(parts, objective, dims, **kwargs)
         self.cfg, self.rl, self.tokenizer, self.rewards = cfg, cfg.rl, tokenizer, rewards
         self.env, self.template = env, template  # multi-turn episodes (`env.run_episodes`)
         self.reference, self.accum = reference, accum
-        self.rollout = LocalRollout(parts.model)
+        # one-step off-policy: the next step's rollout runs in a thread on a copy of the policy
+        self.off_policy = getattr(cfg.rl, "async_rollout", "off") == "one_step"
+        self.source = source  # the prompts (`peek` gives the next step's)
+        self.rollout = LocalRollout(parts.model, copy=self.off_policy)
+        self._pending: tuple[list, Future, float] | None = None
+        """(the prompts, the rollout running on them, the seconds its weight sync took)"""
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if self.off_policy else None
         stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
         self.sampling = SamplingConfig(n=cfg.rl.n, max_new_tokens=cfg.rl.max_new_tokens,
                                        temperature=cfg.rl.temperature, stop_token_ids=stops,
@@ -86,7 +94,7 @@ class GRPOStep(TrainStep):
         self._recompute_responses_only = supervised_positions_layout(parts.model, dims)
 
     def __call__(self, records: list[dict[str, Any]]) -> StepResult:
-        rollout = self._sample(records)
+        rollout = self._next_rollout(records) if self.off_policy else self._sample(records)
         batch, rewards, lengths = rollout.batch, rollout.rewards, rollout.lengths
         advantages = compute_advantages(self.rl.advantage, rewards, batch.group, lengths,
                                         eps=self.rl.std_eps)  # fmt: skip
@@ -98,6 +106,35 @@ class GRPOStep(TrainStep):
             self, mb, schedule=last))  # fmt: skip
         result.metrics.update(self._rollout_metrics(rollout, len(keep), mismatch))
         return result
+
+    def _next_rollout(self, records: list[dict[str, Any]]) -> _Rollout:
+        """One-step off-policy: this step's rollout (sampled while the step before trained,
+        by the policy as it was then; sampled now when there is none, as on the first step
+        or after a resume), and the next step's started in the background with the policy
+        as it is now, before this step changes it."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == [r["prompt_ids"] for r in records]:
+            rollout, staleness = pending[1].result(), 1.0
+            rollout.sync_s = pending[2]
+        else:
+            if pending is not None:  # other prompts than expected: sample these now
+                pending[1].result()
+            rollout, staleness = self._sample(records), 0.0
+        rollout.reward_metrics["rollout/staleness"] = staleness
+        step = self.state.step + 1  # the next step's (this one is state.step)
+        if self.source is not None and step < self.cfg.train.steps:
+            upcoming = self.source.peek()
+            sync_s = self.rollout.sync_weights()
+            future = self._pool.submit(self._sample, upcoming, step=step, sync=False)
+            self._pending = ([r["prompt_ids"] for r in upcoming], future, sync_s)
+        return rollout
+
+    def settle(self) -> None:
+        """Wait for a rollout running in the background and drop it (before the rollout
+        module is used for anything else, e.g. an evaluation)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending[1].result()
 
     @property
     def num_updates(self) -> int:
@@ -168,10 +205,13 @@ class GRPOStep(TrainStep):
             for rows in self._rows(batch, keep)
         ]  # fmt: skip
 
-    def _sample(self, records: list[dict[str, Any]]) -> _Rollout:
-        """Sync, sample this rank's completions, score them (with the overlong penalty)."""
-        sync_s = self.rollout.sync_weights()
-        seed = sampling_seed(self.cfg.train.seed, self.state.step, self.dims.rank("dp"))
+    def _sample(self, records: list[dict[str, Any]], *, step: int | None = None,
+                sync: bool = True) -> _Rollout:  # fmt: skip
+        """Sync (unless `sync` is false: the caller did), sample this rank's completions of
+        `step` (default: the current one), score them (with the overlong penalty)."""
+        sync_s = self.rollout.sync_weights() if sync else 0.0
+        step = self.state.step if step is None else step
+        seed = sampling_seed(self.cfg.train.seed, step, self.dims.rank("dp"))
         prompts = [r["prompt_ids"] for r in records]
         if self.env is not None:
             episodes = run_episodes(self.rollout, self.env, records, prompts, self.sampling,
@@ -223,9 +263,12 @@ class GRPOStep(TrainStep):
         `Mismatch`, measured here by the recompute, else by the training forward (the
         objective fills it)."""
         mismatch = Mismatch()
-        recompute = self.rl.recompute_old_logps or self.num_updates > 1
+        # off-policy samples: the ratio is against the sampling policy's own log-probs
+        recompute = (self.rl.recompute_old_logps or self.num_updates > 1) and not self.off_policy
         sampler = {"sampler_logps": batch.sampler_logprobs}
         out = self._pack(batch, {**per_token, **sampler}, keep)
+        for b in out if self.off_policy else ():
+            b["old_logps"] = b["sampler_logps"].clone()
         # the reference's log-probs are asked for first: a Ray reference works meanwhile
         pending = None if self.reference is None else self.reference.submit(out, self.rl.temperature)
         for b in out if recompute else ():
@@ -446,7 +489,7 @@ class GRPOMethod(GRPOObjective):
         g = self.cfg.rl
         step = self.step_cls(run.parts, self, run.dims, cfg=self.cfg, tokenizer=self.tokenizer,
                              rewards=self.rewards, reference=self.reference, accum=run.accum,
-                             env=self.env, template=self.template,
+                             env=self.env, template=self.template, source=run.data,
                              **run.step_options, **self.step_extras())  # fmt: skip
         if g.rollout_kv_mb:  # refused before anything is written, for the longest prompt allowed
             try:

@@ -17,6 +17,7 @@ to report the mismatch (`sampler_logprobs`, raw softmax(logits / T) before any t
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,19 +91,25 @@ class LocalRollout:
 
     Args:
         policy: the training model (its module is used as is when unsharded).
+        copy: roll out through a whole copy even when the policy is unsharded (one-step
+            off-policy rollouts sample while the policy trains).
+
+    `generate` and `sync_weights` hold a lock: a rollout running in a background thread
+    finishes before the weights under it change.
     """
 
-    def __init__(self, policy: BuiltModel):
+    def __init__(self, policy: BuiltModel, *, copy: bool = False):
         if policy.model is None:
             raise ValueError("a pipelined policy cannot roll out; RL refuses parallel.pp > 1")
         self.policy = policy
         sharded = any(isinstance(p, DTensor) for p in policy.model.parameters())
         self.module: nn.Module = policy.model
-        if sharded:  # a whole copy, filled from the shards by sync_weights
+        if sharded or copy:  # a whole copy, filled from the policy by sync_weights
             with torch.device(policy.device):
                 self.module = get_model_spec(policy.config.family).build(policy.config)
             self.module.requires_grad_(False).eval()
-        self.copy = sharded
+        self.copy = sharded or copy
+        self.lock = threading.Lock()
 
     @torch.no_grad()
     def sync_weights(self) -> float:
@@ -110,13 +117,14 @@ class LocalRollout:
         when the rollout uses the policy module itself)."""
         if not self.copy:
             return 0.0
-        start = time.perf_counter()
-        target = self.module.state_dict()
-        for name, value in self.policy.model.state_dict().items():
-            key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-            if key in target:
-                target[key].copy_(dtensor.full(value) if isinstance(value, DTensor) else value)
-        return time.perf_counter() - start
+        with self.lock:
+            start = time.perf_counter()
+            target = self.module.state_dict()
+            for name, value in self.policy.model.state_dict().items():
+                key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+                if key in target:
+                    target[key].copy_(dtensor.full(value) if isinstance(value, DTensor) else value)
+            return time.perf_counter() - start
 
     def generate(
         self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *, seed: int
@@ -128,7 +136,8 @@ class LocalRollout:
         out = RolloutBatch([], [], [], [], [])
         size = self._prompts_per_chunk(prompts, cfg)
         for k, lo in enumerate(range(0, len(prompts), size)):
-            chunk = self._generate(prompts[lo : lo + size], cfg, seed + k)
+            with self.lock:
+                chunk = self._generate(prompts[lo : lo + size], cfg, seed + k)
             out.prompt_ids += chunk.prompt_ids
             out.response_ids += chunk.response_ids
             out.sampler_logprobs += chunk.sampler_logprobs
