@@ -1,5 +1,6 @@
-"""`grpo.placement: ray` (mindspeed-align[ray]): the reference and the rewards as Ray actors on a
-local cluster give the colocated run's losses, and a reward that cannot load is one line.
+"""`grpo.placement: ray` (mindspeed-align[ray]): the rollout, the reference and the rewards as Ray
+actors on a local cluster give the colocated run's losses, a reward that cannot load is one
+line, and a rollout actor killed mid-run ends the run with one line naming it.
 
 One local cluster serves the module (starting one costs 5-20 s on 2 cores; each actor
 a few seconds more, to import torch)."""
@@ -25,7 +26,8 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # logical CPUs: a run's three actors take one each (as `RayRoles` starts a local cluster)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 
@@ -65,7 +67,7 @@ def _same_runs(tmp_path, capsys, command, section):
     assert guarded(command, _args(tmp_path, f"{section}-ray", section,
                                   f"--{section}.placement=ray")) == 0  # fmt: skip
     err = capsys.readouterr().err
-    for role in ("reference runs", "rewards run"):
+    for role in ("rollout runs", "reference runs", "rewards run"):
         assert f"{section}: the {role} on Ray actor" in err, err
     local = read_metrics(tmp_path / f"{section}-local" / "metrics.jsonl")
     remote = read_metrics(tmp_path / f"{section}-ray" / "metrics.jsonl")
@@ -74,6 +76,9 @@ def _same_runs(tmp_path, capsys, command, section):
     for a, b in zip(local, remote, strict=True):
         for key in KEYS + (("critic/loss",) if section == "ppo" else ()):
             assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), (section, a["step"], key)
+    # the whole policy went to the rollout actor at every step (fp32: 4 bytes a weight)
+    assert all(m["rollout/weight_sync_bytes"] > 0 for m in remote)
+    assert all(m["rollout/weight_sync_bytes"] == 0 for m in local)  # it samples with the policy
 
 
 def test_ray_placement_gives_the_colocated_losses(tmp_path, capsys):
@@ -137,3 +142,38 @@ def test_a_killed_trainer_takes_its_local_cluster_with_it(tmp_path, how):
         assert gone_within(helpers, 5.0) is not None, alive(helpers)
     finally:
         trainer.kill()
+
+
+def test_a_killed_rollout_actor_ends_the_run_with_one_line(tmp_path, capsys, monkeypatch):
+    """The rollout actor killed after the first step: the next step's weight sync or rollout
+    fails with one line naming the role, exit 2, well within a minute (no hang)."""
+    import threading
+    import time
+
+    from mindspeed_align.rl import placement
+
+    made = []
+    real = placement.RayRoles.rollout
+
+    def noting(self, *args, **kwargs):
+        made.append(real(self, *args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(placement.RayRoles, "rollout", noting)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+
+    def kill_after_the_first_step():
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ray.kill(made[0].actor)
+
+    killer = threading.Thread(target=kill_after_the_first_step, daemon=True)
+    killer.start()
+    start = time.monotonic()
+    code = guarded(main, _args(tmp_path, "killed", "grpo", "--grpo.placement=ray", "--train.steps=200"))
+    seconds = time.monotonic() - start
+    killer.join(timeout=5)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and seconds < 60, (code, seconds)
+    assert len(errors) == 1 and errors[0].startswith("error: grpo.placement=ray: the rollout actor died"), errors

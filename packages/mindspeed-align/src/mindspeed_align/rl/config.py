@@ -103,9 +103,10 @@ class GRPOSection:
     reward_model_weight: float = 1.0
     """Its weight in the sum of rewards."""
     placement: Literal["colocated", "ray"] = "colocated"
-    """Where the reference and the rewards run: in the training processes, or as Ray actors
-    (`mindspeed-align[ray]`; a local cluster for one process, RAY_ADDRESS's for several).
-    The policy, its rollout and PPO's critic stay in the training processes."""
+    """Where the rollout, the reference and the rewards run: in the training processes, or
+    as Ray actors (`mindspeed-align[ray]`; a local cluster for one process, RAY_ADDRESS's
+    for several; the rollout actor gets the policy's weights every step). The policy and
+    PPO's critic train in the training processes."""
     reward_workers: int = 2
     """Worker processes for the rewards (0: in this process, no timeout)."""
     reward_timeout_s: float = 10.0

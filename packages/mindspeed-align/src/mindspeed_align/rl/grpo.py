@@ -73,7 +73,7 @@ class GRPOStep(TrainStep):
 
     def __init__(self, parts, objective, dims, *, cfg: GRPOConfig, tokenizer, rewards: Rewards,
                  reference=None, accum: int = 1, env=None, template=None, source=None,
-                 **kwargs):  # fmt: skip
+                 rollout=None, **kwargs):  # fmt: skip
         super().__init__(parts, objective, dims, **kwargs)
         self.cfg, self.rl, self.tokenizer, self.rewards = cfg, cfg.rl, tokenizer, rewards
         self.env, self.template = env, template  # multi-turn episodes (`env.run_episodes`)
@@ -81,7 +81,8 @@ class GRPOStep(TrainStep):
         # one-step off-policy: the next step's rollout runs in a thread on a copy of the policy
         self.off_policy = getattr(cfg.rl, "async_rollout", "off") == "one_step"
         self.source = source  # the prompts (`peek` gives the next step's)
-        self.rollout = LocalRollout(parts.model, copy=self.off_policy)
+        # the rollout: a role placed elsewhere (`placement.RayRoles.rollout`) or on this rank
+        self.rollout = rollout or LocalRollout(parts.model, copy=self.off_policy)
         self._pending: tuple[list, Future, float] | None = None
         """(the prompts, the rollout running on them, the seconds its weight sync took)"""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if self.off_policy else None
@@ -241,6 +242,7 @@ class GRPOStep(TrainStep):
             zero_var=sum(rollout.flat), groups=len(rollout.flat), kept=kept, length=sum(lengths),
             stopped=sum(batch.stopped), diff_sum=mismatch.sum, diff_count=mismatch.count,
             rollout_s=batch.seconds, failures=reward_metrics.pop("reward/failures"),
+            sync_bytes=getattr(self.rollout, "last_bytes", 0),
         )  # fmt: skip
         stats.add_max(diff_max=mismatch.max, sync_s=rollout.sync_s)
         return stats.metrics(reward_metrics, warn_flat=self.rl.advantage in GROUP_ADVANTAGES)
@@ -393,6 +395,7 @@ class _Stats:
             "rollout/logprob_diff_max": m["diff_max"],
             "rollout/tokens_per_s": s["length"] / max(s["rollout_s"] / ranks, 1e-9),
             "rollout/weight_sync_s": m["sync_s"],
+            "rollout/weight_sync_bytes": s["sync_bytes"],
         }
         if warn_flat and s["zero_var"] == s["groups"]:
             logger.warning(
@@ -481,6 +484,13 @@ class GRPOMethod(GRPOObjective):
                 reference, supervised_only=supervised_positions_layout(reference, run.dims)
             )
 
+    def _placed_rollout(self, run: RunContext):
+        """The rollout on its own Ray actor (`placement: ray`), else None (on this rank)."""
+        if self.roles is None:
+            return None
+        return self.roles.rollout(run.policy, seq_len=self.cfg.data.seq_len,
+                                  precision=self.cfg.train.precision)  # fmt: skip
+
     def step_extras(self) -> dict[str, Any]:
         """More keyword arguments of `step_cls` (PPO's critic)."""
         return {}
@@ -490,6 +500,7 @@ class GRPOMethod(GRPOObjective):
         step = self.step_cls(run.parts, self, run.dims, cfg=self.cfg, tokenizer=self.tokenizer,
                              rewards=self.rewards, reference=self.reference, accum=run.accum,
                              env=self.env, template=self.template, source=run.data,
+                             rollout=self._placed_rollout(run),
                              **run.step_options, **self.step_extras())  # fmt: skip
         if g.rollout_kv_mb:  # refused before anything is written, for the longest prompt allowed
             try:

@@ -1,39 +1,66 @@
 """Where the RL roles run: colocated in the training processes, or as Ray actors.
 
-The policy (and PPO's critic) always train in the training processes (one process or a
-torchrun job), where the rollout runs too, so weight sync stays a local copy. The roles
-that only score, the frozen reference and the rewards (rule functions and a reward model),
-can run elsewhere:
+The policy (and PPO's critic) train in the training processes (one process or a torchrun
+job). The other roles can run elsewhere:
 
-- `colocated` (default): the reference is a frozen copy under the run's layout, the
-  rewards run in worker processes of each rank (`rewards.Rewards`).
-- `ray` (`pip install 'mindspeed-align[ray]'`): each training rank gets its own reference
-  actor (a whole copy of the starting model, built with the run's seed and weights, so
-  its log-probs are the colocated ones) and reward actor, on a Ray cluster
-  (`RAY_ADDRESS`, or a local one started for a single-process run). Ray places them on
-  its own processes and machines; the rank sends packed batches and texts, and gets
-  log-probs and scores back. The reference's work is submitted before the policy's own
-  forwards, so the two overlap.
+- `colocated` (default): the rollout samples with the policy module itself (or a whole
+  copy refreshed from the shards), the reference is a frozen copy under the run's layout,
+  the rewards run in worker processes of each rank (`rewards.Rewards`).
+- `ray` (`pip install 'mindspeed-align[ray]'`): each training rank gets its own rollout
+  actor (a whole copy of the policy, its weights sent by the rank at every step:
+  `rollout/weight_sync_s` and `rollout/weight_sync_bytes`), reference actor (a whole copy
+  of the starting model, built with the run's seed and weights, so its log-probs are the
+  colocated ones) and reward actor, on a Ray cluster (`RAY_ADDRESS`, or a local one
+  started for a single-process run). Ray places them on its own processes and machines;
+  the rank sends weights, prompts, packed batches and texts, and gets samples, log-probs
+  and scores back. The reference's work is submitted before the policy's own forwards,
+  so the two overlap. An actor that dies ends the run with one line naming its role
+  (`RoleDied`), not a hang.
 
-Both kinds of role answer the same calls (`submit(batches, T)()` and
-`rewards(prompts, completions, columns)`), so the step does not know where they run.
+Both kinds of role answer the same calls (`sync_weights()`, `generate(prompts, cfg,
+seed=)`, `submit(batches, T)()` and `rewards(prompts, completions, columns)`), so the step
+does not know where they run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from mindspeed_align.rl.objective import recompute_logps
-from mindspeed_core.errors import ConfigError
+from mindspeed_core.errors import ConfigError, MindSpeedError
 from mindspeed_core.lifeline import Reaper
+from mindspeed_core.parallel import dtensor
 from mindspeed_llm.data.collate import Batch
 
-__all__ = ["LocalReference", "RayRoles"]
+__all__ = ["LocalReference", "RayRoles", "RoleDied"]
+
+
+class RoleDied(MindSpeedError):
+    """A role's Ray actor died (killed, out of memory, its node lost): the run cannot go on."""
+
+
+READY_S = 300.0
+"""Seconds an actor may take to start (import torch, build its model) before the run stops."""
+
+
+def _get(ref, role: str, section: str, timeout: float | None = None):
+    """`ray.get(ref)`, an actor's death raised as `RoleDied` naming `role`."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayActorError as err:
+        why = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
+        raise RoleDied(f"{section}.placement=ray: the {role} actor died ({why})") from None
 
 logger = logging.getLogger("mindspeed.rl")
 
@@ -90,30 +117,91 @@ class _RewardWorker:
         self.rewards.close()
 
 
+class _RolloutWorker:
+    """A Ray actor: a whole copy of the policy that samples; the trainer sends its weights."""
+
+    def __init__(self, config, *, seq_len: int, precision: str):
+        import torch
+
+        from mindspeed_align.rl.rollout import LocalRollout
+        from mindspeed_core.parallel import ParallelConfig
+        from mindspeed_llm.train.build import build_model
+
+        parallel = ParallelConfig()
+        dims = parallel.dims(1).build("cpu")
+        self.model = build_model(config, dims, torch.device("cpu"), parallel=parallel,
+                                 seq_len=seq_len, precision=precision, frozen=True)  # fmt: skip
+        self.rollout = LocalRollout(self.model)
+
+    def load(self, state: dict[str, Tensor]) -> None:
+        target = self.model.model.state_dict()
+        missing = sorted(set(target) - set(state))
+        if missing:
+            raise ValueError(f"the policy's weights lack {missing[:3]}")
+        for key, value in target.items():
+            value.copy_(state[key])
+
+    def generate(self, prompts, cfg, seed: int):
+        return self.rollout.generate(prompts, cfg, seed=seed)
+
+    def prompts_within_budget(self, prompt_len: int, cfg) -> int:
+        return self.rollout.prompts_within_budget(prompt_len, cfg)
+
+
+class _RayRollout:
+    """The rollout of one training rank on its Ray actor (`LocalRollout`'s calls)."""
+
+    copy = True
+
+    def __init__(self, actor, policy, section: str):
+        self.actor, self.policy, self.section = actor, policy, section
+        self.lock = threading.Lock()
+        self.last_bytes = 0
+
+    def sync_weights(self) -> float:
+        """Sends the policy's whole weights (gathered from the shards) to the actor; seconds
+        taken (`last_bytes`: how many bytes)."""
+        start = time.perf_counter()
+        state = {}
+        for name, value in self.policy.model.state_dict().items():
+            key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+            state[key] = (dtensor.full(value) if isinstance(value, DTensor) else value).detach().cpu()
+        self.last_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        with self.lock:
+            _get(self.actor.load.remote(state), "rollout", self.section)
+        return time.perf_counter() - start
+
+    def generate(self, prompts, cfg, *, seed: int):
+        with self.lock:
+            return _get(self.actor.generate.remote([list(p) for p in prompts], cfg, seed),
+                        "rollout", self.section)  # fmt: skip
+
+    def prompts_within_budget(self, prompt_len: int, cfg) -> int:
+        return _get(self.actor.prompts_within_budget.remote(prompt_len, cfg), "rollout", self.section)
+
+
 class _RayReference:
-    def __init__(self, actor):
-        self.actor = actor
+    def __init__(self, actor, section: str):
+        self.actor, self.section = actor, section
 
     def submit(self, batches: list[Batch], temperature: float) -> Callable[[], list[Tensor]]:
-        import ray
-
         ref = self.actor.logps.remote(batches, temperature)
-        return lambda: ray.get(ref)
+        return lambda: _get(ref, "reference", self.section)
 
 
 class _RayRewards:
-    def __init__(self, actor):
-        self.actor = actor
+    def __init__(self, actor, section: str):
+        self.actor, self.section = actor, section
 
     def __call__(self, prompts, completions, columns):
-        import ray
-
-        return ray.get(self.actor.score.remote(list(prompts), list(completions), columns))
+        return _get(self.actor.score.remote(list(prompts), list(completions), columns), "reward",
+                    self.section)  # fmt: skip
 
     def close(self) -> None:
         import ray
 
-        ray.get(self.actor.close.remote())
+        with contextlib.suppress(ray.exceptions.RayActorError):  # dead: the run said so
+            ray.get(self.actor.close.remote())
 
 
 class RayRoles:
@@ -144,7 +232,9 @@ class RayRoles:
                     f"{section}.placement=ray with {world_size} training processes needs a "
                     "running Ray cluster: start one (`ray start --head`) and set RAY_ADDRESS"
                 )
-            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+            # a local cluster: logical CPUs for every role of this process, even on 2 cores
+            cpus = None if address else max(os.cpu_count() or 1, 4)
+            ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)  # fmt: skip
             self.started = address is None
             if self.started:  # a killed trainer takes the local cluster's agents with it
@@ -158,19 +248,46 @@ class RayRoles:
             init_from=init_from,
         )  # fmt: skip
         self.actors.append(actor)
+        self._ready(actor, "reference")
         logger.info("%s: the reference runs on Ray actor %s", self.section, actor._actor_id.hex())
-        return _RayReference(actor)
+        return _RayReference(actor, self.section)
+
+    def rollout(self, policy, *, seq_len: int, precision: str) -> _RayRollout:
+        """The rollout of `policy` (this rank's `BuiltModel`) on its own actor."""
+        actor = self.ray.remote(num_cpus=1)(_RolloutWorker).remote(
+            policy.config, seq_len=seq_len, precision=precision
+        )
+        self.actors.append(actor)
+        self._ready(actor, "rollout")
+        logger.info("%s: the rollout runs on Ray actor %s", self.section, actor._actor_id.hex())
+        return _RayRollout(actor, policy, self.section)
 
     def rewards(self, rl, tokenizer_path: Path) -> _RayRewards:
         actor = self.ray.remote(num_cpus=1)(_RewardWorker).remote(rl, tokenizer_path)
         self.actors.append(actor)
         try:
-            self.ray.get(actor.__ray_ready__.remote())
+            self._ready(actor, "reward", constructor_errors=True)
         except self.ray.exceptions.RayActorError as err:  # its constructor refused the config
             cause = err.cause if isinstance(getattr(err, "cause", None), Exception) else err
             raise ConfigError(str(cause).strip().splitlines()[-1]) from None
         logger.info("%s: the rewards run on Ray actor %s", self.section, actor._actor_id.hex())
-        return _RayRewards(actor)
+        return _RayRewards(actor, self.section)
+
+    def _ready(self, actor, role: str, *, constructor_errors: bool = False) -> None:
+        """Wait until `actor` is up; one that cannot be placed (no free CPU on the cluster)
+        would wait forever, so past `READY_S` it is `RoleDied`. `constructor_errors`: a
+        constructor's exception reaches the caller as Ray raised it."""
+        ref = actor.__ray_ready__.remote()
+        try:
+            if constructor_errors:
+                self.ray.get(ref, timeout=READY_S)
+            else:
+                _get(ref, role, self.section, timeout=READY_S)
+        except self.ray.exceptions.GetTimeoutError:
+            raise RoleDied(
+                f"{self.section}.placement=ray: the {role} actor did not start within "
+                f"{READY_S:.0f} s (each role takes one CPU of the cluster: see `ray status`)"
+            ) from None
 
     def close(self) -> None:
         for actor in self.actors:

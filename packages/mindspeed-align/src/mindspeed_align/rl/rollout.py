@@ -110,6 +110,8 @@ class LocalRollout:
             self.module.requires_grad_(False).eval()
         self.copy = sharded or copy
         self.lock = threading.Lock()
+        self.last_bytes = 0
+        """Bytes the last `sync_weights` copied."""
 
     @torch.no_grad()
     def sync_weights(self) -> float:
@@ -120,10 +122,12 @@ class LocalRollout:
         with self.lock:
             start = time.perf_counter()
             target = self.module.state_dict()
+            self.last_bytes = 0
             for name, value in self.policy.model.state_dict().items():
                 key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
                 if key in target:
                     target[key].copy_(dtensor.full(value) if isinstance(value, DTensor) else value)
+                    self.last_bytes += target[key].numel() * target[key].element_size()
             return time.perf_counter() - start
 
     def generate(
