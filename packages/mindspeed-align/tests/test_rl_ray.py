@@ -26,8 +26,8 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
-    # logical CPUs: a run's three actors take one each (as `RayRoles` starts a local cluster)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # logical CPUs: each actor takes one (two trainer actors and their roles: 8)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield
     ray.shutdown()
 
@@ -60,15 +60,18 @@ def _args(folder, run, section, *extra):
 KEYS = ("loss", "grad_norm", "kl", "reward/mean", "reward/model", "entropy")
 
 
-def _same_runs(tmp_path, capsys, command, section):
+def _same_runs(tmp_path, capsys, command, section, *extra):
     """A colocated and a Ray run of `command`: the same metrics, step by step."""
     assert guarded(command, _args(tmp_path, f"{section}-local", section)) == 0
     assert "Ray actor" not in capsys.readouterr().err
     assert guarded(command, _args(tmp_path, f"{section}-ray", section,
-                                  f"--{section}.placement=ray")) == 0  # fmt: skip
+                                  f"--{section}.placement=ray", *extra)) == 0  # fmt: skip
     err = capsys.readouterr().err
-    for role in ("rollout runs", "reference runs", "rewards run"):
-        assert f"{section}: the {role} on Ray actor" in err, err
+    # the roles' lines come from this process, or (trainer actors) from rank 0's actor
+    roles = ("policy trains on 1 Ray actors",) if extra else (
+        "rollout runs", "reference runs", "rewards run")  # fmt: skip
+    for role in roles:
+        assert f"{section}: the {role}" in err, err
     local = read_metrics(tmp_path / f"{section}-local" / "metrics.jsonl")
     remote = read_metrics(tmp_path / f"{section}-ray" / "metrics.jsonl")
     assert len(local) == len(remote) == 2
@@ -85,6 +88,30 @@ def test_ray_placement_gives_the_colocated_losses(tmp_path, capsys):
     """GRPO with a KL reference and two weighted rewards: the same samples, rewards,
     reference log-probs, losses and gradients either way."""
     _same_runs(tmp_path, capsys, main, "grpo")
+
+
+@pytest.mark.slow
+def test_the_policy_on_a_ray_actor_gives_the_colocated_losses(tmp_path, capsys):
+    """`grpo.trainer_actors 1`: the trainer is a Ray actor with its own process group, which
+    places its rollout, reference and reward actors; the launching process only waits. The
+    same metrics step by step as the colocated run."""
+    _same_runs(tmp_path, capsys, main, "grpo", "--grpo.trainer_actors=1")
+
+
+@pytest.mark.slow
+def test_two_trainer_actors_train_as_one_process_group(tmp_path):
+    """`grpo.trainer_actors 2` with `parallel.dp_shard 2`: FSDP over two Ray actors; each
+    rank sends the whole policy to its own rollout actor every step, so the step's summed
+    sync bytes are twice one copy's (the one-actor run's)."""
+    for run, extra in (("one", ["--grpo.trainer_actors=1"]),
+                       ("two", ["--grpo.trainer_actors=2", "--parallel.dp_shard=2"])):  # fmt: skip
+        assert guarded(main, _args(tmp_path, run, "grpo", "--grpo.placement=ray", *extra)) == 0
+    one = read_metrics(tmp_path / "one" / "metrics.jsonl")
+    two = read_metrics(tmp_path / "two" / "metrics.jsonl")
+    assert [m["step"] for m in two] == [1, 2]
+    assert all(b["rollout/weight_sync_bytes"] == 2 * a["rollout/weight_sync_bytes"] > 0
+               for a, b in zip(one, two, strict=True))  # fmt: skip
+    assert abs(two[0]["kl"]) < 1e-7 < two[1]["kl"]  # the policy moved off its start
 
 
 @pytest.mark.slow

@@ -255,6 +255,10 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
     rewards = roles = None
     _calculator_defaults(cfg)
     cfg.check_env_lengths()
+    if cfg.rl.trainer_actors:  # the policy trains on Ray actors; this process waits for them
+        from mindspeed_align.rl.placement import run_on_trainer_actors
+
+        return run_on_trainer_actors(cfg, command)
     with process_group(cfg.train.device) as info:
         try:
             init_from = _warmup(cfg) if _is_demo(cfg) else cfg.rl.init_from

@@ -107,6 +107,11 @@ class GRPOSection:
     as Ray actors (`mindspeed-align[ray]`; a local cluster for one process, RAY_ADDRESS's
     for several; the rollout actor gets the policy's weights every step). The policy and
     PPO's critic train in the training processes."""
+    trainer_actors: int = 0
+    """With placement ray: this many Ray actors train the policy, as one torch.distributed
+    group of their own (the launching process only starts them and waits; each actor
+    places its own rollout, reference and reward actors). 0: the launching process (or
+    torchrun job) trains."""
     reward_workers: int = 2
     """Worker processes for the rewards (0: in this process, no timeout)."""
     reward_timeout_s: float = 10.0
@@ -177,6 +182,9 @@ class GRPOSection:
             raise ConfigError(f"{name}.dual_clip={self.dual_clip} must be > 1")
         if self.async_rollout not in ("off", "one_step"):
             raise ConfigError(f"{name}.async_rollout={self.async_rollout!r} is not off or one_step")
+        if self.trainer_actors < 0 or (self.trainer_actors and self.placement != "ray"):
+            raise ConfigError(f"{name}.trainer_actors={self.trainer_actors}: a count >= 0, "
+                              f"above 0 only with {name}.placement=ray")  # fmt: skip
         if self.env_max_turns < 1 or self.env_max_tokens < 1:
             raise ConfigError(f"{name}.env_max_turns={self.env_max_turns} and "
                               f"{name}.env_max_tokens={self.env_max_tokens} must be positive")  # fmt: skip

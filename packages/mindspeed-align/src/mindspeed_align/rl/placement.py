@@ -41,7 +41,7 @@ from mindspeed_core.lifeline import Reaper
 from mindspeed_core.parallel import dtensor
 from mindspeed_llm.data.collate import Batch
 
-__all__ = ["LocalReference", "RayRoles", "RoleDied"]
+__all__ = ["LocalReference", "RayRoles", "RoleDied", "run_on_trainer_actors"]
 
 
 class RoleDied(MindSpeedError):
@@ -212,7 +212,7 @@ class RayRoles:
         world_size: training processes; several need a running cluster (`RAY_ADDRESS`).
     """
 
-    def __init__(self, section: str, world_size: int):
+    def __init__(self, section: str, world_size: int, *, cpus: int = 4):
         # The actors run this interpreter's environment as it is: no `uv run` runtime
         # environment packaged from the working directory (Ray's default under uv; read
         # when ray is first imported).
@@ -232,8 +232,8 @@ class RayRoles:
                     f"{section}.placement=ray with {world_size} training processes needs a "
                     "running Ray cluster: start one (`ray start --head`) and set RAY_ADDRESS"
                 )
-            # a local cluster: logical CPUs for every role of this process, even on 2 cores
-            cpus = None if address else max(os.cpu_count() or 1, 4)
+            # a local cluster: logical CPUs for every actor of this run (`cpus`), even on 2 cores
+            cpus = None if address else max(os.cpu_count() or 1, cpus)
             ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)  # fmt: skip
             self.started = address is None
@@ -298,3 +298,63 @@ class RayRoles:
         if self.reaper is not None:
             self.reaper.close()
             self.reaper = None
+
+
+class _TrainerWorker:
+    """A Ray actor: one rank of the policy's trainer. It joins its own torch.distributed
+    group with the other trainer actors (gloo/NCCL/HCCL as the run's device says) and runs
+    the command there, creating its rank's rollout, reference and reward actors itself."""
+
+    def endpoint(self) -> tuple[str, int]:
+        """This actor's node address and a free port on it (rank 0 hosts the rendezvous)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def run(self, cfg, command: str, rank: int, world: int, master: tuple[str, int]) -> dict:
+        from mindspeed_align.rl import cli
+        from mindspeed_core.distributed import setup_logging
+
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
+                          LOCAL_WORLD_SIZE="1", MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))  # fmt: skip
+        setup_logging()
+        cfg.rl.trainer_actors = 0  # this process is the trainer
+        return (cli.ppo if command == "ppo" else cli.grpo)(cfg)
+
+
+def run_on_trainer_actors(cfg, command: str) -> dict:
+    """`grpo.trainer_actors` Ray actors train the policy as one process group (each with
+    its own rollout, reference and reward actors); rank 0's summary. A rank that fails ends
+    the run with its error (a `MindSpeedError` as itself, one line), the others killed."""
+    section, count = cfg.rl.section, cfg.rl.trainer_actors
+    roles = RayRoles(section, 1, cpus=4 * count)
+    ray = roles.ray
+    try:
+        actors = [ray.remote(num_cpus=1)(_TrainerWorker).remote() for _ in range(count)]
+        roles.actors += actors
+        master = _get(actors[0].endpoint.remote(), "trainer", section, timeout=READY_S)
+        refs = [actor.run.remote(cfg, command, rank, count, master) for rank, actor in enumerate(actors)]
+        logger.info("%s: the policy trains on %d Ray actors (%s)", section, count,
+                    ", ".join(a._actor_id.hex()[:12] for a in actors))  # fmt: skip
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            rank = refs.index(done[0])
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayTaskError as err:
+                cause = getattr(err, "cause", None)
+                if isinstance(cause, MindSpeedError):
+                    raise type(cause)(str(cause)) from None
+                line = str(cause or err).strip().splitlines()[-1][:200]
+                raise RoleDied(f"{section}.placement=ray: trainer rank {rank} failed: {line}") from None
+            except ray.exceptions.RayActorError:
+                raise RoleDied(f"{section}.placement=ray: the trainer rank {rank} actor died") from None
+        return ray.get(refs[0])
+    finally:
+        roles.close()
