@@ -247,3 +247,45 @@ def test_calculator_demo_learns_to_call_the_tool(tmp_path, async_rollout):
     assert summary["reward_after"] > 0.8 and summary["tool_calls_after"] > 0.9, summary
     staleness = {m.get("rollout/staleness") for m in read_metrics(tmp_path / "grpo" / "metrics.jsonl")}
     assert staleness == ({1.0} if async_rollout == "one_step" else {None})
+
+
+def test_an_environments_tools_reach_the_template_as_transformers_passes_them():
+    """Qwen2.5's published template with the calculator's `tools`: the prompt, and the
+    conversation after a tool call and its result, render as transformers renders them with
+    `tools=` (character for character), and the observation is what lies between."""
+    from pathlib import Path
+
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from mindspeed_align.rl.data import render_prompts
+
+    source = (Path(__file__).parents[2] / "mindspeed-llm" / "tests" / "fixtures" / "chat_templates"
+              / "qwen.jinja").read_text()  # fmt: skip
+    template = ChatTemplate(source, {"eos_token": "<|im_end|>"})
+    tools = CalculatorEnv.tools
+
+    def hf(chat):
+        rendered, _ = render_jinja_template(conversations=[chat], chat_template=source, tools=tools,
+                                            add_generation_prompt=True, eos_token="<|im_end|>")  # fmt: skip
+        return rendered[0]
+
+    env = CalculatorEnv()
+    records = [{"question": "what is 12 times 34?", "answer": 408}]
+    records[0]["messages"] = env.reset(records[0])
+    render_prompts(records, template, source="x", tools=tools)
+    assert records[0]["prompt"] == hf(records[0]["messages"])
+    assert '"name": "calculator"' in records[0]["prompt"]  # the schema reached the system turn
+
+    class Chars:
+        special_tokens = {"<|im_end|>": 1000}
+
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    reply, result = call("12 * 34"), [{"role": "tool", "content": "408"}]
+    ids = observation_ids(template, Chars(), records[0]["messages"], reply, result,
+                          stop_text="<|im_end|>", tools=tools)  # fmt: skip
+    whole = hf([*records[0]["messages"], {"role": "assistant", "content": reply}, *result])
+    head = records[0]["prompt"] + reply + "<|im_end|>"
+    assert whole.startswith(head)
+    assert "".join("<|im_end|>" if i == 1000 else chr(i) for i in ids) == whole[len(head):]

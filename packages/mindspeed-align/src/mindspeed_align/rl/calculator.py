@@ -77,6 +77,13 @@ class CalculatorEnv:
     {"question": str, "answer": int}."""
 
     tool_name = "calculator"
+    tools = [{"type": "function", "function": {
+        "name": "calculator",
+        "description": "The value of an integer expression with + - * and parentheses.",
+        "parameters": {"type": "object", "required": ["expression"], "properties": {
+            "expression": {"type": "string", "description": "e.g. 37 * 48"}}},
+    }}]  # fmt: skip
+    """The tool's schema, as chat templates take it (the demo's own template ignores it)."""
 
     def __init__(self):
         self.answer: int | None = None

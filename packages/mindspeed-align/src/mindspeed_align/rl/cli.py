@@ -151,7 +151,8 @@ def _held_out(cfg: GRPOConfig, records: list):
 
 
 def _env_prompts(cfg: GRPOConfig, make_env, template, records, source: str) -> None:
-    """Each record's "prompt": its environment's reset conversation, rendered."""
+    """Each record's "prompt": its environment's reset conversation, rendered (with the
+    environment's `tools`, when it names them)."""
     from mindspeed_align.rl.data import render_prompts
 
     for i, record in enumerate(records):
@@ -160,7 +161,7 @@ def _env_prompts(cfg: GRPOConfig, make_env, template, records, source: str) -> N
         except Exception as err:  # the user's environment refusing its record
             raise DataError(f"{source}: record {i}: {cfg.rl.section}.env reset failed: {err!r}") from None
         record["messages"] = messages
-    render_prompts(records, template, source=source)
+    render_prompts(records, template, source=source, tools=getattr(make_env, "tools", None))
 
 
 def _task(cfg: GRPOConfig, init_from: Path | None):

@@ -85,11 +85,13 @@ def _check_messages(messages: Any, where: str) -> None:
         raise DataError(f"{where}: the messages have no user turn")
 
 
-def render_prompts(records: list[dict[str, Any]], template, *, source: str) -> None:
+def render_prompts(records: list[dict[str, Any]], template, *, source: str,
+                   tools: list | None = None) -> None:  # fmt: skip
     """Each record's prompt text, in place: its "messages" (or, for a {"prompt": ...}
     record, the prompt as one user turn) rendered by `template` (a `ChatTemplate`) with
     the generation prompt, as transformers' `apply_chat_template(add_generation_prompt=
-    True, tokenize=False)` renders them. The rendered text goes in "prompt".
+    True, tokenize=False)` renders them (`tools`: the tool schemas, passed as its `tools`).
+    The rendered text goes in "prompt".
 
     Raises:
         DataError: the template refuses a record (named by its index in `source`).
@@ -98,7 +100,7 @@ def render_prompts(records: list[dict[str, Any]], template, *, source: str) -> N
         turns = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
         _check_messages(turns, f"{source}: record {i}")
         try:
-            record["prompt"] = template.render(turns, add_generation_prompt=True)
+            record["prompt"] = template.render(turns, add_generation_prompt=True, tools=tools)
         except DataError as err:
             raise DataError(f"{source}: record {i}: {err}") from None
 

@@ -10,6 +10,11 @@ same shape):
         messages: the conversation so far (the reply not yet in it); reply: the reply's
         text; observation: the messages to append (tool turns) when the episode goes on.
 
+and may name its tools in a class attribute `tools` (JSON schemas, as transformers'
+`apply_chat_template(tools=...)` takes them): every rendering passes them to the chat
+template, which describes them to the model (Qwen's and Hermes' templates do, in the
+system turn).
+
 `run_episodes` samples `n` episodes of each record. Turn one samples every episode of a
 prompt from one prefill (as single-turn GRPO does); each later turn continues every live
 episode from its own token history. The tokens between two replies (the end of the
@@ -126,7 +131,8 @@ def load_environment(spec: str, *, section: str = "grpo") -> Callable[[], Enviro
 
 
 def observation_ids(template, tokenizer, history: list[Message], reply: str,
-                    observation: list[Message], *, stop_text: str | None) -> list[int]:  # fmt: skip
+                    observation: list[Message], *, stop_text: str | None,
+                    tools: list | None = None) -> list[int]:  # fmt: skip
     """The tokens after a sampled reply that bring the conversation to the next reply: the
     template's rendering of [*history, reply, *observation] with the generation prompt,
     past the rendering of `history` with the generation prompt plus the reply's text. When
@@ -137,9 +143,9 @@ def observation_ids(template, tokenizer, history: list[Message], reply: str,
         DataError: the template does not render the reply as generated (it rewrites past
             turns), so no token history can continue it.
     """
-    head = template.render(history, add_generation_prompt=True) + reply
+    head = template.render(history, add_generation_prompt=True, tools=tools) + reply
     full = template.render([*history, {"role": "assistant", "content": reply}, *observation],
-                           add_generation_prompt=True)  # fmt: skip
+                           add_generation_prompt=True, tools=tools)  # fmt: skip
     if not full.startswith(head):
         raise DataError(f"chat template {template.origin} renders a past reply otherwise than "
                         "it was generated; multi-turn rollouts need one that does not")  # fmt: skip
@@ -232,7 +238,8 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
                 _end(e, counts, "over_budget")
                 continue
             ids = observation_ids(template, tokenizer, e.messages, text, list(observation),
-                                  stop_text=stop_text.get(reply[-1]) if e.stopped else None)  # fmt: skip
+                                  stop_text=stop_text.get(reply[-1]) if e.stopped else None,
+                                  tools=getattr(e.env, "tools", None))  # fmt: skip
             e.messages += [{"role": "assistant", "content": text}, *observation]
             if len(e.tokens) + len(ids) >= max_tokens:  # no room for one more reply token
                 _end(e, counts, "over_budget")
