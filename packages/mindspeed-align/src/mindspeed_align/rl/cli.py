@@ -259,7 +259,12 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
     if cfg.rl.trainer_actors:  # the policy trains on Ray actors; this process waits for them
         from mindspeed_align.rl.placement import run_on_trainer_actors
 
-        return run_on_trainer_actors(cfg, command)
+        summary = run_on_trainer_actors(cfg, command)
+        logger.info("trained on %d Ray actors to step %d: held-out reward %s at the start -> %s; "
+                    "run directory %s", cfg.rl.trainer_actors, summary["steps"],
+                    _rounded(summary["reward_before"]), _rounded(summary["reward_after"]),
+                    cfg.logging.run_dir)  # fmt: skip
+        return summary
     with process_group(cfg.train.device) as info:
         try:
             init_from = _warmup(cfg) if _is_demo(cfg) else cfg.rl.init_from
@@ -303,6 +308,11 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
                 rewards.close()
             if roles is not None:
                 roles.close()
+
+
+def _rounded(value) -> str:
+    """A reward (or a (greedy, sampled) pair of them) for the log."""
+    return ", ".join(f"{v:.3f}" for v in value) if isinstance(value, (tuple, list)) else f"{value:.3f}"
 
 
 def _run_episodes(cfg: GRPOConfig, trainer, held_out, tokenizer) -> dict[str, float]:

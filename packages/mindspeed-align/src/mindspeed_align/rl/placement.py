@@ -212,7 +212,7 @@ class RayRoles:
         world_size: training processes; several need a running cluster (`RAY_ADDRESS`).
     """
 
-    def __init__(self, section: str, world_size: int, *, cpus: int = 4):
+    def __init__(self, section: str, world_size: int, *, cpus: int = 4, show_logs: bool = False):
         # The actors run this interpreter's environment as it is: no `uv run` runtime
         # environment packaged from the working directory (Ray's default under uv; read
         # when ray is first imported).
@@ -234,8 +234,8 @@ class RayRoles:
                 )
             # a local cluster: logical CPUs for every actor of this run (`cpus`), even on 2 cores
             cpus = None if address else max(os.cpu_count() or 1, cpus)
-            ray.init(address=address, num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)  # fmt: skip
+            ray.init(address=address, num_cpus=cpus, include_dashboard=False,
+                     log_to_driver=show_logs, configure_logging=False)  # fmt: skip
             self.started = address is None
             if self.started:  # a killed trainer takes the local cluster's agents with it
                 self.reaper = Reaper()
@@ -332,7 +332,7 @@ def run_on_trainer_actors(cfg, command: str) -> dict:
     its own rollout, reference and reward actors); rank 0's summary. A rank that fails ends
     the run with its error (a `MindSpeedError` as itself, one line), the others killed."""
     section, count = cfg.rl.section, cfg.rl.trainer_actors
-    roles = RayRoles(section, 1, cpus=4 * count)
+    roles = RayRoles(section, 1, cpus=4 * count, show_logs=True)  # the trainers' logs shown here
     ray = roles.ray
     try:
         actors = [ray.remote(num_cpus=1)(_TrainerWorker).remote() for _ in range(count)]
