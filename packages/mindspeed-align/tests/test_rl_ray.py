@@ -194,13 +194,43 @@ def test_a_killed_rollout_actor_ends_the_run_with_one_line(tmp_path, capsys, mon
         while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.05)
         ray.kill(made[0].actor)
+        killed.append(time.monotonic())
 
+    killed = []
     killer = threading.Thread(target=kill_after_the_first_step, daemon=True)
     killer.start()
-    start = time.monotonic()
     code = guarded(main, _args(tmp_path, "killed", "grpo", "--grpo.placement=ray", "--train.steps=200"))
-    seconds = time.monotonic() - start
+    seconds = time.monotonic() - killed[0]  # from the kill to the run's end
     killer.join(timeout=5)
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert code == 2 and seconds < 60, (code, seconds)
     assert len(errors) == 1 and errors[0].startswith("error: grpo.placement=ray: the rollout actor died"), errors
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_actor_ends_the_run_with_one_line(tmp_path, capsys):
+    """The policy's trainer actor killed mid-run: the launching process says which rank's
+    actor died, in one line, exit 2, within a minute (its roles go with it)."""
+    import threading
+    import time
+
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+
+    def kill_after_the_first_step():
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        name = next(n for n in ray.util.list_named_actors() if n.startswith("mindspeed-grpo-trainer-0-"))
+        ray.kill(ray.get_actor(name))
+        killed.append(time.monotonic())
+
+    killed = []
+    killer = threading.Thread(target=kill_after_the_first_step, daemon=True)
+    killer.start()
+    code = guarded(main, _args(tmp_path, "killed", "grpo", "--grpo.placement=ray",
+                               "--grpo.trainer_actors=1", "--train.steps=200"))  # fmt: skip
+    seconds = time.monotonic() - killed[0]  # from the kill to the run's end
+    killer.join(timeout=5)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2 and seconds < 60, (code, seconds)
+    assert errors == ["error: grpo.placement=ray: the trainer rank 0 actor died"], errors

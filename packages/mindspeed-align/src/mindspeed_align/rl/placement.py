@@ -335,7 +335,9 @@ def run_on_trainer_actors(cfg, command: str) -> dict:
     roles = RayRoles(section, 1, cpus=4 * count, show_logs=True)  # the trainers' logs shown here
     ray = roles.ray
     try:
-        actors = [ray.remote(num_cpus=1)(_TrainerWorker).remote() for _ in range(count)]
+        # named, so `ray list actors` (and a test) tells which is which
+        actors = [ray.remote(num_cpus=1)(_TrainerWorker).options(
+            name=f"mindspeed-{section}-trainer-{rank}-{os.getpid()}").remote() for rank in range(count)]  # fmt: skip
         roles.actors += actors
         master = _get(actors[0].endpoint.remote(), "trainer", section, timeout=READY_S)
         refs = [actor.run.remote(cfg, command, rank, count, master) for rank, actor in enumerate(actors)]
