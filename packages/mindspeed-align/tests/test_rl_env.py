@@ -135,15 +135,20 @@ def test_an_environment_that_raises_or_loops_is_counted_and_scored_zero(calc):
         def step(self, messages, reply):
             if "13" in messages[0]["content"]:
                 raise RuntimeError("tool server down")
+            if "14" in messages[0]["content"]:
+                return {"role": "tool", "content": "not a list"}, 0.0, False
             return super().step(messages, reply)
 
     records = [{"question": "what is 12 times 34?", "answer": 408},
                {"question": "what is 13 times 10?", "answer": 130},
+               {"question": "what is 14 times 10?", "answer": 140},
                {"question": "what is 20 times 30?", "answer": 600}]  # fmt: skip
-    script = [[call("12 * 34")] * 5, ["the answer is 130"], [call("20 * 30"), "the answer is 600"]]
+    script = [[call("12 * 34")] * 5, ["the answer is 130"], ["the answer is 140"],
+              [call("20 * 30"), "the answer is 600"]]  # fmt: skip
     out, _ = _episodes(calc, script, records, env=Flaky, max_turns=3)
-    assert out.rewards == [0.0, 0.0, 1.0]  # past 3 turns; raised; the run went on
-    assert out.metrics["env/errors"] == 1.0 and out.metrics["env/over_budget"] == 1.0
+    # past 3 turns; raised; answered with no message list; the run went on
+    assert out.rewards == [0.0, 0.0, 0.0, 1.0]
+    assert out.metrics["env/errors"] == 2.0 and out.metrics["env/over_budget"] == 1.0
     assert sum(out.batch.response_mask[0]) == 3 * (len(encode_text(calc[0], call("12 * 34"))) + 1)
     # the token budget: the first reply's tool turn does not fit in 30 tokens
     out, _ = _episodes(calc, [[call("12 * 34"), "the answer is 408"]], records[:1], max_tokens=30)

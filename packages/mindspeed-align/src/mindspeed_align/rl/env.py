@@ -112,10 +112,8 @@ def load_environment(spec: str, *, section: str = "grpo") -> Callable[[], Enviro
     Raises:
         ConfigError: the spec names nothing importable, or not an environment.
     """
-    if spec == "calculator":
-        from mindspeed_align.rl.calculator import CalculatorEnv
-
-        return CalculatorEnv
+    if spec == "calculator":  # named, not imported here: calculator builds on this module
+        spec = "mindspeed_align.rl.calculator:CalculatorEnv"
     module_name, _, attr = spec.partition(":")
     if not (module_name and attr):
         raise ConfigError(f'{section}.env={spec!r}: "calculator" or "module:Class"')
@@ -196,7 +194,7 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
             env = make_env()
             episodes.append(_Episode(g, env, list(env.reset(records[g]))))
     counts = {"errors": 0, "over_budget": 0}
-    start_seconds = 0.0
+    seconds = 0.0
     live = list(range(len(episodes)))
     turn = 0
     while live:
@@ -205,7 +203,7 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
         else:
             contexts = [list(prompt_ids[episodes[i].group]) + episodes[i].tokens for i in live]
             out = rollout.generate(contexts, replace(cfg, n=1), seed=seed + 7919 * turn)
-        start_seconds += out.seconds
+        seconds += out.seconds
         still = []
         for i, reply, logps in zip(live, out.response_ids, out.sampler_logprobs, strict=True):
             e = episodes[i]
@@ -223,13 +221,14 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
             text = tokenizer.decode([t for t in reply if t not in stops and t < vocab])
             try:
                 observation, reward, done = e.env.step(list(e.messages), text)
+                observation, reward = _messages(observation), float(reward)
             except Exception as err:  # the environment's own failure scores this episode 0
                 if not counts["errors"]:
                     logger.warning("environment %s raised on an episode (scored 0, run goes "
                                    "on): %r", type(e.env).__name__, err)  # fmt: skip
                 _end(e, counts, "errors")
                 continue
-            e.reward += float(reward)
+            e.reward += reward
             e.tool_calls += "<tool_call>" in text
             if done:
                 e.done = True
@@ -237,7 +236,7 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
             if e.turns >= max_turns:
                 _end(e, counts, "over_budget")
                 continue
-            ids = observation_ids(template, tokenizer, e.messages, text, list(observation),
+            ids = observation_ids(template, tokenizer, e.messages, text, observation,
                                   stop_text=stop_text.get(reply[-1]) if e.stopped else None,
                                   tools=getattr(e.env, "tools", None))  # fmt: skip
             e.messages += [{"role": "assistant", "content": text}, *observation]
@@ -256,7 +255,7 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
         sampler_logprobs=[e.logps for e in episodes],
         group=[e.group for e in episodes],
         stopped=[e.stopped for e in episodes],
-        seconds=start_seconds,
+        seconds=seconds,
         response_mask=[e.mask for e in episodes],
     )
     n = len(episodes)
@@ -268,6 +267,20 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
         "env/over_budget": float(counts["over_budget"]),
     }
     return Episodes(batch, [e.reward for e in episodes], metrics)
+
+
+def _messages(observation) -> list[Message]:
+    """An environment's observation, checked: a list of {"role": str, "content": str}.
+
+    Raises:
+        TypeError: it is not (the episode is then an environment error).
+    """
+    if not isinstance(observation, (list, tuple)) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in observation
+    ):
+        raise TypeError(f"step() must return a list of {{role, content}} messages, got {observation!r:.80}")
+    return list(observation)
 
 
 def _end(e: _Episode, counts: dict[str, int], why: str) -> None:

@@ -316,21 +316,21 @@ class _TrainerWorker:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def run(self, cfg, command: str, rank: int, world: int, master: tuple[str, int]) -> dict:
-        from mindspeed_align.rl import cli
+    def run(self, cfg, entry, rank: int, world: int, master: tuple[str, int]) -> dict:
         from mindspeed_core.distributed import setup_logging
 
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
                           LOCAL_WORLD_SIZE="1", MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))  # fmt: skip
         setup_logging()
         cfg.rl.trainer_actors = 0  # this process is the trainer
-        return (cli.ppo if command == "ppo" else cli.grpo)(cfg)
+        return entry(cfg)
 
 
-def run_on_trainer_actors(cfg, command: str) -> dict:
-    """`grpo.trainer_actors` Ray actors train the policy as one process group (each with
-    its own rollout, reference and reward actors); rank 0's summary. A rank that fails ends
-    the run with its error (a `MindSpeedError` as itself, one line), the others killed."""
+def run_on_trainer_actors(cfg, entry: Callable[[object], dict]) -> dict:
+    """`grpo.trainer_actors` Ray actors train the policy as one process group, each running
+    `entry(cfg)` (the command's function, e.g. `cli.grpo`, with its own rollout, reference
+    and reward actors); rank 0's summary. A rank that fails ends the run with its error (a
+    `MindSpeedError` as itself, one line), the others killed."""
     section, count = cfg.rl.section, cfg.rl.trainer_actors
     roles = RayRoles(section, 1, cpus=4 * count, show_logs=True)  # the trainers' logs shown here
     ray = roles.ray
@@ -340,7 +340,7 @@ def run_on_trainer_actors(cfg, command: str) -> dict:
             name=f"mindspeed-{section}-trainer-{rank}-{os.getpid()}").remote() for rank in range(count)]  # fmt: skip
         roles.actors += actors
         master = _get(actors[0].endpoint.remote(), "trainer", section, timeout=READY_S)
-        refs = [actor.run.remote(cfg, command, rank, count, master) for rank, actor in enumerate(actors)]
+        refs = [actor.run.remote(cfg, entry, rank, count, master) for rank, actor in enumerate(actors)]
         logger.info("%s: the policy trains on %d Ray actors (%s)", section, count,
                     ", ".join(a._actor_id.hex()[:12] for a in actors))  # fmt: skip
         pending = list(refs)
