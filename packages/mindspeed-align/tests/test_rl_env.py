@@ -199,6 +199,12 @@ def test_observations_follow_a_hermes_template():
          "grpo.env_max_tokens=96 leaves no room for a prompt in data.seq_len=64"),
         (["--env", "nowhere:Env"], {"question": "q", "answer": 1}, "grpo.env='nowhere:Env': cannot import"),
         (["--ppo.env", "calculator"], {"question": "q", "answer": 1}, "ppo.env: multi-turn episodes"),
+        (["--ppo.async_rollout", "one_step"], {"question": "q", "answer": 1}, "ppo.async_rollout: one-step"),
+        (["--grpo.async_rollout", "sometimes"], {"question": "q", "answer": 1}, "grpo.async_rollout"),
+        (["--grpo.trainer_actors", "2"], {"question": "q", "answer": 1},
+         "grpo.trainer_actors=2: a count >= 0, above 0 only with grpo.placement=ray"),
+        (["--grpo.env", "calculator", "--grpo.env_max_turns", "0"], {"question": "q", "answer": 1},
+         "grpo.env_max_turns=0 and grpo.env_max_tokens=96 must be positive"),
     ],
 )  # fmt: skip
 def test_bad_environment_input_is_one_line(calc_demo, tmp_path, capsys, args, record, expected):

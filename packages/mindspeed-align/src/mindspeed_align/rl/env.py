@@ -186,7 +186,6 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
     from mindspeed_align.rl.rollout import RolloutBatch
 
     stops = set(cfg.stop_token_ids)
-    vocab = tokenizer.vocab_size  # a model's table may have more rows than the tokenizer
     stop_text = {t: _token_text(tokenizer, t) for t in stops}
     episodes = []
     for g in range(len(records)):
@@ -194,6 +193,7 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
             env = make_env()
             episodes.append(_Episode(g, env, list(env.reset(records[g]))))
     counts = {"errors": 0, "over_budget": 0}
+    step = _Step(template, tokenizer, stops, stop_text, max_turns, max_tokens, counts)
     seconds = 0.0
     live = list(range(len(episodes)))
     turn = 0
@@ -204,50 +204,8 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
             contexts = [list(prompt_ids[episodes[i].group]) + episodes[i].tokens for i in live]
             out = rollout.generate(contexts, replace(cfg, n=1), seed=seed + 7919 * turn)
         seconds += out.seconds
-        still = []
-        for i, reply, logps in zip(live, out.response_ids, out.sampler_logprobs, strict=True):
-            e = episodes[i]
-            room = max_tokens - len(e.tokens)
-            over = len(reply) > room
-            reply, logps = reply[:room], logps[:room]
-            e.tokens += reply
-            e.mask += [1] * len(reply)
-            e.logps += logps
-            e.turns += 1
-            e.stopped = bool(reply) and reply[-1] in stops
-            if over:
-                _end(e, counts, "over_budget")
-                continue
-            text = tokenizer.decode([t for t in reply if t not in stops and t < vocab])
-            try:
-                observation, reward, done = e.env.step(list(e.messages), text)
-                observation, reward = _messages(observation), float(reward)
-            except Exception as err:  # the environment's own failure scores this episode 0
-                if not counts["errors"]:
-                    logger.warning("environment %s raised on an episode (scored 0, run goes "
-                                   "on): %r", type(e.env).__name__, err)  # fmt: skip
-                _end(e, counts, "errors")
-                continue
-            e.reward += reward
-            e.tool_calls += "<tool_call>" in text
-            if done:
-                e.done = True
-                continue
-            if e.turns >= max_turns:
-                _end(e, counts, "over_budget")
-                continue
-            ids = observation_ids(template, tokenizer, e.messages, text, observation,
-                                  stop_text=stop_text.get(reply[-1]) if e.stopped else None,
-                                  tools=getattr(e.env, "tools", None))  # fmt: skip
-            e.messages += [{"role": "assistant", "content": text}, *observation]
-            if len(e.tokens) + len(ids) >= max_tokens:  # no room for one more reply token
-                _end(e, counts, "over_budget")
-                continue
-            e.tokens += ids
-            e.mask += [0] * len(ids)
-            e.logps += [0.0] * len(ids)
-            still.append(i)
-        live = still
+        live = [i for i, reply, logps in zip(live, out.response_ids, out.sampler_logprobs, strict=True)
+                if step.take(episodes[i], reply, logps)]  # fmt: skip
         turn += 1
     batch = RolloutBatch(
         prompt_ids=[list(prompt_ids[e.group]) for e in episodes],
@@ -269,6 +227,60 @@ def run_episodes(rollout, make_env: Callable[[], Environment], records: Sequence
     return Episodes(batch, [e.reward for e in episodes], metrics)
 
 
+@dataclass
+class _Step:
+    """What `run_episodes` does with each sampled reply (`take`)."""
+
+    template: Any
+    tokenizer: Any
+    stops: set[int]
+    stop_text: dict[int, str | None]
+    max_turns: int
+    max_tokens: int
+    counts: dict[str, int]
+
+    def take(self, e: _Episode, reply: list[int], logps: list[float]) -> bool:
+        """Append the reply (cut to the token budget) to episode `e`, let its environment
+        answer, append the observation's tokens; True when the episode goes on."""
+        room = self.max_tokens - len(e.tokens)
+        over = len(reply) > room
+        reply, logps = reply[:room], logps[:room]
+        e.tokens += reply
+        e.mask += [1] * len(reply)
+        e.logps += logps
+        e.turns += 1
+        e.stopped = bool(reply) and reply[-1] in self.stops
+        if over:
+            return _end(e, self.counts, "over_budget")
+        vocab = self.tokenizer.vocab_size  # a model's table may have more rows than the tokenizer
+        text = self.tokenizer.decode([t for t in reply if t not in self.stops and t < vocab])
+        try:
+            observation, reward, done = e.env.step(list(e.messages), text)
+            observation, reward = _messages(observation), float(reward)
+        except Exception as err:  # the environment's own failure scores this episode 0
+            if not self.counts["errors"]:
+                logger.warning("environment %s raised on an episode (scored 0, run goes on): %r",
+                               type(e.env).__name__, err)  # fmt: skip
+            return _end(e, self.counts, "errors")
+        e.reward += reward
+        e.tool_calls += "<tool_call>" in text
+        if done:
+            e.done = True
+            return False
+        if e.turns >= self.max_turns:
+            return _end(e, self.counts, "over_budget")
+        ids = observation_ids(self.template, self.tokenizer, e.messages, text, observation,
+                              stop_text=self.stop_text.get(reply[-1]) if e.stopped else None,
+                              tools=getattr(e.env, "tools", None))  # fmt: skip
+        e.messages += [{"role": "assistant", "content": text}, *observation]
+        if len(e.tokens) + len(ids) >= self.max_tokens:  # no room for one more reply token
+            return _end(e, self.counts, "over_budget")
+        e.tokens += ids
+        e.mask += [0] * len(ids)
+        e.logps += [0.0] * len(ids)
+        return True
+
+
 def _messages(observation) -> list[Message]:
     """An environment's observation, checked: a list of {"role": str, "content": str}.
 
@@ -283,10 +295,11 @@ def _messages(observation) -> list[Message]:
     return list(observation)
 
 
-def _end(e: _Episode, counts: dict[str, int], why: str) -> None:
-    """The episode ends unfinished: scored 0, counted under `why`."""
+def _end(e: _Episode, counts: dict[str, int], why: str) -> bool:
+    """The episode ends unfinished: scored 0, counted under `why`; False (it does not go on)."""
     e.reward, e.done = 0.0, False
     counts[why] += 1
+    return False
 
 
 def _token_text(tokenizer, token: int) -> str | None:
