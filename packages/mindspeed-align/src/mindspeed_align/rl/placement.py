@@ -161,11 +161,12 @@ class _RayRollout:
     def sync_weights(self) -> float:
         """Sends the policy's whole weights (gathered from the shards) to the actor; seconds
         taken (`last_bytes`: how many bytes)."""
+        from mindspeed_align.rl.rollout import plain_key
+
         start = time.perf_counter()
         state = {}
         for name, value in self.policy.model.state_dict().items():
-            key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-            state[key] = (dtensor.full(value) if isinstance(value, DTensor) else value).detach().cpu()
+            state[plain_key(name)] = (dtensor.full(value) if isinstance(value, DTensor) else value).detach().cpu()
         self.last_bytes = sum(t.numel() * t.element_size() for t in state.values())
         with self.lock:
             _get(self.actor.load.remote(state), "rollout", self.section)

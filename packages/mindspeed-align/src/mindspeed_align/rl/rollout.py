@@ -33,7 +33,7 @@ from mindspeed_llm.generation.kv_cache import KVCache
 from mindspeed_llm.models import get_model_spec
 from mindspeed_llm.train.build import BuiltModel
 
-__all__ = ["LocalRollout", "RolloutBatch", "SamplingConfig", "sampling_seed"]
+__all__ = ["LocalRollout", "RolloutBatch", "SamplingConfig", "plain_key", "sampling_seed"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,6 +66,12 @@ class RolloutBatch:
     response_mask: list[list[int]] | None = None
     """Per response token, 1 where the policy sampled it and 0 where an environment wrote
     it (multi-turn episodes, `env.run_episodes`); None: every token is the policy's."""
+
+
+def plain_key(name: str) -> str:
+    """A training model's state-dict key as a plain model's (no activation-checkpoint or
+    torch.compile wrapper in it)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
 def sampling_seed(seed: int, step: int, dp_rank: int) -> int:
@@ -124,7 +130,7 @@ class LocalRollout:
             target = self.module.state_dict()
             self.last_bytes = 0
             for name, value in self.policy.model.state_dict().items():
-                key = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+                key = plain_key(name)
                 if key in target:
                     target[key].copy_(dtensor.full(value) if isinstance(value, DTensor) else value)
                     self.last_bytes += target[key].numel() * target[key].element_size()
