@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -286,7 +287,7 @@ def main() -> None:
             cmd += ["--compile"] if args.compile and side == "ours" else []
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
-                result[side] = {"failed": out.stderr.strip().splitlines()[-1][:300]}
+                result[side] = {"failed": _error_line(out.stderr)}
                 continue
             result[side] = json.loads(out.stdout.strip().splitlines()[-1])
         peak = _peak_flops(args.device, dtype)  # one measurement for both sides
@@ -303,6 +304,14 @@ def main() -> None:
                     ours["peak_mem_mb"] / theirs["peak_mem_mb"], 3
                 )
         print(json.dumps(result), flush=True)
+
+
+def _error_line(stderr: str) -> str:
+    """The exception's own line from a failed side's stderr (torch.compile's errors end in a
+    hint about verbose logs, not in the error)."""
+    lines = stderr.strip().splitlines() or ["(no output)"]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Unsupported)\b", line)]
+    return (errors[-1] if errors else lines[-1])[:400]
 
 
 def _cpu_model() -> str:

@@ -277,3 +277,25 @@ def test_recomputing_kernel_backward_through_the_custom_op(monkeypatch):
     torch.testing.assert_close(out, want[0])
     for got, ref in zip(grads, want[2], strict=True):
         torch.testing.assert_close(got, ref)
+
+
+def test_packed_boundaries_are_read_once_per_tensor(monkeypatch):
+    """Every layer's attention reads cu_seqlens on the host (checks, kernel sizes); on a GPU
+    each read stalls the device, so a tensor is read once, and again only after an in-place
+    write (which must not leave stale boundaries behind)."""
+    from mindspeed_ops import validate
+
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or real(t))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q = torch.randn(8, 2, 8, requires_grad=True)
+    k, v = torch.randn(8, 1, 8), torch.randn(8, 1, 8)
+    for _ in range(3):  # three "layers", forward and backward
+        mo.attention(q, k, v, cu_seqlens=cu, impl="cpu").sum().backward()
+    assert len(reads) == 1
+    cu[1] = 5  # written in place: read again, and the new boundaries are the ones used
+    out = mo.attention(q, k, v, cu_seqlens=cu, impl="cpu")
+    assert len(reads) == 2 and validate.host_values(cu) == [0, 5, 8]
+    ref = mo.attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 8]), impl="reference")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -61,3 +61,23 @@ def test_compile_fullgraph_block_matches_eager():
     torch.testing.assert_close(loss, eager_loss, atol=1e-5, rtol=1e-5)
     for got, want in zip([p.grad for p in block.parameters()], eager_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_optional_library_lookup_is_a_constant_in_a_compiled_block(monkeypatch):
+    """The CUDA paths ask whether liger/fla are installed from inside compiled blocks; torch
+    2.11's dynamo refuses to trace importlib there (a fullgraph Llama block failed to compile
+    on an H200). The answer must come without importlib while tracing."""
+    import importlib.util
+
+    from mindspeed_ops.backends import has_module
+
+    expected = has_module("liger_kernel")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("find_spec called while tracing")
+
+    monkeypatch.setattr(importlib.util, "find_spec", refuse)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x * 3 if has_module("liger_kernel") else x + 1,
+                       fullgraph=True, backend="eager")  # fmt: skip
+    assert torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0 if expected else 2.0))

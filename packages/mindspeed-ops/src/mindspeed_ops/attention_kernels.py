@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mindspeed_ops import cpu_ext
+from mindspeed_ops.validate import host_values
 
 NO_WINDOW = -1
 KERNELS = ("cpu_flash", "torch_flash", "cuda_flash", "flex", "npu_fusion", "composed")
@@ -85,7 +86,7 @@ def backward(kernel, dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal,
 
 def _documents(cu_q: Tensor, cu_k: Tensor, offsets: Tensor | None):
     """(query slice, key slice, offset) of each document with queries."""
-    bq, bk = cu_q.tolist(), cu_k.tolist()
+    bq, bk = host_values(cu_q), host_values(cu_k)
     offs = [0] * (len(bq) - 1) if offsets is None else offsets.tolist()
     return [
         (slice(bq[i], bq[i + 1]), slice(bk[i], bk[i + 1]), offs[i])
@@ -178,10 +179,15 @@ def _varlen_arguments() -> frozenset[str]:
     return frozenset(a.name for a in torch.ops.torch_attn._varlen_attn.default._schema.arguments)
 
 
+def _longest(cu: Tensor) -> int:
+    bounds = host_values(cu)
+    return max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+
 def _cuda_flash_fwd(q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale):
     is_causal, window_size = _flash_window(causal, window)
     cu_q32, cu_k32 = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    max_q, max_k = int(cu_q.diff().max()), int(cu_k.diff().max())
+    max_q, max_k = _longest(cu_q), _longest(cu_k)
     # Newer torch (2.14 here) asks for enable_gqa; 2.11's op has no such argument and takes
     # GQA as is (its flash kernel reads each kv head for its group of query heads).
     gqa = {"enable_gqa": k.shape[1] != q.shape[1]} if "enable_gqa" in _varlen_arguments() else {}
@@ -198,7 +204,7 @@ def _cuda_flash_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal, 
 
     is_causal, window_size = _flash_window(causal, window)
     width = q.shape[-1]
-    max_q, max_k = int(cu_q.diff().max()), int(cu_k.diff().max())
+    max_q, max_k = _longest(cu_q), _longest(cu_k)
     unused = torch.zeros(2, dtype=torch.uint64, device=q.device)
     dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
         _pad_to(dout, width), q, k, _pad_to(v, width), _pad_to(out, width), lse,
@@ -224,7 +230,7 @@ def _flex():
 def flex_mask_mod(cu_q, cu_k, offsets, causal, window, device):
     """FlexAttention's mask_mod for packed documents: same document, and d = i + offset - j
     within the causal/window bounds (positions counted from each document's start)."""
-    tokens_q, tokens_k = int(cu_q[-1]), int(cu_k[-1])
+    tokens_q, tokens_k = host_values(cu_q)[-1], host_values(cu_k)[-1]
     docs_q = torch.bucketize(torch.arange(tokens_q, device=device), cu_q[1:].to(device),
                              right=True)  # fmt: skip
     docs_k = torch.bucketize(torch.arange(tokens_k, device=device), cu_k[1:].to(device),
@@ -249,7 +255,8 @@ def flex_run(q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale, *, ls
     from torch.nn.attention.flex_attention import create_block_mask
 
     mask_mod = flex_mask_mod(cu_q, cu_k, offsets, causal, window, q.device)
-    mask = create_block_mask(mask_mod, None, None, int(cu_q[-1]), int(cu_k[-1]), device=q.device)
+    mask = create_block_mask(mask_mod, None, None, host_values(cu_q)[-1], host_values(cu_k)[-1],
+                             device=q.device)  # fmt: skip
     score_mod = None
     if softcap:
         def score_mod(score, b, h, i, j):  # noqa: E306
@@ -295,7 +302,7 @@ def _npu_run(q, k, v, cu_q, cu_k, causal, window, scale):
     result = torch_npu.npu_fusion_attention(
         q, k, v, q.shape[1], input_layout="TND", scale=scale, atten_mask=mask,
         sparse_mode=sparse, pre_tockens=pre, next_tockens=nxt,
-        actual_seq_qlen=cu_q[1:].tolist(), actual_seq_kvlen=cu_k[1:].tolist(),
+        actual_seq_qlen=host_values(cu_q)[1:], actual_seq_kvlen=host_values(cu_k)[1:],
     )  # fmt: skip
     out, softmax_max, softmax_sum = result[0], result[1], result[2]
     # (tokens, heads, 8) replicated statistics -> lse (heads, tokens)

@@ -37,13 +37,26 @@ def cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
-@cache
-def has_module(name: str) -> bool:
-    """Whether an optional library (liger_kernel, flash_attn, torch_npu) is importable."""
+OPTIONAL = ("liger_kernel", "fla", "tilelang", "flash_attn")
+"""The optional kernel libraries the CUDA paths look for."""
+
+
+def _importable(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+# Looked up once, here: the CUDA paths of rms_norm, swiglu and gated_delta_rule ask from inside
+# compiled blocks, where a dict read is a constant but importlib is not (dynamo refuses to
+# trace find_spec on torch 2.11: a fullgraph block failed to compile on an H200).
+_FOUND = {name: _importable(name) for name in OPTIONAL}
+
+
+def has_module(name: str) -> bool:
+    """Whether an optional library (liger_kernel, fla, torch_npu ...) is importable."""
+    return _FOUND[name] if name in _FOUND else _importable(name)
 
 
 def available_impls() -> list[str]:

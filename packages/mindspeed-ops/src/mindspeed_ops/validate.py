@@ -6,6 +6,7 @@ from itertools import pairwise
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -53,10 +54,34 @@ def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
         )
     if not eager():
         return
-    values = cu_seqlens.tolist()
+    values = host_values(cu_seqlens)
     if values[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
     if any(b < a for a, b in pairwise(values)):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
     if values[-1] != total:
         raise ValueError(f"cu_seqlens ends at {values[-1]} but the packed input has {total} tokens")
+
+
+_HOST_VALUES = WeakIdKeyDictionary()
+
+
+def host_values(t: Tensor) -> list[int]:
+    """An index tensor's values as a Python list, read from the device once per tensor.
+
+    Reading a GPU tensor waits for everything queued before it. The packed-document
+    boundaries (cu_seqlens) are one tensor that every layer's attention reads, forward and
+    backward, to check it and to size the flash kernel; read each time, that is a few
+    device-wide stalls per layer per step, and the host stops queueing work ahead of the GPU
+    (an H200's packed Llama-1B step: 0.82x -> 0.835x transformers' tokens/s without them). So
+    the list is remembered for the tensor object, and read again only if the tensor was
+    written in place since (its version counter). Inference tensors have no version counter:
+    they are read every time."""
+    if t.is_inference():
+        return t.tolist()
+    hit = _HOST_VALUES.get(t)
+    if hit is not None and hit[0] == t._version:
+        return hit[1]
+    values = t.tolist()
+    _HOST_VALUES[t] = (t._version, values)
+    return values
