@@ -18,7 +18,13 @@ from mindspeed_align.rl.config import PPOSection
 from mindspeed_align.rl.data import demo_records
 from mindspeed_align.rl.losses import value_loss
 from mindspeed_align.rl.objective import GRPOObjective, pack_samples, recompute_logps
-from mindspeed_align.rl.ppo import ValueObjective, packed_gae, ppo_advantages, whiten_over_ranks
+from mindspeed_align.rl.ppo import (
+    ValueObjective,
+    packed_gae,
+    ppo_advantages,
+    recompute_values,
+    whiten_over_ranks,
+)
 from mindspeed_core.cli import guarded
 from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
@@ -119,7 +125,8 @@ def _ppo_step(parallel: ParallelConfig, world_size=None, rank=0, ranks=1):
         b["old_logps"] = recompute_logps(policy, b) - 0.3 * (b["labels"] % 2)  # off-policy
         b["ref_logps"] = recompute_logps(policy, b) + 0.05 * (b["labels"] % 3)
         micro.append(b)
-    kl = ppo_advantages(micro, critic, rl, dims.mesh("dp"))
+    kl = ppo_advantages(micro, lambda bs: [recompute_values(critic, b) for b in bs], rl,
+                        dims.mesh("dp"))  # fmt: skip
     advantages = torch.cat([b["advantages"][b["labels"] != -100] for b in micro])
     critic_step = TrainStep(build_train_parts(critic, optim, total_steps=2), ValueObjective(0.2),
                             dims, clip_grad=0.0)  # fmt: skip

@@ -1,7 +1,7 @@
 """Where the RL roles run: colocated in the training processes, or as Ray actors.
 
-The policy (and PPO's critic) train in the training processes (one process or a torchrun
-job). The other roles can run elsewhere:
+The policy trains in the training processes (one process, a torchrun job, or Ray actors:
+`run_on_trainer_actors`). The other roles can run elsewhere:
 
 - `colocated` (default): the rollout samples with the policy module itself (or a whole
   copy refreshed from the shards), the reference is a frozen copy under the run's layout,
@@ -13,13 +13,15 @@ job). The other roles can run elsewhere:
   colocated ones) and reward actor, on a Ray cluster (`RAY_ADDRESS`, or a local one
   started for a single-process run). Ray places them on its own processes and machines;
   the rank sends weights, prompts, packed batches and texts, and gets samples, log-probs
-  and scores back. The reference's work is submitted before the policy's own forwards,
+  and scores back. PPO's critic gets a critic actor per training rank: the critic actors
+  form a process group of their own on the run's layout, value the rank's micro-batches and
+  train on its mini-batches (`RayRoles.critic`). The reference's work is submitted before the policy's own forwards,
   so the two overlap. An actor that dies ends the run with one line naming its role
   (`RoleDied`), not a hang.
 
 Both kinds of role answer the same calls (`sync_weights()`, `generate(prompts, cfg,
-seed=)`, `submit(batches, T)()` and `rewards(prompts, completions, columns)`), so the step
-does not know where they run.
+seed=)`, `submit(batches, T)()`, `rewards(prompts, completions, columns)`, and the critic's
+`values(batches)` and `critic(mini, schedule=)`), so the step does not know where they run.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ __all__ = ["LocalReference", "RayRoles", "RoleDied", "run_on_trainer_actors"]
 class RoleDied(MindSpeedError):
     """A role's Ray actor died (killed, out of memory, its node lost): the run cannot go on."""
 
+
+ROLE_ACTORS = 4
+"""Actors per training rank at most: rollout, reference, reward and (PPO) critic."""
 
 READY_S = 300.0
 """Seconds an actor may take to start (import torch, build its model) before the run stops."""
@@ -213,7 +218,8 @@ class RayRoles:
         world_size: training processes; several need a running cluster (`RAY_ADDRESS`).
     """
 
-    def __init__(self, section: str, world_size: int, *, cpus: int = 4, show_logs: bool = False):
+    def __init__(self, section: str, world_size: int, *, cpus: int = ROLE_ACTORS,
+                 show_logs: bool = False):  # fmt: skip
         # The actors run this interpreter's environment as it is: no `uv run` runtime
         # environment packaged from the working directory (Ray's default under uv; read
         # when ray is first imported).
@@ -274,6 +280,23 @@ class RayRoles:
         logger.info("%s: the rewards run on Ray actor %s", self.section, actor._actor_id.hex())
         return _RayRewards(actor, self.section)
 
+    def critic(self, cfg, build) -> _RayCritic:
+        """PPO's critic on Ray actors: one per training rank, the actors a process group of
+        their own (rank r's actor is its rank r) with the run's layout; `build(cfg, info)`
+        builds a rank's critic there (`ppo.critic_on_actor`). Every training rank calls this."""
+        import torch.distributed as dist
+
+        actor = self.ray.remote(num_cpus=1)(_CriticWorker).remote()
+        self.actors.append(actor)
+        self._ready(actor, "critic")
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        master = [_get(actor.endpoint.remote(), "critic", self.section) if rank == 0 else None]
+        if world > 1:  # rank 0's actor hosts the critic group's rendezvous
+            dist.broadcast_object_list(master, src=0)
+        names = _get(actor.setup.remote(cfg, build, rank, world, master[0]), "critic", self.section)
+        logger.info("%s: the critic runs on Ray actor %s", self.section, actor._actor_id.hex())
+        return _RayCritic(actor, names, self.section)
+
     def _ready(self, actor, role: str, *, constructor_errors: bool = False) -> None:
         """Wait until `actor` is up; one that cannot be placed (no free CPU on the cluster)
         would wait forever, so past `READY_S` it is `RoleDied`. `constructor_errors`: a
@@ -301,6 +324,108 @@ class RayRoles:
             self.reaper = None
 
 
+def _endpoint() -> tuple[str, int]:
+    """This actor's node address and a free port on it (a process group's rendezvous)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def _join_group(rank: int, world: int, master: tuple[str, int]):
+    """This actor as rank `rank` of a `world`-process group whose rank 0 is at `master`."""
+    from mindspeed_core.distributed import init_distributed
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
+                      LOCAL_WORLD_SIZE="1", MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))  # fmt: skip
+    return init_distributed(device_type="cpu")
+
+
+def _whole(tree):
+    """A state dict with every DTensor gathered into a whole tensor (to leave its process)."""
+    if isinstance(tree, DTensor):
+        return dtensor.full(tree)
+    if isinstance(tree, dict):
+        return {k: _whole(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_whole(v) for v in tree)
+    return tree
+
+
+def _shaped_like(template, tree):
+    """Whole tensors of `tree` laid out as the DTensors of `template` (a state dict of the
+    same names) are: each rank keeps its shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if isinstance(template, DTensor):
+        return distribute_tensor(tree.to(template.dtype), template.device_mesh, template.placements)
+    if isinstance(template, dict) and isinstance(tree, dict):
+        return {k: _shaped_like(template[k], v) if k in template else v for k, v in tree.items()}
+    return tree
+
+
+class _CriticWorker:
+    """A Ray actor: one rank of PPO's critic (model, optimizer, schedule), in a process group
+    of the critic actors alone. Its training rank sends the micro-batches to value and the
+    mini-batches to train on; checkpoints move its states as whole tensors."""
+
+    def endpoint(self) -> tuple[str, int]:
+        return _endpoint()
+
+    def setup(self, cfg, build, rank: int, world: int, master: tuple[str, int]) -> list[str]:
+        """Joins the critic group and builds this rank's critic; the names of its states."""
+        from mindspeed_core.distributed import setup_logging
+
+        info = _join_group(rank, world, master)
+        setup_logging()
+        self.critic = build(cfg, info)
+        return list(self.critic.states)
+
+    def values(self, batches: list[Batch]) -> list[Tensor]:
+        return self.critic.values(batches)
+
+    def update(self, mini: list[Batch], schedule: bool):
+        return self.critic(mini, schedule=schedule)
+
+    def state_dict(self, name: str) -> dict:
+        return _whole(self.critic.states[name].state_dict())
+
+    def load_state_dict(self, name: str, state: dict) -> None:
+        target = self.critic.states[name]
+        target.load_state_dict(_shaped_like(target.state_dict(), state))
+
+
+class _CriticState:
+    """A checkpoint `Stateful` standing for one of a critic actor's states."""
+
+    def __init__(self, actor, name: str, section: str):
+        self.actor, self.name, self.section = actor, name, section
+
+    def state_dict(self) -> dict:
+        return _get(self.actor.state_dict.remote(self.name), "critic", self.section)
+
+    def load_state_dict(self, state: dict) -> None:
+        _get(self.actor.load_state_dict.remote(self.name, state), "critic", self.section)
+
+
+class _RayCritic:
+    """The critic of one training rank on its Ray actor (`ppo.LocalCritic`'s calls)."""
+
+    def __init__(self, actor, names: list[str], section: str):
+        self.actor, self.section = actor, section
+        self.states = {name: _CriticState(actor, name, section) for name in names}
+
+    def values(self, batches: list[Batch]) -> list[Tensor]:
+        return _get(self.actor.values.remote(batches), "critic", self.section)
+
+    def __call__(self, mini: list[Batch], *, schedule: bool = True):
+        return _get(self.actor.update.remote(mini, schedule), "critic", self.section)
+
+
 class _TrainerWorker:
     """A Ray actor: one rank of the policy's trainer. It joins its own torch.distributed
     group with the other trainer actors (gloo/NCCL/HCCL as the run's device says) and runs
@@ -308,14 +433,7 @@ class _TrainerWorker:
 
     def endpoint(self) -> tuple[str, int]:
         """This actor's node address and a free port on it (rank 0 hosts the rendezvous)."""
-        import socket
-
-        import ray
-
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return _endpoint()
 
     def run(self, cfg, entry, rank: int, world: int, master: tuple[str, int]) -> dict:
         from mindspeed_core.distributed import setup_logging
@@ -333,7 +451,8 @@ def run_on_trainer_actors(cfg, entry: Callable[[object], dict]) -> dict:
     and reward actors); rank 0's summary. A rank that fails ends the run with its error (a
     `MindSpeedError` as itself, one line), the others killed."""
     section, count = cfg.rl.section, cfg.rl.trainer_actors
-    roles = RayRoles(section, 1, cpus=4 * count, show_logs=True)  # the trainers' logs shown here
+    # the trainers' logs shown here; a trainer and its role actors take one logical CPU each
+    roles = RayRoles(section, 1, cpus=(1 + ROLE_ACTORS) * count, show_logs=True)
     ray = roles.ray
     try:
         # named, so `ray list actors` (and a test) tells which is which

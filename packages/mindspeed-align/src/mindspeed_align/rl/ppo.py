@@ -1,4 +1,4 @@
-"""`mindspeed ppo`: PPO with a critic (GAE), colocated, on the shared engine.
+"""`mindspeed ppo`: PPO with a critic (GAE) on the shared engine.
 
 One training step = one rollout (ppo.epochs x ppo.mini_batches updates, 1 x 1 by default), as
 in `grpo`, with a second model, the critic (the
@@ -17,12 +17,20 @@ The value of a response token is the critic's output at the position that predic
 (TRL's `values[:, context_length - 1 : -1]`). Both steps see the same micro-batches;
 the critic's model, optimizer and schedule are checkpointed beside the policy's
 (`critic_model`, `critic_optimizer`, ...), so a run resumes exactly.
+
+The critic trains in the training processes (`LocalCritic`), or, with `ppo.placement: ray`, on
+Ray actors of its own: one per training rank, in a process group of the critic actors alone,
+on the run's layout (`placement.RayRoles.critic`). Each training rank asks its actor for the
+old values of its micro-batches and sends it the update of each mini-batch; checkpoints fetch
+and send the actors' states (whole tensors) under the same names.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,12 +45,12 @@ from mindspeed_align.rl.weights import load_value_model, load_weights
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
-from mindspeed_llm.train.build import BuiltModel, build_train_parts
+from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, RunContext
 from mindspeed_llm.train.step import StepResult, TrainStep
 
-__all__ = ["PPOStep", "ValueObjective", "PPOMethod", "build_critic", "packed_gae", "ppo_advantages",
-           "recompute_values", "whiten_over_ranks"]  # fmt: skip
+__all__ = ["LocalCritic", "PPOStep", "ValueObjective", "PPOMethod", "build_critic", "packed_gae",
+           "ppo_advantages", "recompute_values", "whiten_over_ranks"]  # fmt: skip
 
 
 class ValueObjective(Objective):
@@ -143,20 +151,22 @@ def whiten_over_ranks(batches: list[Batch], key: str, mesh) -> None:
         b[key] = torch.where(m, (b[key] - mean) / (var + 1e-8) ** 0.5, torch.zeros_like(b[key]))
 
 
-def ppo_advantages(micro: list[Batch], critic: BuiltModel, rl, dp_mesh) -> tuple[float, float]:
+def ppo_advantages(micro: list[Batch], values: Callable[[list[Batch]], list[Tensor]], rl,
+                   dp_mesh) -> tuple[float, float]:  # fmt: skip
     """Into each packed micro-batch (with "scores" on each response's last token, old and
     reference log-probs): the critic's old values, GAE advantages (whitened over the step's
     response tokens on every rank of `dp_mesh` when rl.whiten_advantages) and returns.
 
     Args:
+        values: the critic's values of the micro-batches (`LocalCritic.values`).
         rl: the `ppo` section (gamma, lam, kl_coef, kl_in_reward, kl_estimator, whiten).
 
     Returns:
         (sum, count) of the per-token KL in the reward on this rank ((0, 0) without one).
     """
     kl_sum, kl_count = 0.0, 0.0
-    for b in micro:
-        b["old_values"] = recompute_values(critic, b)
+    for b, old_values in zip(micro, values(micro), strict=True):
+        b["old_values"] = old_values
         rewards = b.pop("scores")
         supervised = b["labels"] != IGNORE_INDEX
         if rl.kl_in_reward and rl.kl_coef:
@@ -175,7 +185,7 @@ class PPOStep(GRPOStep):
     same micro-batches (see the module docstring); with ppo.epochs / ppo.mini_batches, a
     critic update and a policy update per mini-batch."""
 
-    def __init__(self, *args, critic: TrainStep, **kwargs):
+    def __init__(self, *args, critic: LocalCritic, **kwargs):
         super().__init__(*args, **kwargs)
         self.critic = critic
 
@@ -186,7 +196,7 @@ class PPOStep(GRPOStep):
         keep = list(range(len(scores)))
         micro, mismatch = self._micro_batches(rollout.batch, {"scores": scores, "advantages": zeros},
                                               keep)  # fmt: skip
-        kl_sum, kl_count = ppo_advantages(micro, self.critic.model, self.rl, self.dims.mesh("dp"))
+        kl_sum, kl_count = ppo_advantages(micro, self.critic.values, self.rl, self.dims.mesh("dp"))
         critics = []
 
         def update(mini: list[Batch], last: bool) -> StepResult:
@@ -211,23 +221,62 @@ class PPOStep(GRPOStep):
         return tensor.item()
 
 
-def build_critic(run: RunContext, cfg, init_from) -> TrainStep:
-    """The critic's model (the policy's body and a value head, on the run's layout), its
-    optimizer and step; its states join the run's checkpoints under `critic_*`."""
+class LocalCritic:
+    """The critic's `TrainStep` in this process: `values(batches)` (the old values) and
+    `critic(mini, schedule=)` (an update); `states`, its checkpoint `Stateful`s."""
+
+    def __init__(self, step: TrainStep, states: dict[str, Any]):
+        self.step, self.states = step, states
+
+    def values(self, batches: list[Batch]) -> list[Tensor]:
+        return [recompute_values(self.step.model, b) for b in batches]
+
+    def __call__(self, mini: list[Batch], *, schedule: bool = True) -> StepResult:
+        return self.step(mini, schedule=schedule)
+
+
+def _critic(cfg, dims, device, build: Callable[..., BuiltModel], init_from) -> LocalCritic:
+    """The critic's model (the policy's body and a value head, built by `build` on the run's
+    layout), optimizer and step."""
     parallel = dataclasses.replace(cfg.parallel, loss_parallel=False)  # one output: no vocab
-    model = run.build_model(parallel=parallel, ac=cfg.train.ac, before_tp=add_score_head,
-                            compile=cfg.train.compile, fp8=cfg.train.fp8)  # fmt: skip
+    model = build(parallel=parallel, ac=cfg.train.ac, before_tp=add_score_head,
+                  compile=cfg.train.compile, fp8=cfg.train.fp8)  # fmt: skip
     if cfg.critic.init_from is not None:  # a trained reward model: body and value head
         load_value_model(model, cfg.critic.init_from)
     elif init_from is not None:  # the policy's starting body, a new value head
         load_weights(model, init_from, what=f"{cfg.rl.section}.init_from", head=False)
     parts = build_train_parts(model, cfg.critic, total_steps=cfg.train.steps,
                               precision=cfg.train.precision)  # fmt: skip
-    states = parts.states(None, run.device)
-    run.add_states({f"critic_{k}": v for k, v in states.items() if k != "rng"})
-    return TrainStep(parts, ValueObjective(cfg.critic.value_clip), run.dims,
+    states = {k: v for k, v in parts.states(None, device).items() if k != "rng"}
+    step = TrainStep(parts, ValueObjective(cfg.critic.value_clip), dims,
                      clip_grad=cfg.critic.clip_grad,
                      max_nonfinite_steps=cfg.train.max_nonfinite_steps)  # fmt: skip
+    return LocalCritic(step, states)
+
+
+def critic_on_actor(cfg, info, *, model_config, init_from) -> LocalCritic:
+    """The critic as a critic actor builds it (`placement._CriticWorker`), in the process
+    group of the critic actors (`info`): the run's layout, seed, precision and sequence
+    length, as `Trainer.build_model` gives the colocated one."""
+    dims = cfg.parallel.dims()
+    dims.build(info.device.type)
+    run = {"precision": cfg.train.precision, "seed": cfg.train.seed, "seq_len": cfg.data.seq_len,
+           "hf_path": cfg.model.hf_path}  # fmt: skip
+    return _critic(cfg, dims, info.device,
+                   lambda **options: build_model(model_config, dims, info.device, **{**run, **options}),
+                   init_from)  # fmt: skip
+
+
+def build_critic(run: RunContext, cfg, init_from, roles=None):
+    """The critic: on this rank (`LocalCritic`), or on a Ray actor of `roles` (a
+    `placement.RayRoles`); its states join the run's checkpoints under `critic_*`."""
+    if roles is not None:
+        critic = roles.critic(cfg, functools.partial(critic_on_actor, model_config=run.model_config,
+                                                     init_from=init_from))  # fmt: skip
+    else:
+        critic = _critic(cfg, run.dims, run.device, run.build_model, init_from)
+    run.add_states({f"critic_{k}": v for k, v in critic.states.items()})
+    return critic
 
 
 class PPOMethod(GRPOMethod):
@@ -237,7 +286,7 @@ class PPOMethod(GRPOMethod):
     step_cls = PPOStep
 
     def setup(self, run: RunContext) -> None:
-        self.critic = build_critic(run, self.cfg, self.init_from)
+        self.critic = build_critic(run, self.cfg, self.init_from, self.roles)
         super().setup(run)
 
     def step_extras(self) -> dict[str, Any]:
