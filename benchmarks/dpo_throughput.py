@@ -63,7 +63,8 @@ def _ours(folder: Path, data: Path, args) -> dict:
         f"--train.micro_batch={args.batch}", f"--train.global_batch={args.batch}",
         "--train.eval_interval=0", "--optim.warmup_steps=1", "--optim.lr=1e-5",
         # a reference forward every step, as TRL's; auto would precompute outside the timing
-        "--dpo.ref=model", f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
+        "--dpo.ref=model", f"--dpo.shared_prompts={args.shared_prompts}",
+        f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
     info = init_distributed(device_type="cpu")
     baseline = _rss_mb()
     objective = PreferenceObjective(cfg.dpo)
@@ -119,6 +120,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, help="row length (default: the shape's)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--shared-prompts", choices=["auto", "off"], default="auto",
+                        help="ours: each pair's prompt once in its row (auto) or twice (off)")
     parser.add_argument("--side", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -134,11 +137,12 @@ def main() -> None:
         root = Path(tmp)
         make_inputs(root, 1)
         make_pairs(root, args.pairs, args.shape)
-        results = run_sides(__file__, root, args.threads, [f"--seq={args.seq}", f"--batch={args.batch}"])
+        results = run_sides(__file__, root, args.threads, [f"--seq={args.seq}", f"--batch={args.batch}",
+                                                           f"--shared-prompts={args.shared_prompts}"])
     ours, theirs = results["ours"], results["theirs"]
     print(json.dumps({
         "benchmark": "dpo_throughput", "shape": args.shape, "dtype": "fp32", "seq": args.seq,
-        "batch_pairs": args.batch,
+        "batch_pairs": args.batch, "shared_prompts": args.shared_prompts,
         "ours": ours, "trl": theirs, "speedup": round(ours["pairs_per_s"] / theirs["pairs_per_s"], 2),
         "memory_ratio": round(ours["peak_mem_mb"] / theirs["peak_mem_mb"], 2),
         "load_avg_1min": round(os.getloadavg()[0], 2)}))  # fmt: skip

@@ -299,3 +299,55 @@ def test_packed_boundaries_are_read_once_per_tensor(monkeypatch):
     assert len(reads) == 2 and validate.host_values(cu) == [0, 5, 8]
     ref = mo.attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 8]), impl="reference")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+def test_queries_over_keys_of_their_own_documents_equal_the_whole_sequence(impl):
+    """cu_seqlens_k: two replies sharing one prompt, each reply's queries over [prompt, its
+    own tokens] with the prompt's length as offset, give the rows (and the gradients) of
+    causal attention over each whole [prompt, reply] sequence."""
+    torch.manual_seed(0)
+    prompt, replies = 5, (4, 3)
+    q_all = [torch.randn(prompt + n, 4, 8, dtype=torch.float64) for n in replies]
+    kv_prompt = torch.randn(prompt, 2, 8, dtype=torch.float64), torch.randn(prompt, 2, 8, dtype=torch.float64)
+    kv_reply = [(torch.randn(n, 2, 8, dtype=torch.float64), torch.randn(n, 2, 8, dtype=torch.float64))
+                for n in replies]  # fmt: skip
+    dtype = torch.float32 if impl == "cpu" else torch.float64
+    leaves = [t.to(dtype).requires_grad_() for t in (*kv_prompt, *(x for kv in kv_reply for x in kv))]
+    kp, vp, k1, v1, k2, v2 = leaves
+    qs = [t[prompt:].to(dtype).requires_grad_() for t in q_all]
+    # shared: the queries of both replies, the keys [prompt, reply 1, prompt, reply 2]
+    k = torch.cat([kp, k1, kp, k2])
+    v = torch.cat([vp, v1, vp, v2])
+    q = torch.cat(qs)
+    cu_q = torch.tensor([0, replies[0], sum(replies)])
+    cu_k = torch.tensor([0, prompt + replies[0], 2 * prompt + sum(replies)])
+    out = mo.attention(q, k, v, cu_seqlens=cu_q, cu_seqlens_k=cu_k, offsets=torch.tensor([prompt, prompt]),
+                       impl=impl)  # fmt: skip
+    cot = torch.randn_like(out)
+    grads = torch.autograd.grad((out * cot).sum(), [*qs, *leaves])
+    # separately: each whole sequence, its reply's rows
+    expected, row = [], 0
+    for i, (kr, vr) in enumerate(((k1, v1), (k2, v2))):
+        n = replies[i]
+        qw = torch.cat([torch.zeros(prompt, 4, 8, dtype=dtype), qs[i]])
+        whole = mo.attention(qw[None], torch.cat([kp, kr])[None], torch.cat([vp, vr])[None],
+                             impl="reference")[0]  # fmt: skip
+        expected.append(whole[prompt:])
+        row += n
+    ref = torch.cat(expected)
+    ref_grads = torch.autograd.grad((ref * cot).sum(), [*qs, *leaves])
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_keys_of_their_own_documents_are_checked():
+    q, k = torch.randn(4, 2, 8), torch.randn(6, 2, 8)
+    with pytest.raises(ValueError, match="cu_seqlens_k has 1 documents but cu_seqlens 2"):
+        mo.attention(q, k, k, cu_seqlens=torch.tensor([0, 2, 4]), cu_seqlens_k=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="cu_seqlens_k needs cu_seqlens"):
+        mo.attention(q[None], k[None], k[None], cu_seqlens_k=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="ends at 5 but the packed input has 6"):
+        mo.attention(q, k, k, cu_seqlens=torch.tensor([0, 4]), cu_seqlens_k=torch.tensor([0, 5]))

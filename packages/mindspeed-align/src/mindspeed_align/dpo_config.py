@@ -48,6 +48,12 @@ class DPOSection:
     (MindSpeed-LLM's name; ORPO always adds it with weight 1 + pref_ftx)."""
     simpo_gamma: float = 0.5
     """SimPO's target margin γ (TRL's `simpo_gamma`; MindSpeed-LLM's gamma_beta_ratio is γ/β)."""
+    shared_prompts: Literal["auto", "on", "off"] = "auto"
+    """Each pair's prompt once in its packed row, the chosen and rejected replies attending to
+    it (`logps.pack_pairs(share_prompts=True)`), so the prompt's forward and backward run once
+    per pair; the log-probs are the separate sequences'. `auto`: on where it can run (no
+    pipeline or context parallel; a family of softmax attention layers, not latent or linear
+    attention, and no MTP), else off; `on`: refused where it cannot."""
 
     def __post_init__(self):
         if self.beta <= 0:
@@ -59,6 +65,8 @@ class DPOSection:
                               f"(ref: model), or pick a reference-free loss {REFERENCE_FREE}")  # fmt: skip
         if self.pref_ftx < 0:
             raise ConfigError(f"dpo.pref_ftx={self.pref_ftx} must be >= 0")
+        if self.shared_prompts not in ("auto", "on", "off"):
+            raise ConfigError(f"dpo.shared_prompts={self.shared_prompts!r} is not auto, on or off")
 
     @property
     def uses_reference(self) -> bool:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
+from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS, Batch
 from mindspeed_llm.data.sft import Sample, collate_rows, pack_rows
 from mindspeed_llm.train.objectives import LossContext, token_nll
 
@@ -24,17 +25,40 @@ Pair = tuple[Sample, Sample]
 SLOT_KEY = "pair_slot"
 """The batch key of the per-token slot (see the module docstring)."""
 
-__all__ = ["SLOT_KEY", "Pair", "count_pairs", "pack_pairs", "renumber_slots", "sequence_logps"]
+__all__ = ["SLOT_KEY", "Pair", "count_pairs", "pack_pairs", "renumber_slots", "sequence_logps",
+           "shared_prefix"]  # fmt: skip
 
 
-def pack_pairs(pairs: Sequence[Pair], seq_len: int, pad_id: int, rows: int | None = None) -> Batch:
+def shared_prefix(pair: Pair) -> int:
+    """How many leading tokens a pair's chosen and rejected sequences can share: their common
+    prefix, short of the first supervised position of either (the token that predicts a
+    reply's first token belongs to the reply's document)."""
+    (c_ids, c_labels), (r_ids, r_labels) = pair
+    limit = min(len(c_ids), len(r_ids))
+    for lab in (c_labels, r_labels):
+        supervised = np.flatnonzero(np.asarray(lab) != IGNORE_INDEX)
+        limit = min(limit, int(supervised[0]) if supervised.size else len(lab))
+    differ = np.flatnonzero(np.asarray(c_ids[:limit]) != np.asarray(r_ids[:limit]))
+    return int(differ[0]) if differ.size else limit
+
+
+def pack_pairs(pairs: Sequence[Pair], seq_len: int, pad_id: int, rows: int | None = None, *,
+               share_prompts: bool = False) -> Batch:  # fmt: skip
     """Pairs -> one batch of rows `seq_len` wide, both sequences of a pair in the same row
     (rows filled best fit decreasing), with the per-token `pair_slot` key; `rows`: exactly
     that many rows, padded with empty ones (pipeline parallel needs one shape every step).
 
+    `share_prompts`: a pair is three documents, its shared prefix (`shared_prefix`: the
+    prompt but its last token) once, then the chosen and the rejected remainders, each
+    attending to the prefix's keys and its own (the batch's `SHARED_KEYS`, the model's
+    `SharedKeys`), their positions continuing the prefix's: the log-probs of two whole
+    sequences from one forward of the prompt.
+
     Raises:
         ValueError: a pair is longer than `seq_len` (the data source drops or cuts those).
     """
+    if share_prompts:
+        return _pack_shared(pairs, seq_len, pad_id, rows)
     lengths = [len(c[0]) + len(r[0]) for c, r in pairs]
     too_long = [i for i, n in enumerate(lengths) if n > seq_len]
     if too_long:
@@ -53,6 +77,60 @@ def pack_pairs(pairs: Sequence[Pair], seq_len: int, pad_id: int, rows: int | Non
                 slots[r, start : start + len(ids)] = 2 * i + side
                 start += len(ids)
     batch[SLOT_KEY] = slots
+    return batch
+
+
+def _pack_shared(pairs: Sequence[Pair], seq_len: int, pad_id: int, rows: int | None) -> Batch:
+    prefixes = [shared_prefix(p) for p in pairs]
+    lengths = [len(c[0]) + len(r[0]) - s for (c, r), s in zip(pairs, prefixes, strict=True)]
+    too_long = [i for i, n in enumerate(lengths) if n > seq_len]
+    if too_long:
+        raise ValueError(f"pairs {too_long} hold more than seq_len={seq_len} tokens")
+    packed = pack_rows(lengths, seq_len)
+    if rows is not None:
+        if len(packed) > rows:
+            raise ValueError(f"{len(pairs)} pairs need {len(packed)} rows, more than {rows}")
+        packed += [[] for _ in range(rows - len(packed))]
+    # the documents of each row: (ids, labels, first position, slot, prefix document or None)
+    docs_of_rows = []
+    for row in packed:
+        docs = []
+        for i in row:
+            (c_ids, c_labels), (r_ids, r_labels) = pairs[i]
+            s = prefixes[i]
+            prefix = None
+            if s:
+                prefix = len(docs)
+                docs.append((c_ids[:s], c_labels[:s], 0, 2 * i, None))
+            docs.append((c_ids[s:], c_labels[s:], s, 2 * i, prefix))
+            docs.append((r_ids[s:], r_labels[s:], s, 2 * i + 1, prefix))
+        docs_of_rows.append(docs)
+    batch = collate_rows([[(d[0], d[1]) for d in docs] for docs in docs_of_rows], seq_len, pad_id)
+    slots = torch.full_like(batch["input_ids"], -1)
+    index, cu_k, offsets = [], [0], []
+    for r, docs in enumerate(docs_of_rows):
+        starts, start = [], 0
+        for ids, _, first, slot, prefix in docs:
+            starts.append(start)
+            end = start + len(ids)
+            slots[r, start:end] = slot
+            batch["position_ids"][r, start:end] += first
+            keys = []
+            if prefix is not None:
+                keys.append(range(r * seq_len + starts[prefix], r * seq_len + starts[prefix] + first))
+            keys.append(range(r * seq_len + start, r * seq_len + end))
+            index += [t for k in keys for t in k]
+            cu_k.append(len(index))
+            offsets.append(first if prefix is not None else 0)
+            start = end
+        if start < seq_len:  # the padding: a document on its own
+            index += range(r * seq_len + start, (r + 1) * seq_len)
+            cu_k.append(len(index))
+            offsets.append(0)
+    batch[SLOT_KEY] = slots
+    values = (torch.tensor(index, dtype=torch.long), torch.tensor(cu_k, dtype=torch.int32),
+              torch.tensor(offsets, dtype=torch.long))  # fmt: skip
+    batch.update(zip(SHARED_KEYS, values, strict=True))
     return batch
 
 

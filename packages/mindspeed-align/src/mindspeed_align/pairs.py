@@ -145,7 +145,8 @@ class PairData(SFTData):
         rows = self.cfg.train.micro_batch if getattr(self, "pipelined", False) else None
         batches, first = [], 0
         for group in groups:
-            batch = pack_pairs(group, self.seq_len, self.pad_id, rows=rows)
+            batch = pack_pairs(group, self.seq_len, self.pad_id, rows=rows,
+                               share_prompts=getattr(self, "share_prompts", False))  # fmt: skip
             if rows is not None:
                 batch[SLOT_KEY] = torch.where(batch[SLOT_KEY] >= 0, batch[SLOT_KEY] + 2 * first, -1)
                 first += len(group)

@@ -51,7 +51,7 @@ def _segment_reference(q, k, v, causal, window, softcap, scale, offset, sinks=No
 
 def attention_reference(
     q, k, v, *, causal=True, window=None, cu_seqlens=None, scale=None, softcap=None, offsets=None,
-    sinks=None,
+    sinks=None, cu_seqlens_k=None,
 ):  # fmt: skip
     """The oracle: -> (out, lse), plain PyTorch math in fp32 (fp64 for fp64 inputs; lse is
     returned in fp32), autograd all the way."""
@@ -66,11 +66,13 @@ def attention_reference(
         ]
         return torch.stack([o for o, _ in pieces]), torch.stack([s for _, s in pieces])
     bounds = cu_seqlens.tolist()
+    keys = bounds if cu_seqlens_k is None else cu_seqlens_k.tolist()
     offs = [0] * (len(bounds) - 1) if offsets is None else offsets.tolist()
     out = q.new_zeros(*q.shape[:2], v.shape[-1])
     lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     pieces = [
-        _segment_reference(q[a:b], k[a:b], v[a:b], causal, window, softcap, scale, offs[i], sinks)
+        _segment_reference(q[a:b], k[keys[i] : keys[i + 1]], v[keys[i] : keys[i + 1]], causal,
+                           window, softcap, scale, offs[i], sinks)  # fmt: skip
         for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))
         if b > a
     ]
@@ -195,7 +197,8 @@ def sink_grad(dout: Tensor, dlse: Tensor | None, out: Tensor, lse: Tensor, sinks
 # -- validation ----------------------------------------------------------------------------
 
 
-def _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets, sinks=None):
+def _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets, sinks=None,
+              cu_seqlens_k=None):  # fmt: skip
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(name, t)
         check_same_device(name, t, q)
@@ -216,6 +219,8 @@ def _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets, sinks=None)
     cross_ok = cu_seqlens is None and not causal and window is None
     lead_q = q.shape[:1] if cross_ok else q.shape[:-2]
     lead_k = k.shape[:1] if cross_ok else k.shape[:-2]
+    if cu_seqlens_k is not None:  # packed keys in documents of their own: any token count
+        lead_q = lead_k = ()
     if lead_q != lead_k or q.shape[-1] != k.shape[-1]:
         raise ValueError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on all dims but heads"
@@ -230,6 +235,14 @@ def _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets, sinks=None)
     if cu_seqlens is not None:
         check_same_device("cu_seqlens", cu_seqlens, q)
         check_cu_seqlens(cu_seqlens, q.shape[0])
+    if cu_seqlens_k is not None:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens_k needs cu_seqlens (the queries' documents)")
+        check_same_device("cu_seqlens_k", cu_seqlens_k, q)
+        check_cu_seqlens(cu_seqlens_k, k.shape[0])
+        if cu_seqlens_k.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_k has {cu_seqlens_k.numel() - 1} documents but "
+                             f"cu_seqlens {cu_seqlens.numel() - 1}")  # fmt: skip
     if offsets is not None:
         check_index("offsets", offsets)
         count = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
@@ -244,10 +257,10 @@ def _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets, sinks=None)
                              f"shape {tuple(sinks.shape)}")  # fmt: skip
 
 
-def _packed(q, k, v, cu_seqlens):
+def _packed(q, k, v, cu_seqlens, cu_seqlens_k=None):
     """Packed views and (cu_q, cu_k) of batched or packed inputs."""
     if cu_seqlens is not None:
-        return q, k, v, cu_seqlens, cu_seqlens
+        return q, k, v, cu_seqlens, cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     batch, seq, seq_k = q.shape[0], q.shape[1], k.shape[1]
     cu_q = torch.arange(0, (batch + 1) * seq, seq, device=q.device)
     cu_k = torch.arange(0, (batch + 1) * seq_k, seq_k, device=q.device)
@@ -271,6 +284,7 @@ def attention(
     sinks: Tensor | None = None,
     return_lse: bool = False,
     impl: str = "auto",
+    cu_seqlens_k: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Softmax(q k^T * scale) v with the masks above; `(out, lse)` if `return_lse`.
 
@@ -287,14 +301,18 @@ def attention(
             (gpt-oss's attention sinks); None: none.
         return_lse: also return the fp32 log-sum-exp per query row and head.
         impl: "auto", "reference", "cpu", "cuda" or "npu".
+        cu_seqlens_k: packed keys and values in documents of their own (with `cu_seqlens`,
+            as many): document i's queries attend to its keys, query j sitting at j +
+            offsets[i] relative to them. A reply sharing a prompt: its keys are the prompt's
+            and its own, its offset the prompt's length. None: the queries' documents.
     """
-    _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets, sinks)
+    _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets, sinks, cu_seqlens_k)
     backend = resolve_impl(impl, q)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if backend == "reference":
         out, lse = attention_reference(
             q, k, v, causal=causal, window=window, cu_seqlens=cu_seqlens, scale=scale,
-            softcap=softcap, offsets=offsets, sinks=sinks,
+            softcap=softcap, offsets=offsets, sinks=sinks, cu_seqlens_k=cu_seqlens_k,
         )  # fmt: skip
         return (out, lse) if return_lse else out
     plain = window is None and softcap is None and offsets is None and sinks is None
@@ -306,7 +324,7 @@ def attention(
         )  # fmt: skip
         return out.transpose(1, 2)
     batched = cu_seqlens is None
-    qp, kp, vp, cu_q, cu_k = _packed(q, k, v, cu_seqlens)
+    qp, kp, vp, cu_q, cu_k = _packed(q, k, v, cu_seqlens, cu_seqlens_k)
     window_arg = NO_WINDOW if window is None else window
     cap = float(softcap or 0.0)
     kernel = kernels.choose(backend, qp, vp, window_arg, cap, offsets)

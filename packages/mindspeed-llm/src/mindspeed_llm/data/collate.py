@@ -28,6 +28,7 @@ from torch import Tensor
 
 from mindspeed_core.parallel import gather_tokens, packed_shard_index
 from mindspeed_llm.data.packing import packed_positions
+from mindspeed_llm.models.common.attention import SharedKeys
 
 IGNORE_INDEX = -100
 """The label of a position that is not supervised (torch's and transformers' default)."""
@@ -71,11 +72,19 @@ def lm_batch(
     }
 
 
+SHARED_KEYS = ("kv_index", "cu_seqlens_k", "kv_offsets")
+"""A batch whose replies share their prompts (`models.common.attention.SharedKeys`) holds
+these too: the flat token of each key, the keys' documents, each document's offset."""
+
+
 def forward_packed(model, batch: Batch, **kwargs):
     """`model` on a packed batch: its tokens, positions and document boundaries (`kwargs`
-    go to the model as well)."""
-    return model(batch["input_ids"], position_ids=batch["position_ids"],
-                 cu_seqlens=batch["cu_seqlens"], **kwargs)  # fmt: skip
+    go to the model as well); a batch with shared prompts gives them as `SharedKeys`."""
+    cu_seqlens = batch["cu_seqlens"]
+    if SHARED_KEYS[0] in batch:
+        cu_seqlens = SharedKeys(cu_seqlens, *(batch[k] for k in SHARED_KEYS))
+    return model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=cu_seqlens,
+                 **kwargs)  # fmt: skip
 
 
 def check_batch(batch: Batch) -> None:

@@ -8,6 +8,7 @@ runs whole or with wq/wk/wv split by column and wo by row under tensor parallel.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +25,27 @@ if TYPE_CHECKING:
     from mindspeed_llm.generation.kv_cache import LayerCache
 
 RopeTables = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class SharedKeys:
+    """Packed documents whose queries attend to keys gathered from across the row: a reply
+    sharing its prompt with other replies (DPO's chosen and rejected) is a document of its own
+    whose keys are the prompt's tokens and its own, so the prompt's forward and backward run
+    once. Given as a model's `cu_seqlens` (with explicit `position_ids`: a reply's continue
+    its prompt's).
+
+    cu_seqlens: the queries' documents over the flattened batch * seq tokens;
+    index: (key tokens,) the flat token each key and value is taken from;
+    cu_seqlens_k: the keys' documents over `index` (as many as cu_seqlens);
+    offsets: per document, how far its queries sit after its keys' start (the prompt's
+        length; 0 for a prompt or a document on its own).
+    """
+
+    cu_seqlens: Tensor
+    index: Tensor
+    cu_seqlens_k: Tensor
+    offsets: Tensor
 
 
 class Attention(nn.Module):
@@ -103,6 +125,9 @@ class Attention(nn.Module):
                 values are written at its offset and the queries attend to everything
                 cached so far (its mask hides left padding).
         """
+        shared = cu_seqlens if isinstance(cu_seqlens, SharedKeys) else None
+        if shared is not None:
+            cu_seqlens = shared.cu_seqlens
         batch, seq, _ = x.shape
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (batch, seq, local heads x head_dim)
         gate = None
@@ -128,6 +153,11 @@ class Attention(nn.Module):
             return self._output(out.reshape(batch, seq, -1), gate)
         if cu_seqlens is not None:  # packed layout: (batch * seq, heads, head_dim)
             q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        if shared is not None:  # each document's keys: its prompt's and its own
+            if self.context_parallel is not None:
+                raise ValueError("shared prompts (SharedKeys) do not run under context parallel")
+            k, v = k.index_select(0, shared.index), v.index_select(0, shared.index)
+            options.update(cu_seqlens_k=shared.cu_seqlens_k, offsets=shared.offsets)
         if self.context_parallel is not None:
             out = self.context_parallel(q, k, v, cu_seqlens=cu_seqlens, **options)
         else:

@@ -230,6 +230,8 @@ class Transformer(nn.Module):
             if self.config.scale_embeddings:  # Gemma: sqrt(hidden) rounded to h's dtype
                 h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
         if cu_seqlens is not None and position_ids is None:
+            if not isinstance(cu_seqlens, Tensor):
+                raise ValueError("shared prompts (SharedKeys) need explicit position_ids")
             position_ids = position_ids_from_cu_seqlens(cu_seqlens).view(h.shape[0], -1)
         rope = (self.rope_cos, self.rope_sin)
         local = None
