@@ -80,6 +80,7 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
         f"--train.steps={args.steps}", f"--train.micro_batch={samples}",
         f"--train.global_batch={samples}", "--optim.lr=1e-5",
         f"--grpo.async_rollout={'one_step' if args.side == 'ours_async' else 'off'}",
+        f"--grpo.shared_prompts={args.shared_prompts}",
         f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
     info = init_distributed(device_type="cpu")
     tokenizer = load_tokenizer(folder)
@@ -152,6 +153,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--async", dest="async_", action="store_true",
                         help="ours synchronous vs ours one-step off-policy, no TRL")
+    parser.add_argument("--shared-prompts", choices=["auto", "off"], default="auto",
+                        help="ours: a prompt once per group of completions (auto) or in each")
     parser.add_argument("--side", choices=["ours", "ours_async", "theirs"], help=argparse.SUPPRESS)
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -171,7 +174,8 @@ def main() -> None:
         make_prompts(root, args.steps * args.prompts_per_step, args.shape)
         results = run_sides(__file__, root, args.threads, [
             f"--steps={args.steps}", f"--prompts-per-step={args.prompts_per_step}", f"--n={args.n}",
-            f"--max-new-tokens={args.max_new_tokens}", f"--shape={args.shape}"],
+            f"--max-new-tokens={args.max_new_tokens}", f"--shape={args.shape}",
+            f"--shared-prompts={args.shared_prompts}"],
             ("ours", "ours_async") if args.async_ else ("ours", "theirs"))  # fmt: skip
     if args.async_:
         sync, overlapped = results["ours"], results["ours_async"]
@@ -186,6 +190,7 @@ def main() -> None:
     ours, theirs = results["ours"], results["theirs"]
     print(json.dumps({
         "benchmark": "grpo_throughput", "shape": args.shape, "dtype": "fp32", "n": args.n,
+        "shared_prompts": args.shared_prompts,
         "prompts_per_step": args.prompts_per_step, "max_new_tokens": args.max_new_tokens,
         "ours": ours, "trl": theirs, "speedup": round(ours["samples_per_s"] / theirs["samples_per_s"], 2),
         "memory_ratio": round(ours["peak_mem_mb"] / max(theirs["peak_mem_mb"], 1e-9), 2),

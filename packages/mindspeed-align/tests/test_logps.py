@@ -89,7 +89,7 @@ def test_shared_prompts_where_they_cannot_run():
     MTP or layers other than softmax attention; on is refused there in one line; off is off."""
     from types import SimpleNamespace
 
-    from mindspeed_align.dpo import _shares_prompts
+    from mindspeed_align.common import shares_prompts
     from mindspeed_core.errors import ConfigError
     from mindspeed_llm.models.common.attention import Attention
 
@@ -102,10 +102,10 @@ def test_shared_prompts_where_they_cannot_run():
     class GatedDeltaNet:
         pass
 
-    assert _shares_prompts("auto", run()) and _shares_prompts("on", run())
-    assert not _shares_prompts("off", run())
+    assert shares_prompts("auto", run(), "dpo") and shares_prompts("on", run(), "dpo")
+    assert not shares_prompts("off", run(), "dpo")
     for bad, why in ((run(pp=2), "pipeline or context parallel"), (run(cp=2), "pipeline or context"),
                      (run(mtp=1), "MTP"), (run(mixer=GatedDeltaNet), "GatedDeltaNet layers")):  # fmt: skip
-        assert not _shares_prompts("auto", bad)
+        assert not shares_prompts("auto", bad, "dpo")
         with pytest.raises(ConfigError, match=f"dpo.shared_prompts=on: prompts cannot be shared under {why}"):
-            _shares_prompts("on", bad)
+            shares_prompts("on", bad, "dpo")

@@ -109,7 +109,8 @@ def test_micro_batches_split_by_tokens_and_the_step_does_not_depend_on_the_split
 
     prompts, responses, _ = _fixed_rollout()
     size = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    rows = GRPOStep._rows(SimpleNamespace(accum=4), SimpleNamespace(prompt_ids=prompts, response_ids=responses),
+    rows = GRPOStep._rows(SimpleNamespace(accum=4, share_prompts=False),
+                          SimpleNamespace(prompt_ids=prompts, response_ids=responses),
                           list(range(12)))  # fmt: skip
     assert sorted(i for r in rows for i in r) == list(range(12)) and all(r == sorted(r) for r in rows)
     balanced = [sum(size[i] for i in r) for r in rows]
@@ -124,6 +125,56 @@ def test_micro_batches_split_by_tokens_and_the_step_does_not_depend_on_the_split
             assert r2.metrics[key] == pytest.approx(r1.metrics[key], rel=1e-5, abs=1e-7), (agg, key)
         for name, grad in g1.items():
             torch.testing.assert_close(g2[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_shared_prompts_give_the_separate_samples_step(masked):
+    """`grpo.shared_prompts`: 4 prompts x 3 samples, each prompt once per row and its samples
+    attending to it: the recomputed log-probs, the step's loss, metrics and every gradient
+    equal those of the samples packed whole (fp32), in fewer tokens; with environment masks
+    (some response tokens unlabelled) too. GRPOStep keeps a prompt's samples together."""
+    from types import SimpleNamespace
+
+    from mindspeed_align.rl.grpo import GRPOStep
+
+    gen = torch.Generator().manual_seed(1)
+    groups = [torch.randint(3, 512, (2 + 3 * g,), generator=gen).tolist() for g in range(4)]
+    prompts = [groups[i // 3] for i in range(12)]
+    responses = [torch.randint(3, 512, (1 + (i * 5) % 7,), generator=gen).tolist() for i in range(12)]
+    adv = torch.randn(12, generator=gen).tolist()
+    masks = [[int(t % 3 != 0) for t in range(len(r))] for r in responses] if masked else None
+    rows = GRPOStep._rows(SimpleNamespace(accum=2, share_prompts=True),
+                          SimpleNamespace(prompt_ids=prompts, response_ids=responses), list(range(12)))  # fmt: skip
+    assert all(len([i for i in r if i // 3 == g]) in (0, 3) for r in rows for g in range(4))  # groups whole
+    results = []
+    for share in (False, True):
+        policy, dims = _policy(ParallelConfig(), 1)
+        step = TrainStep(build_train_parts(policy, OptimConfig(lr=1e-3, warmup_steps=0), total_steps=2),
+                         GRPOObjective(eps_low=0.2, eps_high=0.28, kl_coef=0.1, kl_estimator="k3"), dims,
+                         clip_grad=0.0)  # fmt: skip
+        micro = []
+        for sl in rows:
+            b = pack_samples([prompts[i] for i in sl], [responses[i] for i in sl],
+                             {"advantages": [adv[i] for i in sl]}, {}, agg="seq-mean-token-mean",
+                             max_new_tokens=8, share_prompts=share,
+                             masks=None if masks is None else [masks[i] for i in sl])  # fmt: skip
+            b["old_logps"] = recompute_logps(policy, b) - 0.4 * b["advantages"]
+            b["ref_logps"] = recompute_logps(policy, b) + 0.05 * (b["labels"] % 3)
+            micro.append(b)
+        tokens = sum(b["input_ids"].numel() for b in micro)
+        logps = [recompute_logps(policy, b)[b["labels"] != -100] for b in micro]
+        result = step(micro)
+        grads = {n: p.grad.clone() for n, p in policy.model.named_parameters()}
+        results.append((tokens, logps, result, grads))
+    (t1, l1, r1, g1), (t2, l2, r2, g2) = results
+    assert t2 < t1  # each prompt (but its last token) once per row
+    for a, b in zip(l1, l2, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert r2.num_units == r1.num_units and r2.loss == pytest.approx(r1.loss, rel=1e-5, abs=1e-7)
+    for key in r1.metrics:
+        assert r2.metrics[key] == pytest.approx(r1.metrics[key], rel=1e-5, abs=1e-6), key
+    for name, grad in g1.items():
+        torch.testing.assert_close(g2[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _layouts():

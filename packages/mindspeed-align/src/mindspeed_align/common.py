@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mindspeed_core.errors import ConfigError, DataError
 from mindspeed_core.files import staged_folder
 from mindspeed_llm.data.sft import SFTStats
+from mindspeed_llm.models.common.attention import Attention
 
 __all__ = [
     "check_layout",
     "evaluating",
     "read_units",
+    "shares_prompts",
     "warm_start_for_demo",
     "write_folder",
 ]
@@ -79,3 +82,29 @@ def write_folder(folder: Path, files: dict[str, list[dict]]) -> None:
     with staged_folder(folder) as staging:
         for name, rows in files.items():
             (staging / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def shares_prompts(mode: str, run, section: str) -> bool:
+    """`{section}.shared_prompts` (auto, on or off): whether the packed rows hold each prompt
+    once for all of its replies (`SharedKeys`). It needs every rank to see whole documents
+    (no pipeline or context parallel), no MTP and softmax attention layers (their keys are
+    gathered per document); `auto` is off elsewhere (and logs why), `on` refused."""
+    if mode == "off":
+        return False
+    why = None
+    if run.dims.pp > 1 or run.dims.cp > 1:
+        why = "pipeline or context parallel"
+    elif run.model_config.num_nextn_predict_layers:
+        why = "MTP"
+    else:
+        layers = [m for m in run.policy.model.modules() if hasattr(m, "attention")]
+        others = {type(m.attention).__name__ for m in layers} - {Attention.__name__}
+        why = f"{', '.join(sorted(others))} layers" if others else None
+    if why is not None and mode == "on":
+        raise ConfigError(f"{section}.shared_prompts=on: prompts cannot be shared under {why} "
+                          "(their keys must be gathered per document); use auto or off")  # fmt: skip
+    if why is not None:
+        logging.getLogger(f"mindspeed.{section}").info(
+            "%s: each reply's row holds its own copy of the prompt (%s.shared_prompts=auto is "
+            "off under %s)", section, section, why)  # fmt: skip
+    return why is None

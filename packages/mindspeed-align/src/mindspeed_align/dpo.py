@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from mindspeed_align.common import shares_prompts
 from mindspeed_align.dpo_config import (
     REFERENCE_FREE,
     DPOConfig,
@@ -31,7 +32,6 @@ from mindspeed_align.losses import dpo_loss, orpo_loss, simpo_loss
 from mindspeed_align.reference import REF_KEY
 from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import process_group
-from mindspeed_core.errors import ConfigError
 from mindspeed_llm.data.collate import IGNORE_INDEX, forward_packed
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, RunContext
 
@@ -75,7 +75,7 @@ class PreferenceObjective(Objective):
         (always under pipeline or context parallel: the whole model scores every pair once)."""
         if run.dims.cp > 1:
             self.cp_group, self.cp_size = run.dims.mesh("cp").get_group(), run.dims.cp
-        run.data.share_prompts = _shares_prompts(self.section.shared_prompts, run)
+        run.data.share_prompts = shares_prompts(self.section.shared_prompts, run, "dpo")
         from mindspeed_llm.train.step import supervised_positions_layout
 
         self.reference_keep = supervised_positions_layout(run.policy, run.dims)
@@ -205,30 +205,6 @@ def dpo(cfg: DPOConfig, *, before_tp=None, after_tp=None) -> dict[str, float]:
                         before["reward_margin"], after["reward_margin"],
                         before["policy_preference"], after["policy_preference"])  # fmt: skip
         return summary
-
-
-def _shares_prompts(mode: str, run) -> bool:
-    """`dpo.shared_prompts`: whether the pairs' rows share their prompts (see DPOSection)."""
-    if mode == "off":
-        return False
-    from mindspeed_llm.models.common.attention import Attention
-
-    why = None
-    if run.dims.pp > 1 or run.dims.cp > 1:
-        why = "pipeline or context parallel"
-    elif run.model_config.num_nextn_predict_layers:
-        why = "MTP"
-    else:
-        layers = [m for m in run.policy.model.modules() if hasattr(m, "attention")]
-        others = {type(m.attention).__name__ for m in layers} - {Attention.__name__}
-        why = f"{', '.join(sorted(others))} layers" if others else None
-    if why is not None and mode == "on":
-        raise ConfigError(f"dpo.shared_prompts=on: prompts cannot be shared under {why} "
-                          "(their keys must be gathered per document); use auto or off")  # fmt: skip
-    if why is not None:
-        logger.info("dpo: each reply's row holds its own copy of the prompt (dpo.shared_prompts=auto "
-                    "is off under %s)", why)  # fmt: skip
-    return why is None
 
 
 def _reads_every_pair(run) -> bool:

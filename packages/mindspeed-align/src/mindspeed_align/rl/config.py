@@ -124,6 +124,12 @@ class GRPOSection:
     """Demo only (no data.prompts, no init_from, no model.hf_path): pretraining steps on
     the demo corpus first, so the model speaks the task's format (with env calculator:
     SFT steps on the calculator's demonstrations, 1500 when left at 150)."""
+    shared_prompts: Literal["auto", "on", "off"] = "auto"
+    """The n completions of a prompt packed after one copy of it, each attending to its keys
+    (`objective.pack_samples(share_prompts=True)`): the prompt's forward and backward run
+    once per group in the policy's, the old log-probs' and the reference's forwards. auto:
+    where it can run (no pipeline or context parallel, softmax attention layers, no MTP);
+    on: refused elsewhere."""
     async_rollout: Literal["off", "one_step"] = "off"
     """one_step: the rollout of step k+1 samples (in a background thread, through a copy of
     the policy as step k starts) while step k trains; each step trains on samples of the
@@ -180,6 +186,8 @@ class GRPOSection:
                               f"[0, {name}.max_new_tokens={self.max_new_tokens})")  # fmt: skip
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"{name}.dual_clip={self.dual_clip} must be > 1")
+        if self.shared_prompts not in ("auto", "on", "off"):
+            raise ConfigError(f"{name}.shared_prompts={self.shared_prompts!r} is not auto, on or off")
         if self.async_rollout not in ("off", "one_step"):
             raise ConfigError(f"{name}.async_rollout={self.async_rollout!r} is not off or one_step")
         if self.trainer_actors < 0 or (self.trainer_actors and self.placement != "ray"):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mindspeed_align.common import shares_prompts
 from mindspeed_align.rl import advantages as adv_fns
 from mindspeed_align.rl.config import GROUP_ADVANTAGES, GRPOConfig
 from mindspeed_align.rl.env import run_episodes
@@ -36,7 +37,7 @@ from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfi
 from mindspeed_align.rl.weights import load_weights
 from mindspeed_core.errors import ConfigError
 from mindspeed_llm.chat_template import encode_text
-from mindspeed_llm.data.collate import IGNORE_INDEX
+from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS
 from mindspeed_llm.train.objectives import RunContext
 from mindspeed_llm.train.step import StepResult, TrainStep, supervised_positions_layout
 
@@ -91,6 +92,7 @@ class GRPOStep(TrainStep):
                                        temperature=cfg.rl.temperature, stop_token_ids=stops,
                                        kv_budget_mb=cfg.rl.rollout_kv_mb)  # fmt: skip
         self.pad_multiple = 8 * dims.tp
+        self.share_prompts = False  # a prompt once per group of samples (`grpo.shared_prompts`)
         # old log-probs: the output layer on the response positions alone where it can
         self._recompute_responses_only = supervised_positions_layout(parts.model, dims)
 
@@ -185,11 +187,20 @@ class GRPOStep(TrainStep):
         the rest; the step's loss does not depend on the split (it is normalised per step)."""
         parts: list[list[int]] = [[] for _ in range(self.accum)]
         loads = [0] * self.accum
-        size = {i: len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in keep}
-        for i in sorted(keep, key=lambda i: -size[i]):
+        groups = [[i] for i in sorted(keep)]
+        if self.share_prompts:  # a prompt's samples stay together, so they share it
+            groups = []
+            for i in sorted(keep):
+                if groups and list(batch.prompt_ids[groups[-1][0]]) == list(batch.prompt_ids[i]):
+                    groups[-1].append(i)
+                else:
+                    groups.append([i])
+        size = [len(batch.prompt_ids[g[0]]) * (1 if self.share_prompts else len(g))
+                + sum(len(batch.response_ids[i]) for i in g) for g in groups]  # fmt: skip
+        for k in sorted(range(len(groups)), key=lambda k: -size[k]):
             lightest = min(range(self.accum), key=loads.__getitem__)
-            parts[lightest].append(i)
-            loads[lightest] += size[i]
+            parts[lightest] += groups[k]
+            loads[lightest] += size[k]
         return [sorted(part) for part in parts]
 
     def _pack(self, batch: RolloutBatch, per_token: dict[str, Any], keep: list[int]) -> list:
@@ -202,6 +213,7 @@ class GRPOStep(TrainStep):
                 agg=self.rl.loss_agg, max_new_tokens=self.rl.max_new_tokens,
                 pad_multiple=self.pad_multiple,
                 masks=None if batch.response_mask is None else [batch.response_mask[i] for i in rows],
+                share_prompts=self.share_prompts,
             )
             for rows in self._rows(batch, keep)
         ]  # fmt: skip
@@ -289,7 +301,7 @@ def _per_sample(micro: list, rows: list[list[int]], batch: RolloutBatch) -> dict
     per sample: {key: {sample: one value per response token}} (0 on an environment's
     tokens, which carry no label)."""
     skip = {"input_ids", "labels", "position_ids", "cu_seqlens", "weights", "metric_weights",
-            "unit", "sampler_logps"}  # fmt: skip
+            "unit", "sampler_logps", *SHARED_KEYS}  # fmt: skip
     masks = batch.response_mask
     out: dict[str, dict[int, list]] = {}
     for b, samples in zip(micro, rows, strict=True):
@@ -502,6 +514,7 @@ class GRPOMethod(GRPOObjective):
                              env=self.env, template=self.template, source=run.data,
                              rollout=self._placed_rollout(run),
                              **run.step_options, **self.step_extras())  # fmt: skip
+        step.share_prompts = shares_prompts(g.shared_prompts, run, g.section)
         if g.rollout_kv_mb:  # refused before anything is written, for the longest prompt allowed
             try:
                 step.rollout.prompts_within_budget(

@@ -19,7 +19,7 @@ from torch import Tensor
 from mindspeed_align.rl.losses import kl_estimate, policy_loss
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
-from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
+from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS, Batch, forward_packed
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, token_nll
 
 __all__ = ["GRPOObjective", "Mismatch", "pack_samples", "recompute_logps", "token_logps"]
@@ -40,24 +40,55 @@ def pack_samples(
     max_new_tokens: int,
     pad_multiple: int = 8,
     masks: Sequence[Sequence[int]] | None = None,
+    share_prompts: bool = False,
 ) -> Batch:
     """One packed row of samples. `per_sample` values (advantages) are spread over each
     response's tokens; `per_token` values (one per response token) land on the positions
     that predict those tokens. `masks` (per response token, 0 where an environment wrote
     it) leave those tokens unlabelled and unweighted: a sample's length in the aggregation
     is its policy tokens. Padding to a multiple of `pad_multiple` is one more, unsupervised
-    document."""
+    document.
+
+    `share_prompts`: consecutive samples of one prompt hold it once: its tokens but the last
+    are a document of their own, then each sample is a document of the prompt's last token
+    and its response, attending to the shared tokens' keys and its own (the batch's
+    `SHARED_KEYS`, the model's `SharedKeys`), positions continuing the prompt's. Every
+    per-token value sits where it would without sharing, relative to its response."""
     ids, labels, positions, bounds = [], [], [], [0]
+    keys, key_bounds, offsets = [], [0], []
     extra = {k: [] for k in (*per_sample, *per_token, "weights", "metric_weights", "unit")}
+    shared_at, shared_prompt = None, None  # where the current shared prompt starts, and it
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        seq, n = list(p) + list(r), len(r)
+        p, n = list(p), len(r)
         mask = [1] * n if masks is None else list(masks[i])
         trained = sum(mask)
+        skip = 0  # prompt tokens held by the shared document
+        if share_prompts and len(p) > 1:
+            if p != shared_prompt:  # a new group: its prompt but the last token, once
+                shared_at, shared_prompt = len(ids), p
+                ids += p[:-1]
+                labels += [IGNORE_INDEX] * (len(p) - 1)
+                positions += range(len(p) - 1)
+                bounds.append(len(ids))
+                keys += range(shared_at, len(ids))
+                key_bounds.append(len(keys))
+                offsets.append(0)
+                for values in extra.values():
+                    values += [0.0] * (len(p) - 1)
+            skip = len(p) - 1
+        elif share_prompts:
+            shared_prompt = None
+        start = len(ids)
+        seq = p[skip:] + list(r)
         ids += seq
-        labels += [IGNORE_INDEX] * (len(p) - 1) + [t if m else IGNORE_INDEX for t, m in zip(r, mask, strict=True)] + [IGNORE_INDEX]
-        positions += range(len(seq))
+        labels += [IGNORE_INDEX] * (len(p) - 1 - skip) + [t if m else IGNORE_INDEX for t, m in zip(r, mask, strict=True)] + [IGNORE_INDEX]
+        positions += range(skip, skip + len(seq))
         bounds.append(len(ids))
-        lead, tail = [0.0] * (len(p) - 1), [0.0]
+        if share_prompts:
+            keys += [*(range(shared_at, shared_at + skip) if skip else ()), *range(start, len(ids))]
+            key_bounds.append(len(keys))
+            offsets.append(skip)
+        lead, tail = [0.0] * (len(p) - 1 - skip), [0.0]
         for key, values in per_sample.items():
             extra[key] += lead + [float(values[i])] * n + tail
         for key, values in per_token.items():
@@ -70,6 +101,10 @@ def pack_samples(
         extra["unit"] += lead + units + tail
     pad = -len(ids) % pad_multiple or (0 if ids else pad_multiple)  # never an empty row
     if pad:
+        if share_prompts:
+            keys += range(len(ids), len(ids) + pad)
+            key_bounds.append(len(keys))
+            offsets.append(0)
         ids += [0] * pad
         labels += [IGNORE_INDEX] * pad
         positions += range(pad)
@@ -83,6 +118,10 @@ def pack_samples(
         "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
     }
     batch.update({k: torch.tensor([v], dtype=torch.float32) for k, v in extra.items()})
+    if share_prompts:
+        batch.update(zip(SHARED_KEYS, (torch.tensor(keys, dtype=torch.long),
+                                       torch.tensor(key_bounds, dtype=torch.int32),
+                                       torch.tensor(offsets, dtype=torch.long)), strict=True))  # fmt: skip
     return batch
 
 
@@ -200,9 +239,7 @@ def recompute_logps(model, batch: Batch, temperature: float = 1.0, *,
         if model.autocast is not None:
             stack.enter_context(torch.autocast(model.device.type, dtype=model.autocast))
         stack.enter_context(loss_parallel_context(model.loss.loss_parallel))
-        logits = model.model(
-            b["input_ids"], position_ids=b["position_ids"], cu_seqlens=b["cu_seqlens"], **extra
-        )
+        logits = forward_packed(model.model, b, **extra)
         if not supervised_only:
             return token_logps(logits, labels, model.loss, temperature).float().view_as(labels).cpu()
         kept = token_logps(logits, labels[extra["keep"]], model.loss, temperature)

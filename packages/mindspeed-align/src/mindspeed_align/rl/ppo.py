@@ -44,7 +44,7 @@ from mindspeed_align.rl.losses import kl_estimate, value_loss
 from mindspeed_align.rl.weights import load_value_model, load_weights
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
-from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
+from mindspeed_llm.data.collate import IGNORE_INDEX, Batch, forward_packed
 from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, RunContext
 from mindspeed_llm.train.step import StepResult, TrainStep
@@ -90,8 +90,7 @@ def recompute_values(critic: BuiltModel, batch: Batch) -> Tensor:
         if critic.autocast is not None:
             stack.enter_context(torch.autocast(critic.device.type, dtype=critic.autocast))
         stack.enter_context(loss_parallel_context(False))
-        out = critic.model(b["input_ids"], position_ids=b["position_ids"],
-                           cu_seqlens=b["cu_seqlens"])  # fmt: skip
+        out = forward_packed(critic.model, b)
     return full(out).float().view_as(b["input_ids"]).cpu()
 
 
