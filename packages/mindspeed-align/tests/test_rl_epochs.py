@@ -120,8 +120,12 @@ def test_one_epoch_of_one_mini_batch_is_the_single_on_policy_update():
     assert len(seen) == 1 and not any(k.startswith("loss/epoch") for k in result.metrics)
 
 
-def test_second_epoch_ratio_moves_and_its_loss_is_the_hand_computed_surrogate():
+@pytest.mark.parametrize("share", [False, True], ids=["whole", "shared_prompts"])
+def test_second_epoch_ratio_moves_and_its_loss_is_the_hand_computed_surrogate(share):
+    """With shared prompts too (each group's prompt once in the row): the same hand values
+    from plain per-sample forwards, through `_per_sample`'s scatter and the re-packing."""
     step, policy, records, start, seen = _step(epochs=2, mini_batches=1)
+    step.share_prompts = share
     result = step(records)
     assert len(seen) == 2  # one training forward per update
     old = _logps(policy, start)  # fixed before the first update
