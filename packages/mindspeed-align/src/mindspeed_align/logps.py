@@ -59,15 +59,7 @@ def pack_pairs(pairs: Sequence[Pair], seq_len: int, pad_id: int, rows: int | Non
     """
     if share_prompts:
         return _pack_shared(pairs, seq_len, pad_id, rows)
-    lengths = [len(c[0]) + len(r[0]) for c, r in pairs]
-    too_long = [i for i, n in enumerate(lengths) if n > seq_len]
-    if too_long:
-        raise ValueError(f"pairs {too_long} hold more than seq_len={seq_len} tokens")
-    packed = pack_rows(lengths, seq_len)
-    if rows is not None:
-        if len(packed) > rows:
-            raise ValueError(f"{len(pairs)} pairs need {len(packed)} rows, more than {rows}")
-        packed += [[] for _ in range(rows - len(packed))]
+    packed = _rows([len(c[0]) + len(r[0]) for c, r in pairs], seq_len, rows)
     batch = collate_rows([[s for i in row for s in pairs[i]] for row in packed], seq_len, pad_id)
     slots = torch.full_like(batch["input_ids"], -1)
     for r, row in enumerate(packed):
@@ -80,17 +72,24 @@ def pack_pairs(pairs: Sequence[Pair], seq_len: int, pad_id: int, rows: int | Non
     return batch
 
 
-def _pack_shared(pairs: Sequence[Pair], seq_len: int, pad_id: int, rows: int | None) -> Batch:
-    prefixes = [shared_prefix(p) for p in pairs]
-    lengths = [len(c[0]) + len(r[0]) - s for (c, r), s in zip(pairs, prefixes, strict=True)]
+def _rows(lengths: list[int], seq_len: int, rows: int | None) -> list[list[int]]:
+    """The pairs (of these token counts) of each row, best fit decreasing; `rows` of them
+    exactly when given (empty ones added)."""
     too_long = [i for i, n in enumerate(lengths) if n > seq_len]
     if too_long:
         raise ValueError(f"pairs {too_long} hold more than seq_len={seq_len} tokens")
     packed = pack_rows(lengths, seq_len)
     if rows is not None:
         if len(packed) > rows:
-            raise ValueError(f"{len(pairs)} pairs need {len(packed)} rows, more than {rows}")
+            raise ValueError(f"{len(lengths)} pairs need {len(packed)} rows, more than {rows}")
         packed += [[] for _ in range(rows - len(packed))]
+    return packed
+
+
+def _pack_shared(pairs: Sequence[Pair], seq_len: int, pad_id: int, rows: int | None) -> Batch:
+    prefixes = [shared_prefix(p) for p in pairs]
+    packed = _rows([len(c[0]) + len(r[0]) - s for (c, r), s in zip(pairs, prefixes, strict=True)],
+                   seq_len, rows)  # fmt: skip
     # the documents of each row: (ids, labels, first position, slot, prefix document or None)
     docs_of_rows = []
     for row in packed:

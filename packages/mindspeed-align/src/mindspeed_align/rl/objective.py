@@ -56,9 +56,7 @@ def pack_samples(
     and its response, attending to the shared tokens' keys and its own (the batch's
     `SHARED_KEYS`, the model's `SharedKeys`), positions continuing the prompt's. Every
     per-token value sits where it would without sharing, relative to its response."""
-    ids, labels, positions, bounds = [], [], [], [0]
-    keys, key_bounds, offsets = [], [0], []
-    extra = {k: [] for k in (*per_sample, *per_token, "weights", "metric_weights", "unit")}
+    row = _Row((*per_sample, *per_token, "weights", "metric_weights", "unit"), share_prompts)
     shared_at, shared_prompt = None, None  # where the current shared prompt starts, and it
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         p, n = list(p), len(r)
@@ -67,64 +65,68 @@ def pack_samples(
         skip = 0  # prompt tokens held by the shared document
         if share_prompts and len(p) > 1:
             if p != shared_prompt:  # a new group: its prompt but the last token, once
-                shared_at, shared_prompt = len(ids), p
-                ids += p[:-1]
-                labels += [IGNORE_INDEX] * (len(p) - 1)
-                positions += range(len(p) - 1)
-                bounds.append(len(ids))
-                keys += range(shared_at, len(ids))
-                key_bounds.append(len(keys))
-                offsets.append(0)
-                for values in extra.values():
-                    values += [0.0] * (len(p) - 1)
+                shared_prompt = p
+                shared_at = row.add(p[:-1], [IGNORE_INDEX] * (len(p) - 1), {})
             skip = len(p) - 1
-        elif share_prompts:
+        else:
             shared_prompt = None
-        start = len(ids)
-        seq = p[skip:] + list(r)
-        ids += seq
-        labels += [IGNORE_INDEX] * (len(p) - 1 - skip) + [t if m else IGNORE_INDEX for t, m in zip(r, mask, strict=True)] + [IGNORE_INDEX]
-        positions += range(skip, skip + len(seq))
-        bounds.append(len(ids))
-        if share_prompts:
-            keys += [*(range(shared_at, shared_at + skip) if skip else ()), *range(start, len(ids))]
-            key_bounds.append(len(keys))
-            offsets.append(skip)
         lead, tail = [0.0] * (len(p) - 1 - skip), [0.0]
-        for key, values in per_sample.items():
-            extra[key] += lead + [float(values[i])] * n + tail
-        for key, values in per_token.items():
-            extra[key] += lead + [float(v) for v in values[i]] + tail
+        values = {key: lead + [float(v[i])] * n + tail for key, v in per_sample.items()}
+        values.update({key: lead + [float(x) for x in v[i]] + tail for key, v in per_token.items()})
         weight, metric = _weights(agg, max(trained, 1), max_new_tokens)
-        extra["weights"] += lead + [weight * m for m in mask] + tail
-        extra["metric_weights"] += lead + [metric * m for m in mask] + tail
         first = mask.index(1) if trained else -1
         units = [float(m) if agg == "token-mean" else float(t == first) for t, m in enumerate(mask)]
-        extra["unit"] += lead + units + tail
-    pad = -len(ids) % pad_multiple or (0 if ids else pad_multiple)  # never an empty row
+        values.update(weights=lead + [weight * m for m in mask] + tail,
+                      metric_weights=lead + [metric * m for m in mask] + tail, unit=lead + units + tail)  # fmt: skip
+        labelled = [t if m else IGNORE_INDEX for t, m in zip(r, mask, strict=True)]
+        row.add(p[skip:] + list(r), [IGNORE_INDEX] * (len(p) - 1 - skip) + labelled + [IGNORE_INDEX],
+                values, first=skip, prefix=shared_at if skip else None)  # fmt: skip
+    pad = -len(row.ids) % pad_multiple or (0 if row.ids else pad_multiple)  # never an empty row
     if pad:
-        if share_prompts:
-            keys += range(len(ids), len(ids) + pad)
-            key_bounds.append(len(keys))
-            offsets.append(0)
-        ids += [0] * pad
-        labels += [IGNORE_INDEX] * pad
-        positions += range(pad)
-        bounds.append(len(ids))
-        for values in extra.values():
-            values += [0.0] * pad
-    batch = {
-        "input_ids": torch.tensor([ids]),
-        "labels": torch.tensor([labels]),
-        "position_ids": torch.tensor([positions]),
-        "cu_seqlens": torch.tensor(bounds, dtype=torch.int32),
-    }
-    batch.update({k: torch.tensor([v], dtype=torch.float32) for k, v in extra.items()})
-    if share_prompts:
-        batch.update(zip(SHARED_KEYS, (torch.tensor(keys, dtype=torch.long),
-                                       torch.tensor(key_bounds, dtype=torch.int32),
-                                       torch.tensor(offsets, dtype=torch.long)), strict=True))  # fmt: skip
-    return batch
+        row.add([0] * pad, [IGNORE_INDEX] * pad, {})
+    return row.batch()
+
+
+class _Row:
+    """A packed row as `pack_samples` builds it: its documents' tokens, labels, positions,
+    per-token values, and with shared prompts each document's keys."""
+
+    def __init__(self, value_keys, shared: bool):
+        self.ids, self.labels, self.positions, self.bounds = [], [], [], [0]
+        self.values = {k: [] for k in value_keys}
+        self.shared, self.keys, self.key_bounds, self.offsets = shared, [], [0], []
+
+    def add(self, ids, labels, values: dict[str, list], *, first: int = 0, prefix=None) -> int:
+        """One document (its values per key, 0 for a key left out) at positions from `first`;
+        `prefix`: where the shared document its keys begin with starts (`first` tokens long).
+        Returns where the document starts."""
+        start = len(self.ids)
+        self.ids += ids
+        self.labels += labels
+        self.positions += range(first, first + len(ids))
+        self.bounds.append(len(self.ids))
+        for key, column in self.values.items():
+            column += values.get(key, [0.0] * len(ids))
+        if self.shared:
+            shared = range(prefix, prefix + first) if prefix is not None else ()
+            self.keys += [*shared, *range(start, len(self.ids))]
+            self.key_bounds.append(len(self.keys))
+            self.offsets.append(first if prefix is not None else 0)
+        return start
+
+    def batch(self) -> Batch:
+        batch = {
+            "input_ids": torch.tensor([self.ids]),
+            "labels": torch.tensor([self.labels]),
+            "position_ids": torch.tensor([self.positions]),
+            "cu_seqlens": torch.tensor(self.bounds, dtype=torch.int32),
+        }
+        batch.update({k: torch.tensor([v], dtype=torch.float32) for k, v in self.values.items()})
+        if self.shared:
+            batch.update(zip(SHARED_KEYS, (torch.tensor(self.keys, dtype=torch.long),
+                                           torch.tensor(self.key_bounds, dtype=torch.int32),
+                                           torch.tensor(self.offsets, dtype=torch.long)), strict=True))  # fmt: skip
+        return batch
 
 
 def _weights(agg: str, n: int, max_new_tokens: int) -> tuple[float, float]:
