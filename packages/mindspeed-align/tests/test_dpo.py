@@ -242,6 +242,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         ([], same, r"same.jsonl:1: chosen and rejected are the same reply"),
         (["--dpo.ref=none"], data, r"dpo.ref=none: dpo.loss=sigmoid needs a reference model"),
         (["--dpo.ref=model", "--parallel.pp=2"], data, r"dpo.ref=model with parallel.pp=2: .*precomputed"),
+        (["--dpo.shared_prompts=maybe"], data, r"dpo.shared_prompts"),
     ]
     capsys.readouterr()
     for extra, path, message in cases:

@@ -201,6 +201,7 @@ def test_observations_follow_a_hermes_template():
         (["--ppo.env", "calculator"], {"question": "q", "answer": 1}, "ppo.env: multi-turn episodes"),
         (["--ppo.async_rollout", "one_step"], {"question": "q", "answer": 1}, "ppo.async_rollout: one-step"),
         (["--grpo.async_rollout", "sometimes"], {"question": "q", "answer": 1}, "grpo.async_rollout"),
+        (["--grpo.shared_prompts", "sometimes"], {"question": "q", "answer": 1}, "grpo.shared_prompts"),
         (["--grpo.trainer_actors", "2"], {"question": "q", "answer": 1},
          "grpo.trainer_actors=2: a count >= 0, above 0 only with grpo.placement=ray"),
         (["--grpo.env", "calculator", "--grpo.env_max_turns", "0"], {"question": "q", "answer": 1},
