@@ -362,7 +362,8 @@ def test_encode_text_maps_special_pieces_for_sentencepiece(tmp_path):
 def test_templates_that_cannot_run_are_refused_in_bounded_time(body, why, monkeypatch):
     import mindspeed_llm.chat_template as chat_template
 
-    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
+    if "ran for more than" in why:  # the others must fail on their own check, not the clock,
+        monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)  # even on a slow machine
     template = ChatTemplate(body, origin="evil.jinja")
     with pytest.raises(chat_template.TemplateDefect, match="evil.jinja is unsafe to run") as err:
         template.render([{"role": "user", "content": "hi"}])
