@@ -6,7 +6,8 @@ documents), so a per-micro-batch mean would weigh tokens differently in every la
   both equal the hand-written global token mean (and differ from the old per-micro-batch
   mean, so the test can fail);
 - layouts: dp_shard=2, cp=2 (ring, Ulysses) and pp=2 give one process's loss and
-  gradients on the same batch;
+  gradients on the same batch, dp_shard=2 and cp=2 also with the loss through the fused
+  linear + cross-entropy op (FSDP's gathered output weight read inside the forward);
 - `loss_normalization: sample`: the mean per document, then over documents.
 """
 
@@ -46,12 +47,13 @@ def _config():
     return build_model_config("llama", flavor="debug", ops_impl="reference")
 
 
-def _step(parallel: ParallelConfig, normalization="token", n_microbatches=None, world_size=None):
+def _step(parallel: ParallelConfig, normalization="token", n_microbatches=None, world_size=None,
+          fused="off"):  # fmt: skip
     dims = parallel.dims(world_size).build("cpu")
     model = build_model(_config(), dims, torch.device("cpu"), parallel=parallel, seq_len=SEQ)
     parts = build_train_parts(model, OptimConfig(lr=1e-3, warmup_steps=0), total_steps=2)
     return TrainStep(parts, NextToken(normalization), dims, clip_grad=0.0,
-                     n_microbatches=n_microbatches)  # fmt: skip
+                     n_microbatches=n_microbatches, fused_linear_cross_entropy=fused)  # fmt: skip
 
 
 def _grads(step: TrainStep) -> dict[str, torch.Tensor]:
@@ -62,8 +64,9 @@ def _grads(step: TrainStep) -> dict[str, torch.Tensor]:
     }
 
 
-def _run(parallel, micro_batches, normalization="token", n_microbatches=None, world_size=None):
-    step = _step(parallel, normalization, n_microbatches, world_size)
+def _run(parallel, micro_batches, normalization="token", n_microbatches=None, world_size=None,
+         fused="off"):  # fmt: skip
+    step = _step(parallel, normalization, n_microbatches, world_size, fused)
     result = step(micro_batches)
     return result, _grads(step)
 
@@ -115,14 +118,14 @@ def _layouts(names, normalization):
     batch = _batch()
     reference = _run(ParallelConfig(), split_batch(batch, 2), normalization, world_size=1)
     out = {}
-    for name in names:
-        parallel = LAYOUTS[name]
+    for name in names:  # "<layout>+fused": the loss through the fused linear + cross entropy
+        parallel, fused = LAYOUTS[name.removesuffix("+fused")], "on" if "+" in name else "off"
         if parallel.dp_shard == 2:  # each data rank its half of the rows, in 2 micro-batches
             mine = split_batch(batch, 2)[dist.get_rank()]
-            result, grads = _run(parallel, split_batch(mine, 2), normalization)
+            result, grads = _run(parallel, split_batch(mine, 2), normalization, fused=fused)
         else:  # every rank reads the whole batch
             n = 4 if parallel.pp > 1 else None
-            result, grads = _run(parallel, split_batch(batch, 2), normalization, n)
+            result, grads = _run(parallel, split_batch(batch, 2), normalization, n, fused=fused)
         out[name] = (result.loss, result.num_units, grads)
     return reference[0].loss, reference[0].num_units, reference[1], out
 
@@ -140,7 +143,7 @@ def _assert_layouts(ranks):
 
 @pytest.mark.distributed
 def test_dp_shard_cp_ring_and_pp_give_one_process_token_mean():
-    names = ["dp_shard2", "cp2_ring", "pp2"]
+    names = ["dp_shard2", "cp2_ring", "pp2", "dp_shard2+fused", "cp2_ring+fused"]
     _assert_layouts(run_distributed(_layouts, 2, names, "token", timeout=300))
 
 

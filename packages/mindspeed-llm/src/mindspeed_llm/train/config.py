@@ -111,6 +111,15 @@ class TrainSection:
     """token: the step's loss is the mean over all its supervised tokens (every layout and
     accumulation gives the same); sample: the mean over each sequence first, then over
     the sequences (MindSpeed-LLM's weighting)."""
+    fused_linear_cross_entropy: Literal["auto", "on", "off"] = "auto"
+    """The next-token loss (pretrain, sft) and the DPO family's log-probs through the fused
+    linear + cross-entropy op: the output projection and the loss run chunk by chunk, so
+    no (tokens x vocab) logits are held (at vocab 128k and 8k tokens: 4 GiB in fp32, again
+    for their gradient), for about a third more output-layer FLOPs (the backward
+    recomputes each chunk's logits). auto: on for micro-batches whose fp32 logits would
+    take 1 GiB or more, where the layout allows (no pipeline or tensor parallel, a plain
+    output layer), and always for a frozen reference's forwards (no backward: no cost);
+    on: always (an error where it cannot run); off: never."""
 
     def __post_init__(self):
         for name in ("steps", "micro_batch", "global_batch"):

@@ -82,6 +82,10 @@ class LossContext:
     """The logits are vocabulary-sharded DTensors (tp > 1 with loss parallel)."""
     ops_impl: str = "auto"
     """The mindspeed_ops backend of the model."""
+    token_nll: bool = False
+    """The outputs are not logits but each position's -log p(label), (tokens,) fp32 (0
+    where the label is -100), from the fused linear + cross-entropy op (see
+    `Objective.reads_token_nll_only`); `token_nll` passes them through."""
 
 
 @dataclass
@@ -103,6 +107,12 @@ class Objective(ABC):
     per position: the step then projects those positions only (`Transformer.forward(keep=
     ...)`) and `loss` gets (supervised positions, vocab) logits and targets cut to the same
     positions. Used without tensor, context or pipeline parallelism (else every position)."""
+
+    reads_token_nll_only: bool = False
+    """The loss reads the outputs only through `token_nll` (each position's -log p of its
+    label): the step may then have the model compute those with the fused linear +
+    cross-entropy op (`train.fused_linear_cross_entropy`), so that no logits exist, and
+    `loss` gets them as outputs with `LossContext.token_nll` set."""
 
     @abstractmethod
     def num_units(self, batch: Batch) -> Tensor:
@@ -137,7 +147,10 @@ class Objective(ABC):
 def token_nll(logits: Tensor, labels: Tensor, ctx: LossContext, reduction: str = "sum") -> Tensor:
     """Cross entropy of (..., vocab) logits against labels (-100 ignored): "sum", or
     "none" for (tokens,) fp32 values (0 where ignored). Loss-parallel logits go through
-    torch's vocab-parallel kernel, others through `mindspeed_ops.cross_entropy`."""
+    torch's vocab-parallel kernel, others through `mindspeed_ops.cross_entropy`; outputs
+    that already are the nll (`ctx.token_nll`) pass through."""
+    if ctx.token_nll:
+        return logits.sum() if reduction == "sum" else logits
     logits, labels = logits.flatten(0, -2), labels.flatten()
     if ctx.loss_parallel:
         nll = F.cross_entropy(logits.float(), labels, reduction=reduction)
@@ -162,6 +175,10 @@ class NextToken(Objective):
         supervised_logits_only: project only the labelled positions (SFT: the replies;
             pretraining reads nearly every position, so it keeps them all).
     """
+
+    @property
+    def reads_token_nll_only(self) -> bool:
+        return type(self).loss is NextToken.loss  # a subclass's own loss may read logits
 
     def __init__(
         self, normalization: Literal["token", "sample"] = "token", *,

@@ -17,13 +17,13 @@ import contextlib
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
 
 from mindspeed_core.checkpoint import TrainState
-from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.errors import ConfigError, MindSpeedError
 from mindspeed_core.optim import clip_grad_norm_
 from mindspeed_core.parallel import ParallelDims, build_pipeline_schedule, loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
@@ -74,6 +74,12 @@ class TrainStep:
         clip_grad: max global gradient norm (0: measure only).
         n_microbatches: pipeline microbatches per step (pp > 1).
         max_nonfinite_steps: inf/nan losses in a row that stop training.
+        fused_linear_cross_entropy: "on": an objective that reads only each token's nll
+            (`Objective.reads_token_nll_only`: pretraining's, SFT's, DPO's) gets it from the
+            fused linear + cross-entropy op, no logits held; "auto": on where a
+            micro-batch's fp32 logits would take `FUSED_CE_AUTO_BYTES` or more and the
+            layout allows it (no pipeline or tensor parallel, a plain output layer);
+            "off": logits, then cross entropy.
     """
 
     def __init__(
@@ -85,6 +91,7 @@ class TrainStep:
         clip_grad: float = 1.0,
         n_microbatches: int | None = None,
         max_nonfinite_steps: int = 5,
+        fused_linear_cross_entropy: str = "auto",
     ):
         self.parts, self.model, self.objective, self.dims = parts, parts.model, objective, dims
         self.clip_grad = clip_grad
@@ -114,6 +121,8 @@ class TrainStep:
             getattr(objective, "supervised_logits_only", False)
             and supervised_positions_layout(self.model, dims)
         )
+        self._fused_ce = _fused_ce_mode(fused_linear_cross_entropy, objective, self.model, dims)
+        self._nll_context = replace(self.model.loss, token_nll=True)
 
     @property
     def state(self) -> TrainState:
@@ -189,8 +198,17 @@ class TrainStep:
             keep = batch["labels"] != IGNORE_INDEX
             targets = {k: v[keep] if v.shape == keep.shape else v for k, v in targets.items()}
             extra["keep"] = keep
+        ctx = self.model.loss
+        if self._fuses(batch, extra.get("keep")):
+            extra["nll_labels"], ctx = batch["labels"], self._nll_context
         outputs = forward_packed(self.model.model, batch, **extra)
-        return self.objective.loss(outputs, targets, self.model.loss)
+        return self.objective.loss(outputs, targets, ctx)
+
+    def _fuses(self, batch: Batch, keep) -> bool:
+        if self._fused_ce != "auto":
+            return self._fused_ce == "on"
+        tokens = batch["labels"].numel() if keep is None else int(keep.sum())
+        return tokens * self.model.config.vocab_size * 4 >= FUSED_CE_AUTO_BYTES
 
     def _forward_backward(self, micro_batches, weight: float) -> tuple[torch.Tensor, dict]:
         """Gradient accumulation: each micro-batch backpropagates its share of the step."""
@@ -366,6 +384,34 @@ def supervised_positions_layout(model, dims) -> bool:
     states are plain tensors (no tensor or context parallel) and no vocab-sharded loss."""
     return bool(model.pipeline is None and dims.tp == 1 and dims.cp == 1
                 and not model.loss.loss_parallel)  # fmt: skip
+
+
+FUSED_CE_AUTO_BYTES = 1 << 30
+"""`fused_linear_cross_entropy: auto` fuses a micro-batch whose fp32 logits take this much."""
+FUSED_CE_MODES = ("auto", "on", "off")
+
+
+def _fused_ce_mode(mode: str, objective: Objective, model, dims) -> str:
+    """`mode`, or "off" where "auto" cannot fuse; ConfigError where "on" cannot."""
+    if mode not in FUSED_CE_MODES:
+        raise ConfigError(f"train.fused_linear_cross_entropy={mode!r} is not one of "
+                          f"{FUSED_CE_MODES}")  # fmt: skip
+    if mode == "off":
+        return mode
+    why = None
+    if not getattr(objective, "reads_token_nll_only", False):
+        why = f"this run's loss ({type(objective).__name__}) reads the logits themselves"
+    elif model.pipeline is not None:
+        why = "pipeline parallel"
+    elif dims.tp > 1 or model.loss.loss_parallel:
+        why = "tensor parallel (the output layer is sharded over the vocabulary)"
+    elif not model.model.fuses_nll:
+        why = "an output layer with an adapter, a bias or logit softcapping"
+    if why is None:
+        return mode
+    if mode == "on":
+        raise ConfigError(f"train.fused_linear_cross_entropy=on cannot run here: {why}")
+    return "off"
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:

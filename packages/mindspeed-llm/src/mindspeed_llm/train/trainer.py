@@ -100,7 +100,8 @@ class Trainer:
             self.build_model, self.add_states, parts=self.parts, accum=self.accum,
             init_state=init_state,
             step_options={"clip_grad": cfg.optim.clip_grad, "n_microbatches": n_microbatches,
-                          "max_nonfinite_steps": cfg.train.max_nonfinite_steps},
+                          "max_nonfinite_steps": cfg.train.max_nonfinite_steps,
+                          "fused_linear_cross_entropy": cfg.train.fused_linear_cross_entropy},
         )  # fmt: skip
         objective.setup(run)
         self.step: TrainStep = objective.build_step(run) or TrainStep(

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+import mindspeed_ops
 from mindspeed_core.checkpoint.saved import SavedParam
 from mindspeed_llm.models.common.attention import Attention, RopeTables
 from mindspeed_llm.models.common.feed_forward import FeedForward
@@ -188,6 +189,7 @@ class Transformer(nn.Module):
         return_hidden: bool = False,
         mtp_labels: Tensor | None = None,
         keep: Tensor | None = None,
+        nll_labels: Tensor | None = None,
     ) -> Tensor:
         """Logits of the next token at every position.
 
@@ -212,6 +214,10 @@ class Transformer(nn.Module):
             keep: (batch, seq) bool: the logits of those positions only, (kept, vocab),
                 in row-major order; a loss that reads few positions (SFT's replies, RL's
                 responses) then never holds a (tokens x vocab) tensor for the rest.
+            nll_labels: (batch, seq) labels (-100: ignored): return each position's
+                -log p(label) instead of logits, (batch * seq,) fp32 (0 where ignored;
+                (kept,) with `keep`), from the fused linear + cross-entropy op
+                (`token_nll`): no logits exist at any position. Needs `fuses_nll`.
 
         Returns:
             (batch, seq, vocab_size) logits (vocab-sharded DTensor under loss parallel).
@@ -255,6 +261,10 @@ class Transformer(nn.Module):
             self.last_mtp_loss = mtp_loss(self, tokens, mtp_labels, h, position_ids, cu_seqlens)
         if return_hidden:
             return h
+        if nll_labels is not None:
+            if keep is not None:
+                h, nll_labels = h[keep], nll_labels[keep]
+            return self.token_nll(h, nll_labels)
         if keep is not None and self.output is not None:
             return self.project(h[keep])
         if logits_to_keep:
@@ -268,6 +278,32 @@ class Transformer(nn.Module):
         cap = self.config.final_logit_softcapping
         logits = logits if cap is None else cap * torch.tanh(logits / cap)
         return self._without_padding(logits)
+
+    @property
+    def fuses_nll(self) -> bool:
+        """Whether `token_nll` can run: this module holds the plain output projection (no
+        adapter on it, no bias) and no softcapping bends its logits."""
+        out = self.output
+        return bool(type(out) is Linear and out.bias is None
+                    and self.config.final_logit_softcapping is None)  # fmt: skip
+
+    def token_nll(self, h: Tensor, labels: Tensor) -> Tensor:
+        """(tokens,) fp32 -log p(label) of final-norm hidden states (..., hidden) against
+        (...) labels, 0 where a label is -100: `mindspeed_ops.linear_cross_entropy` over
+        the real vocabulary's rows, chunk by chunk, so no (tokens x vocab) logits are held
+        forward or backward. Under autocast it computes in the autocast dtype, as the
+        projection would."""
+        weight = self.output.weight if self.fuses_nll else None
+        if weight is None or isinstance(weight, DTensor):
+            raise ValueError("token_nll needs the whole, plain output projection (no tensor "
+                             "parallel, adapter, bias or softcapping on it)")  # fmt: skip
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        weight = weight[: self.config.vocab_size]  # padding rows are no class (contiguous)
+        return mindspeed_ops.linear_cross_entropy(
+            h.reshape(-1, h.shape[-1]).to(dtype), weight.to(dtype), labels.flatten(),
+            reduction="none", impl=self.config.ops_impl,
+        )  # fmt: skip
 
     def _without_padding(self, logits: Tensor) -> Tensor:
         """A padded vocabulary's logits (`config.padded_vocab_size`) cut off, or masked
