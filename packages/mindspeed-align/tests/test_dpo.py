@@ -292,6 +292,20 @@ def test_replies_only_logits_equal_every_position(tmp_path, monkeypatch):
         torch.testing.assert_close([m[key] for m in cut], [m[key] for m in full], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def test_the_fused_linear_cross_entropy_gives_the_same_steps(tmp_path, monkeypatch):
+    """`train.fused_linear_cross_entropy: on`: the policy's log-probs from the fused op,
+    no logits made (the output layer never runs for the policy); the same three steps."""
+    from mindspeed_llm.models.common.transformer import Transformer
+
+    folder, data = make_inputs(tmp_path)
+    plain = _losses(folder, data, tmp_path / "plain", "--dpo.ref=precompute")
+    monkeypatch.setattr(Transformer, "project", lambda self, h: pytest.fail("logits were made"))
+    fused = _losses(folder, data, tmp_path / "fused", "--dpo.ref=precompute",
+                    "--train.fused_linear_cross_entropy=on")  # fmt: skip
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "grad_norm"):
+        torch.testing.assert_close([m[key] for m in fused], [m[key] for m in plain], rtol=1e-5, atol=1e-6, msg=key)
+
+
 def _every_position(setup):
     def every_position(self, run):
         setup(self, run)

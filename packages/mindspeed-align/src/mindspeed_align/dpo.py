@@ -27,12 +27,18 @@ from mindspeed_align.dpo_config import (
     ORPOConfig,
     SimPOConfig,
 )
-from mindspeed_align.logps import SLOT_KEY, count_pairs, renumber_slots, sequence_logps
+from mindspeed_align.logps import (
+    SLOT_KEY,
+    count_pairs,
+    frozen_sequence_logps,
+    renumber_slots,
+    sequence_logps,
+)
 from mindspeed_align.losses import dpo_loss, orpo_loss, simpo_loss
 from mindspeed_align.reference import REF_KEY
 from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import process_group
-from mindspeed_llm.data.collate import IGNORE_INDEX, forward_packed
+from mindspeed_llm.data.collate import IGNORE_INDEX
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, RunContext
 
 __all__ = ["PreferenceObjective", "command", "dpo", "orpo_command", "simpo_command"]
@@ -60,6 +66,7 @@ class PreferenceObjective(Objective):
 
     metric_names = METRICS
     supervised_logits_only = True  # log-probs are sums over the replies' tokens alone
+    reads_token_nll_only = True  # the policy's log-probs may come from the fused op
 
     def __init__(self, section: DPOSection, reference=None, reference_ctx: LossContext | None = None, *,
                  reference_after_tp=None, lora: bool = False, keep_reference: bool = False):  # fmt: skip
@@ -68,6 +75,7 @@ class PreferenceObjective(Objective):
         self.keep_reference = keep_reference
         self.cp_group, self.cp_size = None, 1
         self.reference_keep = False  # the reference projects the replies' positions alone
+        self.fused_reference = False  # its log-probs from the fused linear + cross entropy
 
     def setup(self, run: RunContext) -> None:
         """Context parallel's group, then the reference of `section.ref`: the policy with its
@@ -79,6 +87,8 @@ class PreferenceObjective(Objective):
         from mindspeed_llm.train.step import supervised_positions_layout
 
         self.reference_keep = supervised_positions_layout(run.policy, run.dims)
+        # a frozen forward has no backward to recompute for: fused unless turned off
+        self.fused_reference = self.reference_keep and run.cfg.train.fused_linear_cross_entropy != "off"
         if not self.section.uses_reference or self.reference is not None:
             return
         from mindspeed_align.reference import AdaptersOff, precompute_reference
@@ -99,7 +109,7 @@ class PreferenceObjective(Objective):
             self.reference, self.reference_ctx = reference.model, reference.loss
         if precompute:
             precompute_reference(run.data, self.reference, self.reference_ctx, device=run.device,
-                                 micro_pairs=run.cfg.train.micro_batch,
+                                 micro_pairs=run.cfg.train.micro_batch, fused=self.fused_reference,
                                  cache_dir=run.cfg.data.cache_dir or cache_root() / "dpo")  # fmt: skip
             self.reference = None  # the pairs carry their log-probs; the copy can go
 
@@ -116,16 +126,12 @@ class PreferenceObjective(Objective):
             ref = torch.zeros(num_slots, dtype=torch.float32, device=slots.device)
             targets["ref_logps"] = ref.index_add(0, slots[keep], batch[REF_KEY][keep].float())
         elif self.reference is not None:
-            labels = batch["labels"]
-            with torch.no_grad():
-                if self.reference_keep:  # the output layer on the replies' positions only
-                    keep = labels != IGNORE_INDEX
-                    logits = forward_packed(self.reference, batch, keep=keep)
-                    labels, ref_slots = labels[keep], slots[keep]
-                else:
-                    logits, ref_slots = forward_packed(self.reference, batch), slots
-                targets["ref_logps"] = sequence_logps(logits, labels, ref_slots, num_slots,
-                                                      self.reference_ctx)[0]  # fmt: skip
+            # the output layer on the replies' positions only, or fused (no logits)
+            keep = batch["labels"] != IGNORE_INDEX if self.reference_keep else None
+            targets["ref_logps"] = frozen_sequence_logps(
+                self.reference, batch, slots, num_slots, self.reference_ctx, keep=keep,
+                fused=self.fused_reference,
+            )  # fmt: skip
         elif self.section.uses_reference:
             raise RuntimeError("PreferenceObjective: set .reference before the first step")
         return targets

@@ -118,6 +118,7 @@ class KTOObjective(PreferenceObjective):
         from mindspeed_llm.train.step import supervised_positions_layout
 
         self.reference_keep = supervised_positions_layout(run.policy, run.dims)
+        self.fused_reference = self.reference_keep and run.cfg.train.fused_linear_cross_entropy != "off"
 
     def targets(self, batch):
         return {**super().targets(batch), LABEL_KEY: batch[LABEL_KEY]}

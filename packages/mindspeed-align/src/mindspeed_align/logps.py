@@ -11,12 +11,13 @@ log-probs by slot gives every sequence's log-prob and token count.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS, Batch
+from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS, Batch, forward_packed
 from mindspeed_llm.data.sft import Sample, collate_rows, pack_rows
 from mindspeed_llm.train.objectives import LossContext, token_nll
 
@@ -25,8 +26,8 @@ Pair = tuple[Sample, Sample]
 SLOT_KEY = "pair_slot"
 """The batch key of the per-token slot (see the module docstring)."""
 
-__all__ = ["SLOT_KEY", "Pair", "count_pairs", "pack_pairs", "renumber_slots", "sequence_logps",
-           "shared_prefix"]  # fmt: skip
+__all__ = ["SLOT_KEY", "Pair", "count_pairs", "frozen_sequence_logps", "pack_pairs",
+           "renumber_slots", "sequence_logps", "shared_prefix"]  # fmt: skip
 
 
 def shared_prefix(pair: Pair) -> int:
@@ -173,3 +174,24 @@ def sequence_logps(
     counts = torch.zeros(num_slots, dtype=torch.float32, device=logits.device)
     counts = counts.index_add(0, index, supervised.float())
     return logps, counts
+
+
+@torch.no_grad()
+def frozen_sequence_logps(model, batch: Batch, slots: Tensor, num_slots: int,
+                          ctx: LossContext | None, *, keep: Tensor | None = None,
+                          fused: bool = False) -> Tensor:  # fmt: skip
+    """`sequence_logps` of a frozen model (a reference) on `batch`, without gradient.
+
+    Args:
+        keep: project only these positions (the supervised ones), else every position.
+        fused: where the model can (`Transformer.fuses_nll`), each token's log-prob comes
+            from the fused linear + cross-entropy op: no logits are held, for the same
+            FLOPs (no backward here to recompute for).
+    """
+    labels, extra = batch["labels"], {} if keep is None else {"keep": keep}
+    if fused and getattr(model, "fuses_nll", False):
+        extra["nll_labels"], ctx = labels, replace(ctx or LossContext(), token_nll=True)
+    outputs = forward_packed(model, batch, **extra)
+    if keep is not None:
+        labels, slots = labels[keep], slots[keep]
+    return sequence_logps(outputs, labels, slots, num_slots, ctx)[0]

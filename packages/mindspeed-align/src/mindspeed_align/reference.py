@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mindspeed_align.logps import SLOT_KEY, Pair, pack_pairs, sequence_logps
+from mindspeed_align.logps import SLOT_KEY, Pair, frozen_sequence_logps, pack_pairs
 from mindspeed_core.errors import disk_full_error, is_disk_full
 from mindspeed_core.parallel import dtensor
-from mindspeed_llm.data.collate import forward_packed
+from mindspeed_llm.data.collate import IGNORE_INDEX
 from mindspeed_llm.peft import adapters_disabled
 
 __all__ = ["REF_KEY", "AdaptersOff", "RefPair", "precompute_reference", "put_ref_logps"]
@@ -63,9 +63,11 @@ class RefPair(tuple):
 
 
 def precompute_reference(data, reference: nn.Module, ctx, *, device, micro_pairs: int,
-                         cache_dir: Path) -> Path:  # fmt: skip
+                         cache_dir: Path, fused: bool = False) -> Path:  # fmt: skip
     """Give every training and validation pair of `data` (a `PairData`) its reference
     log-probs, computed by `reference` or read from the cache; returns the cache file.
+    `fused`: the replies' log-probs from the fused linear + cross entropy (no logits;
+    `logps.frozen_sequence_logps`), where the layout leaves the output layer whole.
 
     Every rank runs the same forwards (tensor-parallel ranks must, the others simply do).
     """
@@ -75,7 +77,8 @@ def precompute_reference(data, reference: nn.Module, ctx, *, device, micro_pairs
     if not _everywhere(values is not None, device):  # every rank runs the forwards, or none
         values = None
     if values is None:
-        values = _compute(pairs, reference, ctx, device, micro_pairs, data.seq_len, data.pad_id)
+        values = _compute(pairs, reference, ctx, device, micro_pairs, data.seq_len, data.pad_id,
+                          fused)  # fmt: skip
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # one writer per machine: a cache
             _write(path, values)  # folder local to each machine fills on every machine
         logger.info("reference log-probs of %d pairs computed and cached in %s", len(pairs), path)
@@ -115,7 +118,7 @@ def _everywhere(flag: bool, device) -> bool:
 
 
 @torch.no_grad()
-def _compute(pairs, reference, ctx, device, micro_pairs, seq_len, pad_id) -> torch.Tensor:
+def _compute(pairs, reference, ctx, device, micro_pairs, seq_len, pad_id, fused) -> torch.Tensor:
     out = []
     was_training = reference.training
     reference.eval()
@@ -123,8 +126,9 @@ def _compute(pairs, reference, ctx, device, micro_pairs, seq_len, pad_id) -> tor
         for start in range(0, len(pairs), micro_pairs):
             chunk = pairs[start : start + micro_pairs]
             batch = {k: v.to(device) for k, v in pack_pairs(chunk, seq_len, pad_id).items()}
-            logits = forward_packed(reference, batch)
-            logps, _ = sequence_logps(logits, batch["labels"], batch[SLOT_KEY], 2 * len(chunk), ctx)
+            keep = batch["labels"] != IGNORE_INDEX if fused else None
+            logps = frozen_sequence_logps(reference, batch, batch[SLOT_KEY], 2 * len(chunk), ctx,
+                                          keep=keep, fused=fused)  # fmt: skip
             out.append(logps.float().cpu())
     finally:
         reference.train(was_training)
