@@ -12,7 +12,11 @@ over `--steps` steps after one warm-up step. Shapes (random weights):
 - tiny: 2 layers of width 64, vocab 512, seq 128 (a smoke test: the device suite's dry run);
 - llama-1b: Llama-3.2-1B (vocab 128256, hidden 2048, intermediate 8192, 16 layers, 32 heads /
   8 kv heads of 64, tied embeddings), seq 4096, micro-batch 1, 8 packed documents per row.
-`--sides ours,transformers,torchtitan` adds torchtitan's Llama 3 (where it is installed).
+`--sides ours,transformers,torchtitan` adds torchtitan's Llama 3 (where it is installed);
+`ours-fused` is ours with the loss through the fused linear + cross-entropy op
+(`train.fused_linear_cross_entropy: on`), reported against ours as `fused_speed` and
+`fused_memory`. `wide-vocab`: the headline's width with 2 layers and Llama 3's 128256-token
+vocabulary, seq 2048, micro-batch 2 (the output layer dominates: where fusing pays).
 Packed documents are what pretraining trains on (attention reset at each EOD): ours passes
 their `cu_seqlens` (our flash kernel skips the attention across documents), transformers gets
 position ids that restart at each document, from which it builds its block-diagonal mask for
@@ -75,6 +79,7 @@ SHAPES = {
         },  # fmt: skip
         4096, 1, 8,
     ),
+    "wide-vocab": ({**HEADLINE, "vocab_size": 128256, "num_hidden_layers": 2}, 2048, 2, 4),
 }
 """name -> (HF config, seq, micro-batch, documents per row)."""
 
@@ -93,7 +98,13 @@ def _peak_mb(device) -> float:
     return torch.get_device_module(device.type).max_memory_allocated(device) / 2**20
 
 
-def _ours(device, dtype, hf_config, compile=False):
+def _ours_fused(device, dtype, hf_config, compile=False):
+    """Ours with `train.fused_linear_cross_entropy: on`: each token's nll from the fused
+    linear + cross-entropy op, no logits."""
+    return _ours(device, dtype, hf_config, compile, fused=True)
+
+
+def _ours(device, dtype, hf_config, compile=False, fused=False):
     import mindspeed_ops
     from mindspeed_core.optim import build_optimizers
     from mindspeed_core.parallel import apply_compile
@@ -106,6 +117,9 @@ def _ours(device, dtype, hf_config, compile=False):
     optimizer = build_optimizers(model, lr=1e-4, weight_decay=0.1)
 
     def loss(tokens, labels, cu_seqlens, position_ids):
+        if fused:
+            nll = model(tokens, position_ids=position_ids, cu_seqlens=cu_seqlens, nll_labels=labels)
+            return nll.mean()
         logits = model(tokens, position_ids=position_ids, cu_seqlens=cu_seqlens)
         return mindspeed_ops.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
@@ -221,7 +235,8 @@ def run_side(side: str, dtype_name: str, steps: int, device_name: str, shape: st
     data = torch.randint(0, hf_config["vocab_size"], (steps + 1, micro_batch, seq + 1))
     cu_seqlens, position_ids = _documents(micro_batch, seq, docs, device)
     baseline = _rss_mb() if device.type == "cpu" else 0.0
-    builder = {"ours": _ours, "transformers": _theirs, "torchtitan": _torchtitan}[side]
+    builder = {"ours": _ours, "ours-fused": _ours_fused, "transformers": _theirs,
+               "torchtitan": _torchtitan}[side]  # fmt: skip
     model, step = builder(device, dtype, hf_config, compile)
     n = dense_params(model)
     # Attention FLOPs of one document's length (what both sides compute with packing).
@@ -265,7 +280,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compile", action="store_true", help="compile our blocks")
     parser.add_argument("--sides", default="ours,transformers",
-                        help="any of ours, transformers, torchtitan")  # fmt: skip
+                        help="any of ours, ours-fused, transformers, torchtitan")  # fmt: skip
     parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side
     args = parser.parse_args()
     hf_config, default_seq, micro_batch, default_docs = SHAPES[args.shape]
@@ -284,7 +299,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--side", side, "--dtypes", dtype]
             cmd += ["--steps", str(args.steps), "--device", args.device, "--shape", args.shape]
             cmd += ["--seq", str(seq), "--docs", str(docs)]
-            cmd += ["--compile"] if args.compile and side == "ours" else []
+            cmd += ["--compile"] if args.compile and side.startswith("ours") else []
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
                 result[side] = {"failed": _error_line(out.stderr)}
@@ -303,6 +318,10 @@ def main() -> None:
                 result["memory_ratio" + suffix] = round(
                     ours["peak_mem_mb"] / theirs["peak_mem_mb"], 3
                 )
+        fused = result.get("ours-fused", {})
+        if "tokens_per_s" in ours and "tokens_per_s" in fused:  # the fused loss against ours
+            result["fused_speed"] = round(fused["tokens_per_s"] / ours["tokens_per_s"], 3)
+            result["fused_memory"] = round(fused["peak_mem_mb"] / ours["peak_mem_mb"], 3)
         print(json.dumps(result), flush=True)
 
 

@@ -21,5 +21,7 @@ def test_the_device_suite_runs_dry_on_cpu(env, tmp_path):
     train = json.loads((tmp_path / "train.jsonl").read_text().splitlines()[-1])
     assert train["speedup"] > 0 and train["ours"]["tokens_per_s"] > 0
     assert "torchtitan" in train  # measured, or why not
+    assert train["ours-fused"]["first_loss"] == train["ours"]["first_loss"]  # the fused loss
+    assert train["fused_memory"] > 0
     bad = subprocess.run([str(SCRIPT), "--bogus"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr

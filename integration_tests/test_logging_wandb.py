@@ -33,6 +33,7 @@ def _wandb_history(run_dir: Path) -> dict[int, dict]:
     return out
 
 
+@pytest.mark.slow
 def test_wandb_gets_the_metrics_of_the_run_and_a_resume_continues_it(pretrain_cli, tmp_path):
     run = tmp_path / "run"
     done = pretrain_cli(run, "--logging.wandb=true", "--logging.wandb_project=tests",

@@ -119,12 +119,18 @@ def test_two_trainer_actors_train_as_one_process_group(tmp_path):
     assert abs(two[0]["kl"]) < 1e-7 < two[1]["kl"]  # the policy moved off its start
 
 
-def test_ppo_critic_on_its_own_actor_equals_colocated_and_resumes_exactly(tmp_path, capsys):
+def test_ppo_critic_on_its_own_actor_equals_colocated(tmp_path, capsys):
     """PPO (KL in the reward) with the critic on a Ray actor of its own (its own process
     group), beside the rollout, reference and reward actors: the colocated run's losses, the
-    critic's included. A run stopped after step 1 and resumed repeats step 2: the critic's
-    model, optimizer and schedule went through the checkpoint from and back to its actor."""
+    critic's included."""
     _same_runs(tmp_path, capsys, ppo_main, "ppo")
+
+
+@pytest.mark.slow
+def test_ppo_critic_on_its_own_actor_resumes_exactly(tmp_path):
+    """A run stopped after step 1 and resumed repeats step 2: the critic's model, optimizer
+    and schedule went through the checkpoint from and back to its actor."""
+    assert guarded(ppo_main, _args(tmp_path, "ppo-ray", "ppo", "--ppo.placement=ray")) == 0
     whole = read_metrics(tmp_path / "ppo-ray" / "metrics.jsonl")
     for extra in ("--train.exit_at_step=1", "--train.steps=2"):
         assert guarded(ppo_main, _args(tmp_path, "ppo-split", "ppo", "--ppo.placement=ray",
@@ -204,6 +210,7 @@ def test_a_killed_trainer_takes_its_local_cluster_with_it(tmp_path, how):
         trainer.kill()
 
 
+@pytest.mark.slow
 def test_a_killed_rollout_actor_ends_the_run_with_one_line(tmp_path, capsys, monkeypatch):
     """The rollout actor killed after the first step: the next step's weight sync or rollout
     fails with one line naming the role, exit 2, well within a minute (no hang)."""

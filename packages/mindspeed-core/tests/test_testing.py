@@ -68,7 +68,7 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_hanging_rank_times_out_and_every_rank_is_killed(tmp_path, world_size):
     start = time.monotonic()
     with pytest.raises(

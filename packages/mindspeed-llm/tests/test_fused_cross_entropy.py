@@ -13,7 +13,7 @@ import importlib
 import pytest
 import torch
 
-import mindspeed_llm.train.step as step_module
+import mindspeed_llm.train.head as head
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
@@ -111,7 +111,7 @@ def test_auto_fuses_the_micro_batches_whose_logits_are_large(monkeypatch):
     step, calls = _step(_model(), NextToken(), "auto")
     step([_batch(0, False)])
     assert len(calls) == 1  # 48 tokens x 512 x 4 bytes: far below 1 GiB
-    monkeypatch.setattr(step_module, "FUSED_CE_AUTO_BYTES", 48 * 512 * 4)
+    monkeypatch.setattr(head, "FUSED_CE_AUTO_BYTES", 48 * 512 * 4)
     step([_batch(0, False)])
     assert len(calls) == 1  # now at the threshold: fused, the output layer did not run
 

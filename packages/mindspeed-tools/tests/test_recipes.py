@@ -103,6 +103,7 @@ def test_preflight_fails_a_memory_estimate_over_the_device(monkeypatch, capsys):
     assert status == 0 and "ok" in lines["memory"]
 
 
+@pytest.mark.slow
 def test_preflight_passes_a_moe_recipe(tmp_path, capsys):
     """With no config, the default recipe: Qwen3-30B-A3B's ep=8 over FSDP, rehearsed as ep=2
     over 4 processes."""

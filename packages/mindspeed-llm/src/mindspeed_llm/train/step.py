@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mindspeed_core.checkpoint import TrainState
-from mindspeed_core.errors import ConfigError, MindSpeedError
+from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.optim import clip_grad_norm_
 from mindspeed_core.parallel import ParallelDims, build_pipeline_schedule, loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
@@ -39,6 +39,7 @@ from mindspeed_llm.models.common.moe import moe_aux_loss
 from mindspeed_llm.models.common.mtp import take_mtp_loss
 from mindspeed_llm.models.common.parallelize import tied_embedding_grads
 from mindspeed_llm.train.build import TrainParts
+from mindspeed_llm.train.head import fused_ce_mode, fuses_tokens, supervised_positions_layout
 from mindspeed_llm.train.objectives import LossOutput, Objective
 
 logger = logging.getLogger("mindspeed.train")
@@ -77,7 +78,7 @@ class TrainStep:
         fused_linear_cross_entropy: "on": an objective that reads only each token's nll
             (`Objective.reads_token_nll_only`: pretraining's, SFT's, DPO's) gets it from the
             fused linear + cross-entropy op, no logits held; "auto": on where a
-            micro-batch's fp32 logits would take `FUSED_CE_AUTO_BYTES` or more and the
+            micro-batch's fp32 logits would take `head.FUSED_CE_AUTO_BYTES` or more and the
             layout allows it (no pipeline or tensor parallel, a plain output layer);
             "off": logits, then cross entropy.
     """
@@ -121,7 +122,7 @@ class TrainStep:
             getattr(objective, "supervised_logits_only", False)
             and supervised_positions_layout(self.model, dims)
         )
-        self._fused_ce = _fused_ce_mode(fused_linear_cross_entropy, objective, self.model, dims)
+        self._fused_ce = fused_ce_mode(fused_linear_cross_entropy, objective, self.model, dims)
         self._nll_context = replace(self.model.loss, token_nll=True)
 
     @property
@@ -205,10 +206,8 @@ class TrainStep:
         return self.objective.loss(outputs, targets, ctx)
 
     def _fuses(self, batch: Batch, keep) -> bool:
-        if self._fused_ce != "auto":
-            return self._fused_ce == "on"
-        tokens = batch["labels"].numel() if keep is None else int(keep.sum())
-        return tokens * self.model.config.vocab_size * 4 >= FUSED_CE_AUTO_BYTES
+        tokens = batch["labels"].numel() if keep is None or self._fused_ce != "auto" else int(keep.sum())
+        return fuses_tokens(self._fused_ce, tokens, self.model.config.vocab_size)
 
     def _forward_backward(self, micro_batches, weight: float) -> tuple[torch.Tensor, dict]:
         """Gradient accumulation: each micro-batch backpropagates its share of the step."""
@@ -376,42 +375,6 @@ class TrainStep:
             stack.enter_context(torch.autocast(self.model.device.type, dtype=self.model.autocast))
         stack.enter_context(loss_parallel_context(self.model.loss.loss_parallel))
         return stack
-
-
-def supervised_positions_layout(model, dims) -> bool:
-    """Whether `model` (a `BuiltModel`) under `dims` can project the supervised positions
-    alone (`Transformer.forward(keep=)`): one whole model (no pipeline stages) whose hidden
-    states are plain tensors (no tensor or context parallel) and no vocab-sharded loss."""
-    return bool(model.pipeline is None and dims.tp == 1 and dims.cp == 1
-                and not model.loss.loss_parallel)  # fmt: skip
-
-
-FUSED_CE_AUTO_BYTES = 1 << 30
-"""`fused_linear_cross_entropy: auto` fuses a micro-batch whose fp32 logits take this much."""
-FUSED_CE_MODES = ("auto", "on", "off")
-
-
-def _fused_ce_mode(mode: str, objective: Objective, model, dims) -> str:
-    """`mode`, or "off" where "auto" cannot fuse; ConfigError where "on" cannot."""
-    if mode not in FUSED_CE_MODES:
-        raise ConfigError(f"train.fused_linear_cross_entropy={mode!r} is not one of "
-                          f"{FUSED_CE_MODES}")  # fmt: skip
-    if mode == "off":
-        return mode
-    why = None
-    if not getattr(objective, "reads_token_nll_only", False):
-        why = f"this run's loss ({type(objective).__name__}) reads the logits themselves"
-    elif model.pipeline is not None:
-        why = "pipeline parallel"
-    elif dims.tp > 1 or model.loss.loss_parallel:
-        why = "tensor parallel (the output layer is sharded over the vocabulary)"
-    elif not model.model.fuses_nll:
-        why = "an output layer with an adapter, a bias or logit softcapping"
-    if why is None:
-        return mode
-    if mode == "on":
-        raise ConfigError(f"train.fused_linear_cross_entropy=on cannot run here: {why}")
-    return "off"
 
 
 def _to(batch: Batch, device: torch.device) -> Batch:
