@@ -9,6 +9,7 @@ model. Files are those `safetensors.torch.save_file` writes and reads.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -60,6 +61,53 @@ def read_tensor(info: TensorInfo, f: BinaryIO | None = None) -> torch.Tensor:
     if f.readinto(view) != info.nbytes:
         raise CheckpointError(f"safetensors file {info.file} is truncated")
     return tensor
+
+
+def read_tensor_block(
+    info: TensorInfo,
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    f: BinaryIO | None = None,
+) -> torch.Tensor:
+    """The block `offsets` / `sizes` of one tensor of a safetensors file, reading only its
+    bytes (one contiguous run per index of the leading dims the block cuts; a block of whole
+    rows is one read). What a rank reads of a weight it holds a shard of.
+
+    Raises:
+        CheckpointError: the block lies outside the tensor, or the file is truncated.
+    """
+    if f is None:
+        with open(info.file, "rb") as own:
+            return read_tensor_block(info, offsets, sizes, own)
+    shape = info.shape
+    if len(offsets) != len(shape) or any(
+        o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)
+    ):
+        raise CheckpointError(
+            f"safetensors file {info.file}: block at {tuple(offsets)} of {tuple(sizes)} lies "
+            f"outside a tensor of shape {shape}"
+        )
+    if not shape:
+        return read_tensor(info, f)
+    out = torch.empty(sizes, dtype=info.dtype)
+    if out.numel() == 0:
+        return out
+    # dims [cut:] are taken whole below dim `cut - 1`, so each index of dims [:cut-1] is one run
+    cut = len(shape)
+    while cut > 0 and (cut == len(shape) or (offsets[cut], sizes[cut]) == (0, shape[cut])):
+        cut -= 1
+    run = sizes[cut] * math.prod(shape[cut + 1 :])
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    flat = out.reshape(-1, run)
+    itemsize = info.dtype.itemsize
+    for row, index in enumerate(itertools.product(*(range(s) for s in sizes[:cut]))):
+        start = sum((o + i) * st for o, i, st in zip(offsets, index, strides, strict=False))
+        start += offsets[cut] * strides[cut]
+        f.seek(info.offset + start * itemsize)
+        view = flat[row].view(torch.uint8).numpy()
+        if f.readinto(view) != run * itemsize:
+            raise CheckpointError(f"safetensors file {info.file} is truncated")
+    return out
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:

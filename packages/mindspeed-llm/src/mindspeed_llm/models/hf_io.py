@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from mindspeed_core.checkpoint.safetensors import TensorInfo, read_safetensors_header, read_tensor
+from mindspeed_core.checkpoint.safetensors import (
+    TensorInfo,
+    read_safetensors_header,
+    read_tensor,
+    read_tensor_block,
+)
 from mindspeed_core.errors import CheckpointError, ConfigError
+from mindspeed_core.parallel.materialize import Box, plain_name, write_box
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_llm.models.hf_format import model_types
 from mindspeed_llm.models.registry import get_model_spec
@@ -194,12 +200,14 @@ def _meta(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 class HFWeights:
-    """The tensors of a Hugging Face folder under our names, read one at a time.
+    """The tensors of a Hugging Face folder under our names, read one at a time, or one
+    rank's block of one at a time (`read`).
 
     The family's `hf_adapter.from_hf`, run once on meta tensors, tells which of our tensors
-    are renamed Hugging Face tensors (read alone) and which it computes from several (e.g.
-    MoE experts stacked per layer: those are computed one layer at a time, from that
-    layer's tensors only).
+    are renamed Hugging Face tensors (a block of one is read from the file alone) and which
+    it computes from several: stacked experts the adapter lists in `expert_sources` are read
+    one expert's block at a time; the rest (fused q/k/v, permuted rows) are computed one
+    layer at a time, from that layer's tensors only.
 
     Raises:
         CheckpointError: the adapter reports missing or unexpected tensors.
@@ -217,15 +225,55 @@ class HFWeights:
         """Our name -> (dtype, shape) as stored."""
         self.renamed = {n: by_id[id(t)] for n, t in ours.items() if id(t) in by_id}
         """Our name -> the Hugging Face tensor it is."""
+        sources = getattr(self._adapter, "expert_sources", None)
+        found = sources(config, frozenset(self.index)) if sources is not None else {}
+        self.experts = {n: hf for n, hf in found.items() if self._stacks(n, hf)}
+        """Our stacked expert tensor -> the per-expert (out, in) tensors it stacks."""
         self._cache: dict[str, torch.Tensor] = {}
+
+    def _stacks(self, name: str, hf: list[str]) -> bool:
+        """Whether `name` is `hf` stacked, each transposed (else it is computed by layer)."""
+        if name not in self.shapes or not all(h in self.index for h in hf):
+            return False
+        _, (num, fan_in, fan_out) = self.shapes[name]
+        return num == len(hf) and all(self.index[h].shape == (fan_out, fan_in) for h in hf)
 
     def get(self, name: str) -> torch.Tensor:
         """Our tensor `name` (a fresh CPU tensor)."""
         if name in self.renamed:
             return read_tensor(self.index[self.renamed[name]])
+        if name in self.experts:
+            shape = self.shapes[name][1]
+            return self._expert_block(name, Box((0,) * len(shape), shape))
         if name not in self._cache:
             self._cache.update(self._compute(layer_of(name)))
         return self._cache.pop(name)
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        """The block `box` of our tensor `name` (CPU, stored dtype): only that block's bytes
+        of a renamed tensor or of each stacked expert in it; a computed tensor is made whole
+        from its layer's tensors first (kept until read, so each is made once)."""
+        if name in self.renamed:
+            return read_tensor_block(self.index[self.renamed[name]], box.offsets, box.sizes)
+        if name in self.experts:
+            return self._expert_block(name, box)
+        if name not in self._cache:
+            self._cache.update(self._compute(layer_of(name)))
+        return box.of(self._cache[name]).clone()
+
+    def done(self) -> None:
+        """Drop the computed tensors kept for `read`."""
+        self._cache.clear()
+
+    def _expert_block(self, name: str, box: Box) -> torch.Tensor:
+        first, count = box.offsets[0], box.sizes[0]
+        (row, col), (rows, cols) = box.offsets[1:], box.sizes[1:]  # (in, out) per expert
+        blocks = [
+            read_tensor_block(self.index[hf], (col, row), (cols, rows)).t()
+            for hf in self.experts[name][first : first + count]
+        ]
+        dtype = self.shapes[name][0]
+        return torch.stack(blocks) if blocks else torch.empty(box.sizes, dtype=dtype)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every (our name, tensor): renamed ones in file order, then computed ones by layer."""
@@ -239,16 +287,21 @@ class HFWeights:
         for name in sorted(computed, key=lambda n: (layer_of(n) or -1, n)):
             yield name, self.get(name)
 
-    def _compute(self, layer: int | None) -> dict[str, torch.Tensor]:
-        """The computed tensors of one layer, from that layer's Hugging Face tensors alone."""
+    def _compute(self, layer: int | None, *, all_of_layer: bool = False) -> dict[str, torch.Tensor]:
+        """The computed tensors of one layer, from that layer's Hugging Face tensors alone:
+        first only those no tensor of ours is a renamed copy of, then, where that is not
+        enough, all of them."""
         mixed: dict[str, torch.Tensor] = _meta(self.index)
+        skipped = set(self.renamed.values()) | {h for hs in self.experts.values() for h in hs}
         for name, info in self.index.items():
-            if layer_of(name) == layer:
+            if layer_of(name) == layer and (all_of_layer or name not in skipped):
                 mixed[name] = read_tensor(info)
         out = {}
         for name, tensor in self._adapter.from_hf(mixed, self.config).items():
-            if name in self.renamed or layer_of(name) != layer:
+            if name in self.renamed or name in self.experts or layer_of(name) != layer:
                 continue
+            if tensor.is_meta and not all_of_layer:
+                return self._compute(layer, all_of_layer=True)
             if tensor.is_meta:
                 raise CheckpointError(
                     f"the {self.config.family!r} adapter builds {name} from tensors of other "
@@ -299,11 +352,13 @@ def to_hf_some(
     return {hf: t for hf, t in adapter.to_hf(probe, config).items() if not t.is_meta}
 
 
-def load_hf_weights(model: nn.Module, path: str | Path, config: TransformerConfig) -> None:
-    """Copy the weights of Hugging Face folder `path` into `model` (plain tensors), one at a time.
+def check_hf_weights(model: nn.Module, path: str | Path, config: TransformerConfig) -> HFWeights:
+    """The weights of Hugging Face folder `path`, checked against `model` (the plain model
+    `config` builds; meta is fine): every tensor of the model is there with its shape.
 
     Raises:
-        CheckpointError: a tensor is missing, extra, or of the wrong shape.
+        CheckpointError: a tensor is missing, extra, or of the wrong shape (naming the
+            folder and the tensor).
     """
     weights = HFWeights(path, config)
     targets = model.state_dict(keep_vars=True)
@@ -312,12 +367,58 @@ def load_hf_weights(model: nn.Module, path: str | Path, config: TransformerConfi
     missing = sorted(set(targets) - set(weights.shapes))
     if missing:
         raise CheckpointError(f"{path}: the model has tensors the checkpoint lacks: {missing[:5]}")
+    return weights
+
+
+def read_hf_weights(
+    parts: Sequence[nn.Module], weights: HFWeights, names: Collection[str] | None = None
+) -> set[str]:
+    """Fill this rank's shard of every parameter and saved buffer of `parts` (materialised,
+    possibly parallelised) that `weights` holds, one block at a time (`HFWeights.read`);
+    `names` limits it to those (plain names). Returns the names filled.
+
+    Padding rows (a vocabulary padded for tensor parallel) are zero. A tied copy (the
+    last pipeline stage's output projection) reads the embedding it copies.
+    """
+    filled = set()
     with torch.no_grad():
-        for name, tensor in weights.items():
-            target = targets[name]
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise CheckpointError(
-                    f"{path}: {name} has shape {tuple(tensor.shape)} in the checkpoint but "
-                    f"{tuple(target.shape)} in the model"
-                )
-            target.copy_(tensor)
+        for part in parts:
+            for name, tensor in _loadable(part):
+                if name not in weights.shapes or (names is not None and name not in names):
+                    continue
+                _fill(tensor, weights, name)
+                filled.add(name)
+    weights.done()
+    return filled
+
+
+def load_hf_weights(model: nn.Module, path: str | Path, config: TransformerConfig) -> None:
+    """Copy the weights of Hugging Face folder `path` into `model` (plain tensors or this
+    rank's shards), one block at a time.
+
+    Raises:
+        CheckpointError: a tensor is missing, extra, or of the wrong shape.
+    """
+    read_hf_weights([model], check_hf_weights(model, path, config))
+
+
+def _loadable(part: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(plain name, tensor) of the parameters and persistent buffers of `part`."""
+    for name, tensor in part.state_dict(keep_vars=True).items():
+        yield plain_name(name), tensor
+
+
+def _fill(tensor: torch.Tensor, weights: HFWeights, name: str) -> None:
+    stored_rows = weights.shapes[name][1][0] if weights.shapes[name][1] else None
+
+    def read(box: Box) -> torch.Tensor:
+        if stored_rows is None or box.offsets[0] + box.sizes[0] <= stored_rows:
+            return weights.read(name, box)
+        out = torch.zeros(box.sizes, dtype=weights.shapes[name][0])  # padding rows
+        real = max(0, stored_rows - box.offsets[0])
+        if real:
+            inside = Box(box.offsets, (real, *box.sizes[1:]))
+            out[:real] = weights.read(name, inside)
+        return out
+
+    write_box(tensor, read)

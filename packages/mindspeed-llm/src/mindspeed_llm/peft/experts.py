@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.parallel import dtensor
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.models.common.moe import GroupedExperts
 from mindspeed_ops import grouped_matmul
 
@@ -57,7 +58,9 @@ __all__ = [
 class ExpertLoRA(nn.Module):
     """Per-expert LoRA of one stacked projection (num_experts, in, out)."""
 
-    def __init__(self, a: Tensor, b: Tensor, *, scaling: float, dropout: float, impl: str):
+    def __init__(
+        self, a: Tensor, b: Tensor, *, scaling: float, dropout: float, impl: str, seed_name: str
+    ):
         super().__init__()
         self.lora_A = nn.Parameter(a)  # (experts, rank, in)
         self.lora_B = nn.Parameter(b)  # (experts, out, rank)
@@ -65,6 +68,14 @@ class ExpertLoRA(nn.Module):
         self.lora_scaling = scaling
         self.lora_disabled = False
         self.impl = impl
+        self.seed_name = seed_name
+
+    def init_params(self, init: ParamInit) -> None:
+        """A drawn whole from the generator of "experts name.projection" (peft's
+        Kaiming-uniform per expert, bound 1 / sqrt(in)), B zero."""
+        bound = 1 / math.sqrt(self.lora_A.shape[-1])
+        init.uniform(self.lora_A, -bound, bound, name=self.seed_name)
+        init.constant(self.lora_B, 0.0)
 
     def forward(self, x: Tensor, out: Tensor, counts: Tensor) -> Tensor:
         """`out` + scaling * B_e A_e x for the rows of each expert e (rows sorted by expert,
@@ -119,24 +130,25 @@ def adapt_experts(
     rank: int,
     scaling: float,
     dropout: float,
-    generator_for,
+    seed: int,
 ) -> None:
     """Add an `ExpertLoRA` for each (experts name, module, projection) of `targets`.
 
-    `generator_for(name)` gives the generator of "experts name.projection": A is drawn
-    whole from it (peft's Kaiming-uniform per expert, bound 1 / sqrt(in)), B is zero.
-    Call before expert parallel, which then shards both factors with the base.
+    A is drawn whole from the generator of `seed` and "experts name.projection", B is zero
+    (`ExpertLoRA.init_params`; on the meta device, when the model is materialised). Call
+    before expert parallel, which then shards both factors with the base.
     """
     for name, experts, proj in targets:
         weight = getattr(experts, proj)
         assert not isinstance(weight, DTensor), "expert LoRA goes before expert parallel"
         num_experts, in_features, out_features = weight.shape
-        bound = 1 / math.sqrt(in_features)  # kaiming_uniform_(a=sqrt(5)) of a (rank, in) slice
-        a = torch.empty(num_experts, rank, in_features, dtype=weight.dtype)
-        a.uniform_(-bound, bound, generator=generator_for(f"{name}.{proj}"))
-        b = torch.zeros(num_experts, out_features, rank, dtype=weight.dtype)
-        adapter = ExpertLoRA(a.to(weight.device), b.to(weight.device), scaling=scaling,
-                             dropout=dropout, impl=experts.impl)  # fmt: skip
+        like = {"dtype": weight.dtype, "device": weight.device}
+        a = torch.empty(num_experts, rank, in_features, **like)
+        b = torch.empty(num_experts, out_features, rank, **like)
+        adapter = ExpertLoRA(a, b, scaling=scaling, dropout=dropout, impl=experts.impl,
+                             seed_name=f"{name}.{proj}")  # fmt: skip
+        if not weight.is_meta:
+            adapter.init_params(ParamInit(adapter, seed))
         experts.adapters[proj] = adapter
 
 

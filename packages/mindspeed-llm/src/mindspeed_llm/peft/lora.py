@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -35,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.peft.experts import (
     EXPERT_PROJECTIONS,
     adapt_experts,
@@ -118,12 +118,14 @@ def _expand(target: str) -> tuple[str, ...]:
 def lora_transform(config: LoRAConfig):
     """The `after_tp` hook of `build_model` / `Trainer` that applies `config`."""
 
-    def after_tp(model: nn.Module, dims=None) -> None:
+    def after_tp(model: nn.Module, dims=None) -> set[nn.Parameter]:
         apply_lora(model, config)
-        if config.quantize == "nf4":
-            from mindspeed_llm.peft.qlora import quantize_base
+        if config.quantize != "nf4":
+            return set()
+        from mindspeed_llm.peft.qlora import pending_weights, quantize_base
 
-            quantize_base(model)
+        quantize_base(model)
+        return pending_weights(model)  # FSDP leaves them whole
 
     return after_tp
 
@@ -163,16 +165,10 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     model.requires_grad_(False)
     seed = torch.initial_seed()  # the run's seed (`build_model` set it on every rank)
     for name, module in found:
-        _adapt(module, config, _generator(seed, name))
+        _adapt(module, config, name, seed)
     adapt_experts(experts, rank=config.rank, scaling=config.scaling, dropout=config.dropout,
-                  generator_for=lambda name: _generator(seed, name))  # fmt: skip
+                  seed=seed)  # fmt: skip
     return [name for name, _ in found] + expert_names
-
-
-def _generator(seed: int, name: str) -> torch.Generator:
-    """A generator for module `name` alone: its draw does not depend on which modules a
-    rank holds or in which order (a pipeline stage has only some layers)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
 
 
 def _linear_names(model: nn.Module) -> set[str]:
@@ -183,28 +179,43 @@ def _linear_names(model: nn.Module) -> set[str]:
     return names
 
 
-def _adapt(linear: nn.Linear, config: LoRAConfig, generator: torch.Generator) -> None:
+def _adapt(linear: nn.Linear, config: LoRAConfig, name: str, seed: int) -> None:
     weight = linear.weight
-    a = torch.empty(config.rank, linear.in_features, dtype=weight.dtype)
-    nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # peft's default
-    a = a.to(weight.device)
-    b = torch.zeros(linear.out_features, config.rank, dtype=weight.dtype, device=weight.device)
+    like = {"dtype": weight.dtype, "device": weight.device}
+    a = torch.empty(config.rank, linear.in_features, **like)
+    b = torch.empty(linear.out_features, config.rank, **like)
     if isinstance(weight, DTensor):
         a_place, b_place = _placements(weight)
         a = distribute_tensor(a, weight.device_mesh, a_place)
         b = distribute_tensor(b, weight.device_mesh, b_place)
-    linear.lora_A = _factor(a)
-    linear.lora_B = _factor(b)
+    linear.lora_A = LoRAFactor(a, seed_name=name)
+    linear.lora_B = LoRAFactor(b)
+    if not weight.is_meta:  # else when the model is materialised (`Transformer.init_weights`)
+        for factor in (linear.lora_A, linear.lora_B):
+            factor.init_params(ParamInit(factor, seed))
     linear.lora_dropout = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
     linear.lora_scaling = config.scaling
     linear.lora_handle = linear.register_forward_hook(_add_lora)
 
 
-def _factor(weight: torch.Tensor) -> nn.Module:
+class LoRAFactor(nn.Module):
     """A bias-free linear holding `weight` (peft's `lora_A`/`lora_B` names)."""
-    module = nn.Module()
-    module.weight = nn.Parameter(weight)
-    return module
+
+    def __init__(self, weight: torch.Tensor, *, seed_name: str | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.seed_name = seed_name
+        """A: the adapted module's name, whose generator draws it whole (a rank keeps its
+        shard, so every layout starts from one process's adapter); None: B, zero."""
+
+    def init_params(self, init: ParamInit) -> None:
+        if self.seed_name is None:
+            init.constant(self.weight, 0.0)
+            return
+        # peft's default: kaiming_uniform_(a=sqrt(5)), its bound computed as torch does
+        std = math.sqrt(2.0 / (1 + 5)) / math.sqrt(self.weight.shape[1])
+        bound = math.sqrt(3.0) * std
+        init.uniform(self.weight, -bound, bound, name=self.seed_name)
 
 
 def _placements(weight: DTensor):

@@ -9,6 +9,10 @@ checkpoints (the run rebuilds the base from its source). A forward pre-hook sets
 parallel: each rank quantises its own shard), which the forward hook drops again, so only
 autograd keeps it, as long as the backward needs it. Under FSDP the quantised base is not
 sharded (buffers stay whole on every data-parallel rank); only the adapters are.
+
+A model built on the meta device has no values to quantise yet: there each weight is marked
+(`materialized_hook`, run by `mindspeed_core.parallel.run_materialized_hooks` once the
+weights are drawn or read) and left whole by FSDP (`pending_weights`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ BLOCK_SIZE = 64
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 DEVICE_TYPES = ("cpu", "cuda", "npu")
 
-__all__ = ["BLOCK_SIZE", "base_weight_bytes", "check_qlora", "quantize_base"]
+__all__ = ["BLOCK_SIZE", "base_weight_bytes", "check_qlora", "pending_weights", "quantize_base"]
 
 
 def check_qlora(precision: str, device_type: str) -> None:
@@ -54,12 +58,26 @@ def quantize_base(model: nn.Module, *, block_size: int = BLOCK_SIZE) -> list[str
     names = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in HF_NAMES:
-            _quantize(name, module, block_size)
+            local = _check(name, module, block_size)
+            if local.is_meta:  # quantised once materialised and filled
+                module.materialized_hook = functools.partial(_quantize, name, module, block_size)
+            else:
+                _quantize(name, module, block_size)
             names.append(name)
     return names
 
 
-def _quantize(name: str, linear: nn.Linear, block_size: int) -> None:
+def pending_weights(model: nn.Module) -> set[nn.Parameter]:
+    """The weights `quantize_base` will quantise once the model is materialised: FSDP must
+    leave them whole (they become buffers of this rank's tensor-parallel shard)."""
+    return {
+        m.weight
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and getattr(m, "materialized_hook", None) is not None
+    }
+
+
+def _check(name: str, linear: nn.Linear, block_size: int) -> torch.Tensor:
     weight = linear.weight
     if weight.requires_grad:
         raise ConfigError(f"lora.quantize=nf4: {name}.weight is trainable; only a frozen base")
@@ -69,6 +87,12 @@ def _quantize(name: str, linear: nn.Linear, block_size: int) -> None:
             f"lora.quantize=nf4: {name}.weight shard {tuple(local.shape)} is not a multiple "
             f"of the block size {block_size}"
         )
+    return local
+
+
+def _quantize(name: str, linear: nn.Linear, block_size: int) -> None:
+    weight = linear.weight
+    local = _check(name, linear, block_size)
     packed, absmax = nf4_quantize(local.detach().contiguous(), block_size=block_size)
     layout = None
     if isinstance(weight, DTensor):

@@ -1,11 +1,14 @@
 """Build what a training run holds: the model on its layout, then optimizer and checkpoints.
 
-`build_model` goes model config -> whole model with the run's seed (and Hugging Face
-weights) -> the family's parallelize (TP -> `after_tp` -> EP -> CP -> recompute -> FSDP)
-or pipeline split, with `before_tp` for a new head first. With `frozen=True` it gives an
-optimizer-less copy under the same layout (a DPO or KL reference). `build_train_parts`
-adds AdamW, the LR schedule, the fp16 loss scaler and the train counters, and
-`TrainParts.states` names everything a checkpoint holds.
+`build_model` goes model config -> the model on the meta device (a Hugging Face folder's
+headers checked against it) -> the family's parallelize (TP -> `after_tp` -> EP -> CP ->
+recompute -> FSDP) or pipeline split, with `before_tp` for a new head first -> this rank's
+shards on the device, read from the folder block by block or drawn from the run's seed by
+name (`models.startup`): no rank holds more than its shards plus one tensor, and every
+layout starts from one process's weights. With `frozen=True` it gives an optimizer-less
+copy under the same layout (a DPO or KL reference). `build_train_parts` adds AdamW, the LR
+schedule, the fp16 loss scaler and the train counters, and `TrainParts.states` names
+everything a checkpoint holds.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from mindspeed_core.training import flops_per_token, set_seed
 from mindspeed_llm.models import TransformerConfig, build_model_config, get_model_spec
 from mindspeed_llm.models.common.moe import LoadTracker, active_params
 from mindspeed_llm.models.common.parallelize import ModelHook
-from mindspeed_llm.models.hf_io import load_hf_weights, read_hf_config
+from mindspeed_llm.models.hf_io import check_hf_weights, read_hf_config
+from mindspeed_llm.models.startup import base_shapes, build_meta, fill_parts
 from mindspeed_llm.train.config import ModelSection
 from mindspeed_llm.train.objectives import LossContext
 
@@ -97,8 +101,8 @@ def build_model(
         precision: "fp32", "bf16" or "fp16": FSDP's parameter dtype when sharded, else
             autocast's.
         ac: activation recompute per block ("none", "full", "selective").
-        seed: every rank draws the whole model with it (then keeps its share), so every
-            layout starts from one process's weights.
+        seed: each parameter is drawn from it and its name (each rank keeps its share),
+            so every layout starts from one process's weights.
         seq_len: tokens per sample (for FLOPs).
         hf_path: a Hugging Face folder whose weights replace the drawn ones.
         before_tp: swap the head before anything is split (see `parallelize_decoder`).
@@ -110,10 +114,9 @@ def build_model(
     _check_offload(parallel, torch.device(device), "none" if frozen else ac)
     set_seed(seed, dims, vary_along=())
     spec = get_model_spec(config.family)
-    with torch.device(device):
-        model = spec.build(config)
-    if hf_path is not None:  # whole, before any split or sharding
-        load_hf_weights(model, hf_path, config)
+    model = build_meta(config)
+    weights = None if hf_path is None else check_hf_weights(model, hf_path, config)
+    base = base_shapes(model)
     flops = flops_per_token(active_params(model), config.num_layers, config.hidden_size, seq_len)
     dtype = DTYPES[precision]
     sharded = dims.fsdp_enabled or dims.dp_replicate > 1
@@ -131,6 +134,7 @@ def build_model(
     else:
         pipeline, whole = None, spec.parallelize(model, dims, **options)
         parts = [whole]
+    fill_parts(parts, device, seed=seed, weights=weights, base=base)
     if frozen:
         for part in parts:
             part.requires_grad_(False).eval()

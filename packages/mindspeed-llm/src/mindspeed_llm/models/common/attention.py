@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mindspeed_core.parallel import dtensor
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.common.norm import RMSNorm, rms_norm_over_ranks
 from mindspeed_llm.models.config import TransformerConfig
@@ -86,19 +87,16 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
-            nn.init.normal_(linear.weight, std=std)
-            if linear.bias is not None:
-                nn.init.zeros_(linear.bias)
-        nn.init.normal_(self.wo.weight, std=out_std)
-        if self.wo.bias is not None:
-            nn.init.zeros_(self.wo.bias)
-        if self.sinks is not None:
-            nn.init.normal_(self.sinks, std=std)
+            init.normal(linear.weight, std)
+            init.constant(linear.bias, 0.0)
+        init.normal(self.wo.weight, out_std)
+        init.constant(self.wo.bias, 0.0)
+        init.normal(self.sinks, std)
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
-                norm.reset_parameters()
+                norm.init_params(init)
 
     def _norm_all_heads(self, norm: RMSNorm, x: Tensor) -> Tensor:
         if self.qk_norm_group is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_ops import swiglu
 
@@ -25,10 +26,10 @@ class FeedForward(nn.Module):
         self.w2 = Linear(intermediate_size, hidden_size, bias=False)
         self.w3 = Linear(hidden_size, intermediate_size, bias=False)
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.w1.weight, std=std)
-        nn.init.normal_(self.w3.weight, std=std)
-        nn.init.normal_(self.w2.weight, std=out_std)
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
+        init.normal(self.w1.weight, std)
+        init.normal(self.w3.weight, std)
+        init.normal(self.w2.weight, out_std)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.act == "gelu_tanh":

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
 
 from mindspeed_core.parallel import chunk_scan, dtensor
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import causal_conv1d, gated_delta_rule, gated_delta_rule_step
@@ -83,15 +84,16 @@ class GatedDeltaNet(nn.Module):
         # Set by mindspeed_core's `apply_cp`: inputs are this rank's zig-zag sequence shards.
         self.context_parallel = None
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         for linear in (self.in_proj_qkvz, self.in_proj_ba):
-            nn.init.normal_(linear.weight, std=std)
-        nn.init.normal_(self.conv_weight, std=std)
-        nn.init.ones_(self.dt_bias)
-        with torch.no_grad():  # decay rates A in [1, 16] as Qwen3-Next initialises them
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-        nn.init.ones_(self.norm.weight)
-        nn.init.normal_(self.out_proj.weight, std=out_std)
+            init.normal(linear.weight, std)
+        init.normal(self.conv_weight, std)
+        init.constant(self.dt_bias, 1.0)
+        # decay rates A in [1, 16] as Qwen3-Next initialises them
+        init.draw(self.A_log, lambda shape, g, device: torch.empty(shape, device=device)
+                  .uniform_(1, 16, generator=g).log())  # fmt: skip
+        init.constant(self.norm.weight, 1.0)
+        init.normal(self.out_proj.weight, out_std)
 
     def forward(
         self,

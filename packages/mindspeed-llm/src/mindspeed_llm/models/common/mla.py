@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
 
 from mindspeed_core.parallel import dtensor
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.common.moe import AttachAux
 from mindspeed_llm.models.common.norm import RMSNorm
@@ -92,10 +93,11 @@ class Indexer(nn.Module):
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False)
 
-    def init_weights(self, std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float) -> None:
         for linear in (self.wq_b, self.wk, self.weights_proj):
-            nn.init.normal_(linear.weight, std=std)
-        self.k_norm.reset_parameters()
+            init.normal(linear.weight, std)
+        init.constant(self.k_norm.weight, 1.0)
+        init.constant(self.k_norm.bias, 0.0)
 
     def _rotate(self, t: Tensor, rope: RopeTables, position_ids: Tensor | None) -> Tensor:
         rot, rest = t.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
@@ -220,16 +222,16 @@ class MultiLatentAttention(nn.Module):
         # trainer before each step; the indexer loss's gradient is scaled by it.
         self.aux_grad_scale = 1.0
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         if self.indexer is not None:
-            self.indexer.init_weights(std)
+            self.indexer.init_weights(init, std)
         for linear in (self.wq, self.wq_a, self.wq_b, self.wkv_a, self.wkv_b):
             if linear is not None:
-                nn.init.normal_(linear.weight, std=std)
+                init.normal(linear.weight, std)
         for norm in (self.q_norm, self.kv_norm):
             if norm is not None:
-                norm.reset_parameters()
-        nn.init.normal_(self.wo.weight, std=out_std)
+                norm.init_params(init)
+        init.normal(self.wo.weight, out_std)
 
     def kv_cache_layout(self) -> tuple[int, int, torch.dtype, torch.device]:
         """(cached heads, channels per cached key/value, dtype, device) for `KVCache`:

@@ -1,6 +1,6 @@
 """Mixture of experts: a router, grouped experts, optional shared expert, and the MoE block.
 
-The block replaces `FeedForward` in a `Block` (same `init_weights(std, out_std)` and
+The block replaces `FeedForward` in a `Block` (same `init_weights(init, std, out_std)` and
 `forward(x)`). Tokens are routed to `top_k` experts, sorted by expert, run through one
 grouped GEMM per projection (`mindspeed_ops.grouped_matmul`), then put back in place and
 summed with their routing weights. Expert weights are stacked `(num_experts, in, out)`,
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mindspeed_core.parallel import dtensor
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_core.training import dense_params, moe_active_params
 from mindspeed_llm.models.common.feed_forward import FeedForward
 from mindspeed_llm.models.common.linear import Linear
@@ -82,10 +83,9 @@ class Router(nn.Module):
         if self.score == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(config.num_experts))
 
-    def init_weights(self, std: float) -> None:
-        nn.init.normal_(self.weight, std=std)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+    def init_weights(self, init: ParamInit, std: float) -> None:
+        init.normal(self.weight, std)
+        init.constant(self.bias, 0.0)
         if self.score == "sigmoid":
             self.expert_bias.zero_()
 
@@ -171,13 +171,13 @@ class GroupedExperts(nn.Module):
             self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.adapters = nn.ModuleDict()
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.normal_(self.w1, std=std)
-        nn.init.normal_(self.w3, std=std)
-        nn.init.normal_(self.w2, std=out_std)
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
+        # One expert at a time: under expert parallel a rank draws only its own experts.
+        init.normal(self.w1, std, per_row_block=True)
+        init.normal(self.w3, std, per_row_block=True)
+        init.normal(self.w2, out_std, per_row_block=True)
         for b in (self.b1, self.b3, self.b2):
-            if b is not None:
-                nn.init.zeros_(b)
+            init.constant(b, 0.0)
 
     def forward(self, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
         # Under expert parallel without FSDP of the experts nothing casts their weights
@@ -262,14 +262,14 @@ class MoE(nn.Module):
                 self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False)
         self.last_stats: RouterStats | None = None
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float, out_std: float) -> None:
         self.step_stats.zero_()
-        self.router.init_weights(std)
-        self.experts.init_weights(std, out_std)
+        self.router.init_weights(init, std)
+        self.experts.init_weights(init, std, out_std)
         if self.shared_expert is not None:
-            self.shared_expert.init_weights(std, out_std)
+            self.shared_expert.init_weights(init, std, out_std)
         if self.shared_expert_gate is not None:
-            nn.init.normal_(self.shared_expert_gate.weight, std=std)
+            init.normal(self.shared_expert_gate.weight, std)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape

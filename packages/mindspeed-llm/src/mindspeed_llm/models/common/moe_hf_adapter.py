@@ -112,6 +112,16 @@ class MoEAdapter:
             out[ours] = _stack(ours, [hf_state_dict[k] for k in keys], fused)
         return out
 
+    def expert_sources(
+        self, config: TransformerConfig, present: set[str] | frozenset[str] = frozenset()
+    ) -> dict[str, list[str]]:
+        """Our stacked expert tensor -> the per-expert (out, in) Hugging Face weights it
+        stacks, transposed (`HFWeights` reads one expert's block at a time); empty for the
+        fused tensors of transformers v5's in-memory names (`present` holds them)."""
+        if any(k.endswith(".experts.gate_up_proj") for k in present):
+            return {}
+        return self._expert_sources(config, fused=False)
+
     def _prefix(self, layer: int, fused: bool = False) -> str:
         return f"model.layers.{layer}.{'mlp' if fused else self.block}"
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.config import TransformerConfig
 
@@ -43,11 +44,11 @@ class MTPLayer(nn.Module):
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.block = block
 
-    def init_weights(self, std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float) -> None:
         for n in (self.enorm, self.hnorm, self.norm):
-            n.reset_parameters()
-        nn.init.normal_(self.eh_proj.weight, std=std)
-        self.block.init_weights(std)
+            n.init_params(init)
+        init.normal(self.eh_proj.weight, std)
+        self.block.init_weights(init, std)
 
     def forward(
         self,
@@ -77,9 +78,9 @@ class MultiTokenPrediction(nn.Module):
             }
         )
 
-    def init_weights(self, std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float) -> None:
         for layer in self.layers.values():
-            layer.init_weights(std)
+            layer.init_weights(init, std)
 
 
 def shift_left(t: Tensor, k: int, fill: int) -> Tensor:

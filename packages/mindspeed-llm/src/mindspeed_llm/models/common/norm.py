@@ -8,6 +8,7 @@ import torch.distributed.nn.functional as dist_nn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_ops import rms_norm
 
 
@@ -28,6 +29,9 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         (nn.init.zeros_ if self.offset else nn.init.ones_)(self.weight)
+
+    def init_params(self, init: ParamInit) -> None:
+        init.constant(self.weight, 0.0 if self.offset else 1.0)
 
     def _scale(self, weight: Tensor) -> Tensor:
         return weight + 1 if self.offset else weight

@@ -54,8 +54,10 @@ from mindspeed_llm.models.common.tp_plan import (
 )
 from mindspeed_ops import attention, attention_backward
 
-ModelHook = Callable[[nn.Module, ParallelDims], None]
-"""`hook(model, dims)`: changes `model` in place at a fixed point of the parallelize order."""
+ModelHook = Callable[[nn.Module, ParallelDims], "set[nn.Parameter] | None"]
+"""`hook(model, dims)`: changes `model` in place at a fixed point of the parallelize order;
+an `after_tp` hook may return parameters FSDP must leave whole (QLoRA's base, quantised
+once the model is materialised)."""
 
 
 def parallelize_decoder(
@@ -141,9 +143,8 @@ def parallelize_decoder(
         raise ParallelError("sequence_parallel and loss_parallel need tp > 1")
     if dims.tp > 1:
         _tensor_parallel(model, dims.mesh("tp"), sequence_parallel, loss_parallel)
-    if after_tp is not None:
-        after_tp(model, dims)
-    experts_ignored_by_fsdp = _expert_parallel(
+    kept_whole = (after_tp(model, dims) if after_tp is not None else None) or set()
+    ignored_by_fsdp = kept_whole | _expert_parallel(
         model, dims, param_dtype, reduce_dtype, ep_dispatcher
     )
     _route_over_cp(model, dims)
@@ -164,7 +165,7 @@ def parallelize_decoder(
             dims.mesh("fsdp"),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
-            ignored_params=experts_ignored_by_fsdp,
+            ignored_params=ignored_by_fsdp,
             cpu_offload=cpu_offload,
         )
     else:

@@ -8,6 +8,7 @@ by layer index (the state-dict names are those of a ModuleList).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import mindspeed_ops
 from mindspeed_core.checkpoint.saved import SavedParam
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.models.common.attention import Attention, RopeTables
 from mindspeed_llm.models.common.feed_forward import FeedForward
 from mindspeed_llm.models.common.gated_deltanet import GatedDeltaNet
@@ -61,7 +63,7 @@ class Block(nn.Module):
         self.post_attention_norm = _norm(config) if config.post_norms else None
         self.post_ffn_norm = _norm(config) if config.post_norms else None
 
-    def init_weights(self, std: float) -> None:
+    def init_weights(self, init: ParamInit, std: float) -> None:
         # torchtitan's depth scaling of the projections that write into the residual stream.
         out_std = std / math.sqrt(2 * (self.layer_id + 1))
         for norm in (
@@ -71,9 +73,9 @@ class Block(nn.Module):
             self.post_ffn_norm,
         ):
             if norm is not None:
-                norm.reset_parameters()
-        self.attention.init_weights(std, out_std)
-        self.feed_forward.init_weights(std, out_std)
+                norm.init_params(init)
+        self.attention.init_weights(init, std, out_std)
+        self.feed_forward.init_weights(init, std, out_std)
 
     def forward(
         self,
@@ -149,34 +151,54 @@ class Transformer(nn.Module):
             self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """Recompute the RoPE tables and draw every weight from the global torch RNG.
+    def init_weights(
+        self,
+        buffer_device: torch.device | str | None = None,
+        *,
+        seed: int | None = None,
+        skip: Iterable[str] = (),
+    ) -> None:
+        """Recompute the buffers (RoPE tables) and draw every parameter, each from a
+        generator of its own (`mindspeed_core.parallel.ParamInit`).
 
         Embedding and input projections ~ N(0, init_std); the projections into the
         residual stream (wo, w2) ~ N(0, init_std / sqrt(2 * (layer_id + 1))); norms 1,
-        biases 0. Same seed, same weights, whether the model was built on the meta device.
-        Parts a pipeline stage dropped (None) are skipped; to start a pipelined run from
-        one process's weights, initialise the whole model, then split it.
+        biases 0; layers a hook added (a classifier head, adapters) by their own rules.
+        Each parameter is drawn whole from `seed` and its name (stacked experts one expert
+        at a time) and each rank keeps its shard, so a model parallelised on the meta
+        device, then materialised, holds one process's weights in every layout, and a
+        pipeline stage draws its layers without the others.
+
+        Args:
+            seed: the run's seed; None: `torch.initial_seed()` (what `torch.manual_seed` set).
+            skip: parameter names filled otherwise (read from a checkpoint).
         """
-        tied = self.config.tie_word_embeddings and None not in (self.output, self.tok_embeddings)
+        config = self.config
+        tied = config.tie_word_embeddings and None not in (self.output, self.tok_embeddings)
         if tied and self.output.weight is not self.tok_embeddings.weight:
             # `to_empty` from the meta device materialises the two names separately.
             self.output.weight = self.tok_embeddings.weight
         device = buffer_device or self.rope_cos.device
-        self.rope_cos, self.rope_sin = rope_tables(self.config, device)
-        if self.config.local_rope_theta is not None:
-            self.rope_local_cos, self.rope_local_sin = rope_tables(_local_rope(self.config), device)
-        std = self.config.init_std
+        self.rope_cos, self.rope_sin = rope_tables(config, device)
+        if config.local_rope_theta is not None:
+            self.rope_local_cos, self.rope_local_sin = rope_tables(_local_rope(config), device)
+        init = ParamInit(self, torch.initial_seed() if seed is None else seed, skip=skip)
+        std, rows = config.init_std, config.vocab_size  # padding rows stay 0
         if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=std)
+            init.normal(self.tok_embeddings.weight, std, rows=rows)
         for layer in self.layers.values():
-            layer.init_weights(std)
+            layer.init_weights(init, std)
         if self.mtp is not None:
-            self.mtp.init_weights(std)
+            self.mtp.init_weights(init, std)
         if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not self.config.tie_word_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
+            self.norm.init_params(init)
+        head = self.output  # the vocabulary's (a swapped head is drawn by `finish`)
+        if head is not None and head.weight.shape[0] == config.num_rows:
+            # A tied copy (the last pipeline stage's) draws as the embedding it copies.
+            name = "tok_embeddings.weight" if config.tie_word_embeddings else None
+            if not init.is_filled(head.weight):
+                init.normal(head.weight, std, rows=rows, name=name)
+        init.finish(self)  # a swapped head, adapters
 
     def forward(
         self,

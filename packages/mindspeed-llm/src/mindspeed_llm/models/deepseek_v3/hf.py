@@ -353,4 +353,13 @@ class DeepseekV3Adapter:
         return out
 
 
+    def expert_sources(
+        self, config: TransformerConfig, present: set[str] | frozenset[str] = frozenset()
+    ) -> dict[str, list[str]]:
+        """Our stacked expert tensor -> the per-expert (out, in) weights it stacks,
+        transposed (see `MoEAdapter.expert_sources`); layers stored fused are left out."""
+        sources = _expert_sources(config, present)
+        return {k: v for k, v in sources.items() if v[0].endswith(".weight")}  # not fused
+
+
 ADAPTER = DeepseekV3Adapter()
