@@ -230,16 +230,10 @@ def _whole_reference(run: RunContext):
     """The starting model whole and unsplit in this process (pipeline parallel runs precompute
     the reference log-probs with it; a pipeline stage cannot score a pair alone), drawn with
     the run's seed as `build_model` draws it, then the Hugging Face or starting weights."""
-    from mindspeed_core.training import set_seed
-    from mindspeed_llm.models import get_model_spec
-    from mindspeed_llm.models.hf_io import load_hf_weights
+    from mindspeed_llm.models.startup import build_whole
 
     config, cfg = run.model_config, run.cfg
-    set_seed(cfg.train.seed, run.dims, vary_along=())
-    with torch.device(run.device):
-        model = get_model_spec(config.family).build(config)
-    if cfg.model.hf_path is not None:
-        load_hf_weights(model, cfg.model.hf_path, config)
+    model = build_whole(config, run.device, seed=cfg.train.seed, hf_path=cfg.model.hf_path)
     if run.init_state is not None:
         model.load_state_dict(run.init_state)
     return model.requires_grad_(False).eval(), LossContext(ops_impl=config.ops_impl)

@@ -17,6 +17,7 @@ tensor from safetensors or from DCP.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,12 @@ from torch import nn
 from mindspeed_core.checkpoint import LATEST
 from mindspeed_core.checkpoint.steps import checkpoint_root, resolve
 from mindspeed_core.errors import CheckpointError
+from mindspeed_core.parallel.materialize import materialize
 from mindspeed_llm.demo import cache_root, ensure_demo_data
 from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models.config import TransformerConfig
-from mindspeed_llm.models.hf_io import load_hf_weights, local_dir, read_hf_config
-from mindspeed_llm.models.registry import get_model_spec
+from mindspeed_llm.models.hf_io import check_hf_weights, local_dir, read_hf_config
+from mindspeed_llm.models.startup import base_shapes, build_meta, fill_parts
 from mindspeed_llm.peft import checkpoint as adapters
 from mindspeed_llm.peft.lora import merge_lora
 
@@ -97,9 +99,14 @@ def load_model(
     *,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    parallelize: Callable[[nn.Module], Any] | None = None,
     **overrides: Any,
 ) -> tuple[nn.Module, TransformerConfig]:
     """Build a model and load its weights from a Hugging Face folder or a MindSpeed checkpoint.
+
+    The model is built on the meta device and (with `parallelize`) split before anything is
+    allocated; then each tensor's block this process holds is read alone, so a process never
+    holds more than its share of the model plus one tensor.
 
     Args:
         source: a `ModelSource`, or a folder for `resolve_model_source`: a Hugging Face
@@ -109,6 +116,8 @@ def load_model(
         device: where the model lives.
         dtype: parameter dtype; None keeps the stored one (`config.dtype` when the source
             names it, else float32).
+        parallelize: applied to the meta model first (e.g. tensor parallel for
+            `generate --tp`); a LoRA run's adapters are merged into its base whole first.
         overrides: fields of `TransformerConfig` (e.g. `ops_impl="reference"`).
 
     Returns:
@@ -123,13 +132,26 @@ def load_model(
     elif overrides:
         source = dataclasses.replace(source, config=dataclasses.replace(source.config, **overrides))
     config = source.config
-    model = _empty_model(config, device, dtype)
-    if source.kind == "hf":
-        load_hf_weights(model, source.weights, config)
-    elif (lora := _run_lora(source)) is not None:  # adapters only: the base + them, merged
+    if dtype is None and config.dtype is not None:
+        dtype = getattr(torch, config.dtype, None)
+    model = build_meta(config)
+    lora = _run_lora(source)
+    if lora is not None:  # adapters only: the base + them, merged (whole, then split)
+        model = _empty_model(config, device, dtype)
         adapters.load_adapter_weights(model, source.path, source.weights, config, lora)
         merge_lora(model)
-    else:
+        if parallelize is not None:
+            parallelize(model)
+        return model.eval(), config
+    weights = check_hf_weights(model, source.weights, config) if source.kind == "hf" else None
+    base = base_shapes(model)
+    if parallelize is not None:
+        parallelize(model)
+    if weights is not None:
+        fill_parts([model], device, seed=0, weights=weights, base=base, dtype=dtype)
+    else:  # a DCP checkpoint: reads this process's blocks of each tensor (resharding)
+        materialize(model, device, dtype=dtype)
+        model.init_weights(buffer_device=torch.device(device), seed=0, skip=base)
         ckpt.load_model_weights(model, source.weights)
     return model.eval(), config
 
@@ -177,15 +199,11 @@ def _checkpoint_tokenizer(folder: Path, root: Path) -> Path:
 def _empty_model(
     config: TransformerConfig, device: str | torch.device, dtype: torch.dtype | None
 ) -> nn.Module:
-    """The family's model, materialised on `device` (weights to be overwritten)."""
-    spec = get_model_spec(config.family)
-    if dtype is None and config.dtype is not None:
-        dtype = getattr(torch, config.dtype, None)
-    with torch.device("meta"):
-        model = spec.build(config)
-    if dtype is not None:
-        model.to(dtype)
-    model.to_empty(device=device)
-    # Recomputes the RoPE tables (in fp32, whatever `dtype`); the weights are replaced.
-    model.init_weights(buffer_device=torch.device(device))
+    """The family's model, materialised on `device` (buffers computed; weights to be
+    overwritten)."""
+    model = build_meta(config)
+    names = base_shapes(model)
+    materialize(model, device, dtype=dtype)
+    # Computes the RoPE tables (in fp32, whatever `dtype`); the weights are read later.
+    model.init_weights(buffer_device=torch.device(device), seed=0, skip=names)
     return model

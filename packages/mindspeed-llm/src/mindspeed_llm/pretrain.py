@@ -39,11 +39,12 @@ def pretrain(cfg: PretrainConfig) -> dict[str, float]:
             )
         else:
             logger.info(
-                "trained to step %d: loss %.3f -> %.3f; peak memory per rank %s GiB; run "
-                "directory %s",
+                "trained to step %d: loss %.3f -> %.3f; start-up peak per rank %s GiB; peak "
+                "memory per rank %s GiB; run directory %s",
                 summary["steps"],
                 summary["first_loss"],
                 summary["final_loss"],
+                ", ".join(f"{peak:.2f}" for peak in summary["startup_peak_gb_per_rank"]),
                 ", ".join(f"{peak:.2f}" for peak in summary["peak_gb_per_rank"]),
                 cfg.logging.run_dir,
             )

@@ -102,12 +102,17 @@ def load_generator(args: argparse.Namespace):
     else:
         device = dev.get_device(0, device_type)
     dtype = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-    model, model_config = load_model(source, device=device, dtype=dtype[args.dtype])
-    if args.tp > 1:
+    parallelize = None
+    if args.tp > 1:  # split on the meta device: each rank reads only its shards
         from mindspeed_core.parallel import ParallelDims
         from mindspeed_llm.models import get_model_spec
 
-        get_model_spec(model_config.family).parallelize(model, ParallelDims(tp=args.tp).build())
+        dims = ParallelDims(tp=args.tp).build()
+        spec = get_model_spec(source.config.family)
+        parallelize = lambda model: spec.parallelize(model, dims)  # noqa: E731
+    model, model_config = load_model(
+        source, device=device, dtype=dtype[args.dtype], parallelize=parallelize
+    )
     if args.quantize == "int8":
         from mindspeed_llm.generation.quantize import quantize_weights
 

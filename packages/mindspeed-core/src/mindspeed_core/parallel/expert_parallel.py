@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mindspeed_core.errors import ParallelError
 
@@ -225,7 +226,9 @@ def apply_expert_fsdp(
             (``dims.degree("dp_shard_cp")``): an expert's gradient sums every rank's loss.
 
     Without `dp_mesh` the experts are left out of FSDP (the returned set) and their
-    gradients are divided by `grad_divide_factor` in a hook.
+    gradients are divided by `grad_divide_factor` in hooks on the parameters, registered at
+    the module's first forward (so they hold for parameters `to_empty` replaced after a
+    model built on the meta device was materialised).
     """
     ignored: set[nn.Parameter] = set()
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -236,8 +239,21 @@ def apply_expert_fsdp(
             # A custom factor otherwise needs ReduceOp.PREMUL_SUM, which gloo lacks.
             module.set_force_sum_reduction_for_comms(True)
             continue
-        for param in module.parameters():
-            if param.requires_grad:  # a frozen base (LoRA) has no gradient to divide
-                param.register_hook(lambda grad, f=grad_divide_factor: grad / f)
-            ignored.add(param)
+        module.register_forward_pre_hook(_GradDivide(grad_divide_factor))
+        ignored.update(module.parameters())
     return ignored
+
+
+class _GradDivide:
+    """Forward pre-hook: divides the gradient of each trainable parameter of the module by
+    `factor`, with a tensor hook registered once per parameter object."""
+
+    def __init__(self, factor: int):
+        self.factor = factor
+        self.seen = WeakIdKeyDictionary()  # parameter -> True (tensors compare by value)
+
+    def __call__(self, module: nn.Module, args) -> None:
+        for param in module.parameters():
+            if param.requires_grad and param not in self.seen:  # a frozen base: no grad
+                param.register_hook(lambda grad, f=self.factor: grad / f)
+                self.seen[param] = True

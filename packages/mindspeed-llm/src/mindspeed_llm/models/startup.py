@@ -18,16 +18,17 @@ process's weights.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from mindspeed_core.parallel.materialize import materialize, plain_name, run_materialized_hooks
 from mindspeed_llm.models.config import TransformerConfig
-from mindspeed_llm.models.hf_io import HFWeights, read_hf_weights
+from mindspeed_llm.models.hf_io import HFWeights, check_hf_weights, read_hf_weights
 from mindspeed_llm.models.registry import get_model_spec
 
-__all__ = ["base_shapes", "build_meta", "fill_parts"]
+__all__ = ["base_shapes", "build_meta", "build_whole", "fill_parts"]
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -36,6 +37,26 @@ def build_meta(config: TransformerConfig) -> nn.Module:
     """The family's model for `config` on the meta device (no storage, nothing drawn)."""
     with torch.device("meta"):
         return get_model_spec(config.family).build(config)
+
+
+def build_whole(
+    config: TransformerConfig,
+    device: torch.device | str,
+    *,
+    seed: int,
+    hf_path: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """One process's whole model on `device`: `hf_path`'s weights, or drawn from `seed` (the
+    values every layout of `train.build.build_model` starts from).
+
+    Raises:
+        CheckpointError: `hf_path` does not fit `config`.
+    """
+    model = build_meta(config)
+    weights = None if hf_path is None else check_hf_weights(model, hf_path, config)
+    fill_parts([model], device, seed=seed, weights=weights, base=base_shapes(model), dtype=dtype)
+    return model
 
 
 def base_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

@@ -118,7 +118,7 @@ class TrainLoop:
             profiler.close()
             metrics.close()
         self._finish()
-        summary["peak_gb_per_rank"] = _peak_per_rank(self.step.model.device)
+        summary["peak_gb_per_rank"] = peak_per_rank(self.step.model.device)
         return summary
 
     def _loop(self, metrics: MetricsWriter, profiler) -> dict[str, float]:
@@ -216,7 +216,7 @@ def export_hf(step_dir: Path, out: Path, *, merge_lora: bool = False) -> None:
     logger.info("exported %s as a Hugging Face folder: %s", step_dir.name, out)
 
 
-def _peak_per_rank(device) -> list[float]:
+def peak_per_rank(device) -> list[float]:
     """Every rank's peak memory in GiB (allocator peak on accelerators, peak resident set on
     CPU), in rank order: a collective, so every rank calls it."""
     peak = dev.memory_stats(device)["peak_gb"]

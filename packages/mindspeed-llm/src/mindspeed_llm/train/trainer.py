@@ -9,6 +9,7 @@ data source and an objective it pretrains: GPT data and next-token cross entropy
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -20,11 +21,13 @@ from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.common.parallelize import ModelHook
 from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts, model_config
 from mindspeed_llm.train.config import TrainSection
-from mindspeed_llm.train.loop import DataSource, TrainLoop
+from mindspeed_llm.train.loop import DataSource, TrainLoop, peak_per_rank
 from mindspeed_llm.train.objectives import NextToken, Objective, RunContext
 from mindspeed_llm.train.pretrain_data import PretrainData
 from mindspeed_llm.train.run_dir import RunDirectory
 from mindspeed_llm.train.step import TrainingError, TrainStep
+
+logger = logging.getLogger("mindspeed.train")
 
 __all__ = [
     "Trainer",
@@ -107,6 +110,10 @@ class Trainer:
         self.step: TrainStep = objective.build_step(run) or TrainStep(
             self.parts, objective, self.dims, **run.step_options
         )
+        # Every model of the run built and its weights in, before the first step (collective).
+        self.startup_peak_gb = peak_per_rank(self.device)
+        logger.info("start-up peak per rank %s GiB (models built, weights loaded)",
+                    ", ".join(f"{peak:.2f}" for peak in self.startup_peak_gb))  # fmt: skip
 
     def build_model(self, **options) -> BuiltModel:
         """Another model of this run (a frozen reference, a critic): the run's model config,
@@ -162,7 +169,9 @@ class Trainer:
             command=self.command,
             profile=self.cfg.profile,
         )
-        return loop.run()
+        summary = loop.run()
+        summary["startup_peak_gb_per_rank"] = self.startup_peak_gb
+        return summary
 
 
 def _check_hf_export(cfg) -> None:

@@ -105,6 +105,9 @@ def parallelize_decoder(
             "allgather" (see `mindspeed_core.parallel.apply_ep`).
         before_tp: called on the whole, still plain model first: the place to swap the
             head, e.g. `model.output = nn.Linear(hidden, 1)` for a reward model or critic.
+            Under `train.build.build_model` both hooks run on the meta device: they change
+            the model's structure; values come when it is materialised (`nn.Linear` and
+            `nn.Embedding` by torch's rules, any other module by its `init_params(init)`).
             A head that is not vocabulary-sized stays replicated under TP (its input is
             gathered), so it needs `loss_parallel=False`.
         after_tp: called after tensor parallel and before expert parallel, context
@@ -294,8 +297,9 @@ def pipeline_decoder(
 
     torchtitan's order: split first (`split_pipeline`: each stage a copy holding its own
     layers under their original names), then TP -> AC -> FSDP/DDP on every stage with
-    the options of `parallelize_decoder`. Initialise `model` whole before (with the
-    run's seed) and a pipelined run starts from one process's weights.
+    the options of `parallelize_decoder`. Build `model` on the meta device and
+    materialise the stages after (`models.startup.fill_parts`): each draws or reads its
+    own layers, as one process would.
 
     Args:
         before_tp: called once on the whole model, before the split (a swapped head then
