@@ -36,9 +36,14 @@ def test_a_recipe_loads_its_layout_is_valid_and_fits_as_its_header_says(name):
     check_layout_valid(cfg, config, header["devices"])  # raises, naming the field, if not
     assert header["devices"] % header["nodes"] == 0
     layout, job = layout_of(cfg, header["devices"])
-    peak = max(m.peak for m in estimate_memory_per_stage(model_shape(config), layout, job)) / 2**30
+    estimates = estimate_memory_per_stage(model_shape(config), layout, job)
+    peak = max(m.peak for m in estimates) / 2**30
     assert peak == pytest.approx(header["predicted_peak_gib"], abs=0.05)  # the header is current
     assert peak < header["memory_gb"]
+    # start-up (meta build, this rank's shards, one tensor whole) fits too, and the peak
+    # covers it: the model of every recipe can start on its cluster
+    startup = max(m.startup for m in estimates) / 2**30
+    assert 0 < startup <= peak < header["memory_gb"]
     assert str(cfg.data.paths[0]).startswith("/path/to/")  # left for the user, and it says so
     assert "data.paths" in header["fill_in"]
 
@@ -56,7 +61,8 @@ def test_recipes_command_lists_and_prints(capsys):
 def test_plan_scores_a_recipe_and_refuses_one_over_the_memory(capsys):
     assert cli(["plan", "--config", "mixtral-8x7b-pretrain"]) == 0
     out = capsys.readouterr().out
-    assert "tp2 pp4 ep4 dp_shard8" in out and out.count("predicted peak") == 4  # one per stage
+    assert "tp2 pp4 ep4 dp_shard8" in out and out.count("training peak") == 4  # one per stage
+    assert out.count("predicted start-up peak") == 4
     assert cli(["plan", "--config", "qwen3-8b-pretrain", "--memory-gb", "16"]) == 2
     assert "does not fit --memory-gb 16" in capsys.readouterr().err
 

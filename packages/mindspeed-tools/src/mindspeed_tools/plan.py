@@ -87,7 +87,8 @@ def run(argv: list[str]) -> int:
     command = pretrain_command(opts, candidates[0].layout, per_node)
     if args.json:
         rows = [{"layout": dataclasses.asdict(c.layout), "peak_gib": c.memory.peak / 2**30,
-                 "step_s": c.time.total} for c in candidates[: args.top]]  # fmt: skip
+                 "startup_gib": c.memory.startup / 2**30, "step_s": c.time.total}
+                for c in candidates[: args.top]]  # fmt: skip
         print(json.dumps({"calibration": calib.to_dict(), "candidates": rows, "command": command}))
         return 0
     print(format_table(candidates[: args.top], job, calib, len(candidates)))
@@ -113,17 +114,21 @@ def _run_config(args) -> int:
     layout, job = layout_of(cfg, devices)
     job = dataclasses.replace(job, device=args.device or DEFAULTS["device"])
     shape = model_shape(config)
-    stages = [m.peak / 2**30 for m in estimate_memory_per_stage(shape, layout, job)]
+    estimates = estimate_memory_per_stage(shape, layout, job)
+    stages = [m.peak / 2**30 for m in estimates]
+    startup = [m.startup / 2**30 for m in estimates]
     seconds = estimate_step_time(shape, layout, job, _calibration(args, config, job)).total
     if args.json:
         print(json.dumps({"config": str(path), "layout": dataclasses.asdict(layout), "devices": devices,
-                          "memory_gb": memory_gb, "peak_gib_per_stage": stages, "step_s": seconds}))  # fmt: skip
+                          "memory_gb": memory_gb, "peak_gib_per_stage": stages,
+                          "startup_gib_per_stage": startup, "step_s": seconds}))  # fmt: skip
     else:
         print(f"{path.name}: {layout.describe()} on {devices} devices of {memory_gb:g} GiB "
               f"({shape.num_params() / 1e9:.1f}B parameters, seq {job.seq_len}, global batch "
               f"{job.global_batch}, {job.precision})")  # fmt: skip
-        for i, peak in enumerate(stages):
-            print(f"  stage {i}: predicted peak {peak:.1f} GiB per device")
+        for i, (peak, start) in enumerate(zip(stages, startup, strict=True)):
+            print(f"  stage {i}: predicted start-up peak {start:.1f} GiB, training peak "
+                  f"{peak:.1f} GiB per device")  # fmt: skip
         print(f"  predicted step time {seconds:.2f} s (calibration: {job.device} defaults or cache)")
     if max(stages) > memory_gb:
         raise ConfigError(f"{path.name}: the predicted peak {max(stages):.1f} GiB per device does not fit "
@@ -133,15 +138,16 @@ def _run_config(args) -> int:
 
 def format_table(candidates, job: Job, calib: Calibration, total: int) -> str:
     lines = [f"{total} layouts fit; calibration: {calib.device}",
-             f"{'#':>3} {'layout':<40} {'peak GiB':>9} {'step s':>9} {'tok/s/dev':>10} "
-             f"{'compute':>8} {'comm':>8} {'bubble':>8}"]  # fmt: skip
+             f"{'#':>3} {'layout':<40} {'start GiB':>9} {'peak GiB':>9} {'step s':>9} "
+             f"{'tok/s/dev':>10} {'compute':>8} {'comm':>8} {'bubble':>8}"]  # fmt: skip
     for i, c in enumerate(candidates, 1):
         t = c.time
         devices = c.layout.world_size
         rate = job.global_batch * job.seq_len / t.total / devices
         comm = t.tp_comm + t.dp_comm + t.cp_comm + t.pp_comm
-        lines.append(f"{i:>3} {c.layout.describe():<40} {c.memory.peak / 2**30:>9.2f} "
-                     f"{t.total:>9.3f} {rate:>10.0f} {t.compute:>8.3f} {comm:>8.3f} {t.bubble:>8.3f}")  # fmt: skip
+        lines.append(f"{i:>3} {c.layout.describe():<40} {c.memory.startup / 2**30:>9.2f} "
+                     f"{c.memory.peak / 2**30:>9.2f} {t.total:>9.3f} {rate:>10.0f} "
+                     f"{t.compute:>8.3f} {comm:>8.3f} {t.bubble:>8.3f}")  # fmt: skip
     return "\n".join(lines)
 
 

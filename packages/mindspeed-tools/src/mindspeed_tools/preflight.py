@@ -318,10 +318,13 @@ def preflight(cfg, command: str, devices: int, memory_gb: float, nproc: int, wor
                 Check("gradients equal", None, ""), Check("resumes in another layout", None, "")]  # fmt: skip
     layout, job = layout_of(cfg, devices)
     shape = model_shape(real)
-    peak = max(s.peak for s in estimate_memory_per_stage(shape, layout, job)) / 2**30
+    estimates = estimate_memory_per_stage(shape, layout, job)
+    peak = max(s.peak for s in estimates) / 2**30  # start-up is one of its moments
+    startup = max(s.startup for s in estimates) / 2**30
     checks.append(Check("memory", peak <= memory_gb,
-                        f"predicted peak {peak:.1f} GiB per device of {memory_gb:g} GiB "
-                        f"({shape.num_params() / 1e9:.1f}B parameters, {layout.describe()})"))  # fmt: skip
+                        f"predicted start-up peak {startup:.1f} GiB, training peak {peak:.1f} GiB "
+                        f"per device of {memory_gb:g} GiB ({shape.num_params() / 1e9:.1f}B "
+                        f"parameters, {layout.describe()})"))  # fmt: skip
     return checks + rehearse(cfg, command, real, devices, nproc, work)
 
 

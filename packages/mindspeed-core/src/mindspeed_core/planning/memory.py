@@ -24,6 +24,11 @@ selective keeps it and the matmul outputs (q, k, v projections, wo, w1, w3, w2; 
 attention op is not in torchtitan's save list, so it is recomputed). During a block's
 backward the recomputed activations are live again, with the gradient buffers.
 
+Start-up (the model built on the meta device, then each rank's shards materialised and
+filled one tensor at a time) holds the rank's parameters, buffers and one whole tensor; it
+is one of the moments the peak is taken over, so a layout whose start-up does not fit is
+refused like one whose step does not.
+
 The peak is the largest of these moments of a steady-state step (optimizer states exist,
 gradients were set to None by zero_grad): the start of the loss backward, each block's
 backward (activations of the blocks before it, gradients of those after it, FSDP's
@@ -64,11 +69,15 @@ class MemoryEstimate:
     """The largest live total during the step (see the module docstring)."""
     host: int = 0
     """Host memory taken by offloading (optimizer states, activations)."""
+    startup: int = 0
+    """While the model starts, before the first step: this rank's shards (built on the
+    meta device, then materialised) plus the largest tensor drawn or read whole and its
+    block (a phase of `peak` too)."""
     phases: dict[str, int] = field(default_factory=dict)
     """Live total at each moment considered (for reading the estimate)."""
 
     def as_gib(self) -> dict[str, float]:
-        names = ("params", "grads", "optimizer", "activations", "buffers", "peak", "host")
+        names = ("params", "grads", "optimizer", "activations", "buffers", "peak", "host", "startup")
         return {k: getattr(self, k) / 2**30 for k in names}
 
 
@@ -333,9 +342,12 @@ def _estimate_rank(shape, layout, job, rank, blocks, first, last) -> MemoryEstim
         phases["root_reduce_scatter"] = r.base + r.grads + r.head_elems * (r.unit + 2 * _FP32)
     # foreach AdamW keeps one parameter-sized temporary
     phases["optimizer_step"] = r.params + r.optimizer + r.buffers + r.grads + r.params
+    # start-up: the shards, and one tensor drawn whole in fp32 beside this rank's block of it
+    phases["startup"] = r.params + r.buffers + 2 * _FP32 * shape.largest_tensor()
     return MemoryEstimate(
         params=r.params, grads=r.grads, optimizer=r.optimizer, activations=activations,
         buffers=r.buffers, peak=max(phases.values()), host=host, phases=phases,
+        startup=phases["startup"],
     )  # fmt: skip
 
 

@@ -64,6 +64,16 @@ class ModelShape:
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
+    def largest_tensor(self) -> int:
+        """Elements of the largest tensor a rank draws or reads whole while the model
+        starts (stacked experts are drawn and read one expert at a time)."""
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        widths = [self.vocab_size, self.intermediate_size, q, kv]
+        if self.num_experts:
+            widths += [self.moe_intermediate_size, self.shared_expert_intermediate_size]
+        return h * max(widths)
+
     def num_params(self) -> int:
         dense = self.num_layers - self.num_moe_layers
         head = self.embedding_params() * (1 if self.tie_word_embeddings else 2)
