@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,62 @@ def test_every_family_starts_from_one_process_weights_in_every_layout(tmp_path):
     outcome = dict(results[0])
     for family in families:
         assert outcome[f"{family} tp2_dp_shard2 from hf"] == "ok", family
+
+
+# -- bad Hugging Face folders: one line on every rank, exit 2, no hang ----------------------
+def _bad_folders(root: Path) -> dict[str, Path]:
+    """A good folder, then one whose q_proj does not fit the config, one whose index names
+    a missing shard, one whose safetensors file is cut short."""
+    config = _config("llama")
+    one = _state(_build(config, ParallelConfig(), 1))
+    good = _save_hf(config, one, root / "good")
+    wrong = _save_hf(config, {**one, "layers.0.attention.wq.weight": torch.zeros(32, 64)},
+                     root / "wrong_shape")  # fmt: skip
+    missing = _save_hf(config, one, root / "missing_shard")
+    (missing / "model.safetensors").rename(missing / "model-00001-of-00002.safetensors")
+    names = get_model_spec("llama").hf_adapter.to_hf(one, config)
+    weight_map = {name: "model-00001-of-00002.safetensors" for name in names}
+    weight_map["lm_head.weight"] = "model-00002-of-00002.safetensors"
+    (missing / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    cut = _save_hf(config, one, root / "truncated")
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    return {"good": good, "wrong_shape": wrong, "missing_shard": missing, "truncated": cut}
+
+
+def _start_bad(folder: str):
+    import contextlib
+    import io
+
+    from mindspeed_core.cli import guarded
+
+    folders = {k: Path(v) for k, v in json.loads(folder).items()}
+    out = {}
+    for name, path in folders.items():
+        config = _config("llama")
+        err = io.StringIO()
+
+        def start(path=path, config=config):
+            _build(config, ParallelConfig(tp=2), hf_path=path)
+
+        with contextlib.redirect_stderr(err):
+            code = guarded(start)
+        out[name] = (code, err.getvalue())
+    return out
+
+
+@pytest.mark.distributed
+def test_a_folder_that_does_not_fit_is_one_line_on_every_rank(tmp_path):
+    folders = {k: str(v) for k, v in _bad_folders(tmp_path).items()}
+    for rank in run_distributed(_start_bad, 2, json.dumps(folders), timeout=300):
+        assert rank["good"] == (0, "")
+        for name, pattern in (
+            ("wrong_shape", r"wrong_shape: tensor model.layers.0.self_attn.q_proj.weight "
+                            r"\(ours: layers.0.attention.wq.weight\) has shape \(32, 64\)"),
+            ("missing_shard", r"missing_shard/model.safetensors.index.json names "
+                              r"model-00002-of-00002.safetensors, which does not exist"),
+            ("truncated", r"truncated/model.safetensors is truncated"),
+        ):  # fmt: skip
+            code, err = rank[name]
+            assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), (name, err)
+            assert re.search(pattern, err), (name, err)
