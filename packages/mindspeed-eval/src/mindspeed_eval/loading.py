@@ -87,25 +87,25 @@ def load_for_eval(
     device_t = dev.get_device(
         local_rank, dev.detect_device_type(None if device == "auto" else device)
     )
-    model, config, tok, folder = _read_model(path, tokenizer, device_t, DTYPES[dtype])
+    split = (lambda model: _tensor_parallel(model, tp)) if tp > 1 else None  # on meta: shards only
+    model, config, tok, folder = _read_model(path, tokenizer, device_t, DTYPES[dtype], split)
     if tok.vocab_size > config.vocab_size:
         raise DataError(
             f"tokenizer {tok.path} has {tok.vocab_size} tokens but the model {folder} only "
             f"{config.vocab_size}: not the model's tokenizer?"
         )
-    if tp > 1:
-        _tensor_parallel(model, config, tp)
     return LoadedModel(model, config, tok, folder, device_t, mesh)
 
 
-def _read_model(path, tokenizer, device: torch.device, dtype: torch.dtype | None):
-    """(model, config, tokenizer, folder): the single call into llm's loading."""
+def _read_model(path, tokenizer, device: torch.device, dtype: torch.dtype | None, split=None):
+    """(model, config, tokenizer, folder): the single call into llm's loading (`split`
+    parallelises the model on the meta device, before its shards are read)."""
     from mindspeed_llm.loading import load_model, resolve_model_source
     from mindspeed_llm.tokenizer import load_tokenizer
 
     source = resolve_model_source(path)  # a folder that is no model fails here
     tok = load_tokenizer(tokenizer or source.tokenizer)
-    model, config = load_model(source, device=device, dtype=dtype)
+    model, config = load_model(source, device=device, dtype=dtype, parallelize=split)
     return model, config, tok, source.path
 
 
@@ -130,7 +130,7 @@ def _mesh(tp: int) -> EvalMesh:
     return EvalMesh(dp_rank=rank // tp, dp_size=dp_size, tp=tp, dp_group=groups[rank % tp])
 
 
-def _tensor_parallel(model: nn.Module, config: TransformerConfig, tp: int) -> None:
+def _tensor_parallel(model: nn.Module, tp: int) -> None:
     """Shard the model over this rank's group of `tp` neighbours with its family's own
     `parallelize` (its tensor-parallel plan: latent attention, qk-norms, any vocabulary),
     logits replicated. Only tensor parallel: data parallel here means different requests, so
@@ -139,6 +139,7 @@ def _tensor_parallel(model: nn.Module, config: TransformerConfig, tp: int) -> No
     from mindspeed_core.parallel import ParallelDims
     from mindspeed_llm.models import get_model_spec
 
+    config = model.config
     if config.num_experts:
         raise ParallelError(
             "tp > 1 evaluation supports dense models; use tp=1 and data parallel for this model"
