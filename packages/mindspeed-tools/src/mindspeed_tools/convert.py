@@ -305,23 +305,31 @@ def merge_lora_to_hf(
     shards = plan_shards(entries, max_shard_size)
     needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
     with _staging(output, needed) as tmp:
-        _write_safetensors(tmp, tensors, entries, shards, dtype)
+        _write_safetensors(tmp, tensors.items(), entries, shards, dtype)
         _write_hf_config(model_source, tmp, entries)
     logger.info("wrote %s (LoRA merged, %d tensors)", output, len(entries))
     return Path(output)
 
 
-def _write_safetensors(tmp: Path, tensors, entries, shards, dtype) -> None:
-    """Write in-memory `tensors` into the planned `shards` (and the index when several)."""
+def _write_safetensors(tmp: Path, items, entries, shards, dtype) -> None:
+    """Write `items` ((name, tensor) pairs, in any order, each dropped once written) into
+    the planned `shards` (and the index when several)."""
+    where = {name: file for file, names in shards.items() for name in names}
     writers = {}
     for file, names in shards.items():
-        writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in names])
-        for name in names:
-            tensor = tensors[name]
-            writers[file].write(name, tensor if dtype is None else tensor.to(dtype))
-        writers[file].close()
+        wanted = set(names)
+        writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in wanted])
+    try:
+        for name, tensor in items:
+            writers[where[name]].write(name, tensor if dtype is None else tensor.to(dtype))
+    except BaseException:
+        for writer in writers.values():
+            with contextlib.suppress(OSError):  # a full disk fails the flush again
+                writer.close(check=False)
+        raise
+    for writer in writers.values():
+        writer.close()
     if len(shards) > 1:
-        where = {hf: file for file, names in shards.items() for hf in names}
         _write_index(tmp, writers, where)
 
 
@@ -339,30 +347,32 @@ def megatron_to_hf(
     """Convert a Megatron-LM/Megatron-Core save folder (legacy per-rank files or
     torch_dist) into a Hugging Face folder; see `mindspeed_tools.megatron`.
 
-    The tensors are merged over tp/pp/ep and virtual-pipeline chunks in memory (the whole
-    model once), renamed and un-fused to Hugging Face's Llama/Qwen/Mixtral/Qwen3-MoE
-    layout, written, and the folder is checked with
-    the same reader `--to mindspeed` uses. Megatron saves no tokenizer: `tokenizer` (a
+    One tensor at a time, its shards are read, merged over tp/pp/ep and virtual-pipeline
+    chunks, renamed and un-fused to Hugging Face's Llama/Qwen/Mixtral/Qwen3-MoE layout,
+    written and dropped (memory holds about the largest tensor, not the model); the
+    folder is checked with the same reader `--to mindspeed` uses. Megatron saves no tokenizer: `tokenizer` (a
     folder or tokenizer file) is copied in; without it the folder has none (logged).
 
     Raises:
         ConfigError / CheckpointError: a refused pickle, a missing rank file, an
             architecture we do not convert (each named).
     """
-    args, state, folder = megatron.read_checkpoint(source)
-    config = megatron.hf_config(args, folder)
-    tensors = megatron.to_hf_tensors(state, config, folder)
-    del state
+    tensors = megatron.read_checkpoint(source)
+    folder = tensors.folder
+    config = megatron.hf_config(tensors.args, folder)
+    meta = tensors.hf_meta(config)
     if tokenizer is not None and not Path(tokenizer).exists():
         raise ConfigError(f"--tokenizer {tokenizer} does not exist")
-    entries = [(hf, dtype or t.dtype, tuple(t.shape)) for hf, t in tensors.items()]
+    entries = [(hf, dtype or t.dtype, tuple(t.shape)) for hf, t in meta.items()]
     shards = plan_shards(entries, max_shard_size)
     dtypes = {str(d).removeprefix("torch.") for _, d, _ in entries}
     if len(dtypes) == 1:
         config["torch_dtype"] = dtypes.pop()
     needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
     with _staging(output, needed) as tmp:
-        _write_safetensors(tmp, tensors, entries, shards, dtype)
+        with _progress(len(entries), "megatron -> hf") as bar:
+            items = _counted(tensors.hf_items(config), bar)
+            _write_safetensors(tmp, items, entries, shards, dtype)
         megatron.write_config(tmp, config)
         generation = {"_from_model_config": True}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -410,7 +420,8 @@ def megatron_to_mindspeed(
         source_adam = None
         if adam is not None:
             for kind, folder in folders.items():
-                _stage_tensors(folder, adam.moments[kind])
+                moments = adam.moments[kind]
+                _stage_tensors(folder, moments.hf_meta(adam.config), moments.hf_items(adam.config))
             source_adam = AdamSource(moments=folders, step=adam.step, iteration=adam.iteration)
             del adam
         hf_to_mindspeed(
@@ -422,11 +433,12 @@ def megatron_to_mindspeed(
     return out
 
 
-def _stage_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """`tensors` as a folder of safetensors (read back through `hf_io.HFWeights`)."""
+def _stage_tensors(folder: Path, meta: dict[str, torch.Tensor], items) -> None:
+    """The tensors `items` yields (as `meta` describes them) as a folder of safetensors
+    (read back through `hf_io.HFWeights`)."""
     folder.mkdir()
-    entries = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    _write_safetensors(folder, tensors, entries, plan_shards(entries, 5 * 10**9), None)
+    entries = [(name, t.dtype, tuple(t.shape)) for name, t in meta.items()]
+    _write_safetensors(folder, items, entries, plan_shards(entries, 5 * 10**9), None)
 
 
 def hf_to_megatron(
@@ -541,6 +553,13 @@ def _copy_tokenizer(tokenizer: Path, dest: Path) -> None:
 def _progress(total: int, desc: str) -> tqdm:
     """A tensor-count progress bar on an interactive terminal (silent in logs and tests)."""
     return tqdm(total=total, desc=desc, unit="tensor", disable=not sys.stderr.isatty())
+
+
+def _counted(items, bar: tqdm):
+    """`items`, advancing `bar` by one for each."""
+    for item in items:
+        yield item
+        bar.update(1)
 
 
 def _copy_hf_files(source: Path, dest: Path) -> list[str]:
