@@ -112,3 +112,48 @@ def test_megatron_legacy_tp2_pp2_converts_with_about_one_tensor_in_memory(tmp_pa
     # one tensor's two tp shards and their merge (the whole model: 8x the largest tensor)
     assert peak < 2.5 * largest, (peak, largest)
     assert_same_tensors(hf, back)
+
+
+@pytest.mark.slow
+def test_merge_lora_holds_about_one_tensor_and_gives_load_models_merge(tmp_path, monkeypatch):
+    """A LoRA run (every linear, rank 4) on the random model: `--merge-lora` writes
+    `load_model`'s merged weights bit for bit, about one tensor in memory."""
+    from mindspeed_core.config import load_config
+    from mindspeed_core.distributed import destroy_distributed, init_distributed
+    from mindspeed_core.testing import import_sibling
+    from mindspeed_llm.loading import load_model
+    from mindspeed_llm.models.registry import get_model_spec
+    from mindspeed_llm.peft import lora_trainer_options
+    from mindspeed_llm.train.trainer import Trainer
+
+    lora_tests = import_sibling(__file__, "test_convert_lora")
+    base, run, out = tmp_path / "base", tmp_path / "run", tmp_path / "merged"
+    model_bytes, largest = write_random_hf(base)
+    monkeypatch.setenv("MINDSPEED_CACHE", str(tmp_path / "cache"))
+    args = ["--train.steps=1", "--train.micro_batch=1", "--train.global_batch=1",
+            "--data.seq_len=16", "--optim.warmup_steps=0", "--optim.lr=1e-2",
+            "--train.eval_interval=0", "--logging.progress=false", "--logging.tensorboard=false",
+            f"--model.hf_path={base}", f"--logging.run_dir={run}", "--lora.rank=4"]  # fmt: skip
+    cfg = load_config(lora_tests.LoRAPretrainConfig, None, args)
+    trainer = Trainer(cfg, init_distributed(device_type="cpu"), **lora_trainer_options(cfg.lora))
+    try:
+        trainer.run()
+    finally:
+        destroy_distributed()
+    del trainer
+    start = time.perf_counter()
+    peak = peak_above_start("convert", "--input", run / "checkpoints", "--output", out,
+                            "--to", "hf", "--merge-lora")  # fmt: skip
+    print(f"merge lora -> hf: {peak / 2**20:.0f} MiB above start in {time.perf_counter() - start:.1f} s; "
+          f"model {model_bytes / 2**20:.0f} MiB, largest tensor {largest / 2**20:.0f} MiB")  # fmt: skip
+    # the embedding alone, or an adapted weight, its merged copy and the fp32 update
+    assert peak < 2.5 * largest, (peak, largest)
+    model, config = load_model(run / "checkpoints")
+    want = get_model_spec(config.family).hf_adapter.to_hf(model.state_dict(), config)
+    got = hf_tensor_index(out)
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(read_tensor(got[name]), tensor), name
+    merged = read_tensor(got["model.layers.0.mlp.down_proj.weight"])
+    source = read_tensor(hf_tensor_index(base)["model.layers.0.mlp.down_proj.weight"])
+    assert not torch.equal(merged, source)  # the adapters trained: merging changed the weight

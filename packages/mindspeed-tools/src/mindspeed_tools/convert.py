@@ -39,21 +39,21 @@ import torch
 from tqdm import tqdm
 
 from mindspeed_core.checkpoint import LATEST
-from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.distributed import setup_logging
 from mindspeed_core.errors import CheckpointError, ConfigError, disk_full_error, is_disk_full
 from mindspeed_core.files import check_folder, owned_temp_prefix, remove_stale_temps
 from mindspeed_core.parallel import ParallelConfig
-from mindspeed_llm.loading import ModelSource, checkpoint_source, load_model
+from mindspeed_llm.loading import ModelSource, checkpoint_source
 from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models import hf_io
 from mindspeed_llm.models.common.layout import check_layout
-from mindspeed_llm.models.registry import get_model_spec
 from mindspeed_llm.models.weight_check import check_weights, model_shapes
 from mindspeed_llm.peft.checkpoint import run_lora, write_peft_adapter
 from mindspeed_tools import megatron, megatron_optim, megatron_save
 from mindspeed_tools.dcp_stream import load_streaming, save_streaming
+from mindspeed_tools.hf_out import OursToHF, ShardedWriter, plan_shards
+from mindspeed_tools.lora_merge import LoRAMerge
 
 logger = logging.getLogger("mindspeed.convert")
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -209,67 +209,28 @@ def mindspeed_to_hf(
         )
     config, step_dir = model.config, model.weights
     stored = ckpt.tensor_metadata(step_dir)
-    meta = {n: torch.empty(shape, dtype=d, device="meta") for n, (d, shape) in stored.items()}
-    hf_shapes, renamed = hf_io.to_hf_plan(config, meta)
-    entries = [(hf, dtype or d, shape) for hf, (d, shape) in hf_shapes.items()]
+    to_hf = OursToHF(config, stored)
+    entries = [(hf, dtype or d, shape) for hf, (d, shape) in to_hf.shapes.items()]
     shards = plan_shards(entries, max_shard_size)
     prefix = ckpt.MODEL_KEY + "."
-    computed = len(renamed) < len(hf_shapes)  # e.g. per-expert weights from stacked experts
-    sources = set(renamed.values()) | (set(stored) if computed else set())
-    wanted = {prefix + ours: stored[ours] for ours in stored if ours in sources}
-    hf_names: dict[str, list[str]] = {}
-    for hf, ours in renamed.items():
-        hf_names.setdefault(prefix + ours, []).append(hf)
+    wanted = {prefix + ours: stored[ours] for ours in stored if ours in to_hf.wanted}
 
     needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
     with _staging(output, needed) as tmp:
-        writers = {}
-        for file, names in shards.items():
-            writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in names])
-        where = {hf: file for file, names in shards.items() for hf in names}
-
-        def write(hf: str, tensor: torch.Tensor) -> None:
-            writers[where[hf]].write(hf, tensor if dtype is None else tensor.to(dtype))
+        writer = ShardedWriter(tmp, entries, shards, dtype)
 
         def done(fqn: str, tensor: torch.Tensor) -> None:
             bar.update(1)
-            for hf in hf_names.get(fqn, ()):
-                write(hf, tensor)
-            if computed and fqn not in hf_names:
-                compute(fqn[len(prefix) :], tensor)
-
-        # Computed tensors of a layer are made once all their sources are read (one stacked
-        # expert tensor gives several; a fused q/k/v needs three); a layer's sources are
-        # dropped once all its computed tensors are written.
-        todo: dict[int | None, set[str]] = {}
-        for hf in hf_shapes:
-            if hf not in renamed:
-                todo.setdefault(hf_io.layer_of(hf), set()).add(hf)
-        pending: dict[int | None, dict[str, torch.Tensor]] = {}
-
-        def compute(name: str, tensor: torch.Tensor) -> None:
-            layer = hf_io.layer_of(name)
-            sources = pending.setdefault(layer, {})
-            sources[name] = tensor
-            for hf, made in hf_io.to_hf_some(config, meta, sources).items():
-                if hf in todo.get(layer, ()):
-                    todo[layer].discard(hf)
-                    write(hf, made)
-            if not todo.get(layer):
-                pending.pop(layer)
+            for hf, made in to_hf.put(fqn[len(prefix) :], tensor):
+                writer.write(hf, made)
 
         try:
             with _progress(len(wanted), "mindspeed -> hf") as bar:
                 load_streaming(step_dir, wanted, done)
         except BaseException:
-            for writer in writers.values():
-                with contextlib.suppress(OSError):  # a full disk fails the flush again
-                    writer.close(check=False)
+            writer.abort()
             raise
-        for writer in writers.values():
-            writer.close()
-        if len(shards) > 1:
-            _write_index(tmp, writers, where)
+        writer.close()
         _write_hf_config(model, tmp, entries)
     logger.info("wrote %s (%d tensors in %d file(s))", output, len(entries), len(shards))
     return Path(output)
@@ -296,16 +257,29 @@ def merge_lora_to_hf(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """A Hugging Face folder holding a LoRA run's base with its adapters merged
-    (W + scaling B A); the whole model is built in memory once."""
-    model_source, _ = _lora_source(source, "--merge-lora")
-    model, config = load_model(model_source)  # base + adapters, merged
-    spec = get_model_spec(config.family)
-    tensors = spec.hf_adapter.to_hf(model.state_dict(), config)
-    entries = [(hf, dtype or t.dtype, tuple(t.shape)) for hf, t in tensors.items()]
+    (W + scaling B A), one base tensor at a time (`lora_merge.LoRAMerge`): memory holds
+    about one tensor and the adapters, never the model."""
+    model_source, lora = _lora_source(source, "--merge-lora")
+    merge = LoRAMerge(model_source, lora)
+    to_hf = OursToHF(model_source.config, merge.shapes)
+    entries = [(hf, dtype or d, shape) for hf, (d, shape) in to_hf.shapes.items()]
     shards = plan_shards(entries, max_shard_size)
     needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
     with _staging(output, needed) as tmp:
-        _write_safetensors(tmp, tensors.items(), entries, shards, dtype)
+        writer = ShardedWriter(tmp, entries, shards, dtype)
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            bar.update(1)
+            for hf, made in to_hf.put(name, tensor):
+                writer.write(hf, made)
+
+        try:
+            with _progress(len(merge.shapes), "merge lora -> hf") as bar:
+                merge.stream(put)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close()
         _write_hf_config(model_source, tmp, entries)
     logger.info("wrote %s (LoRA merged, %d tensors)", output, len(entries))
     return Path(output)
@@ -314,23 +288,14 @@ def merge_lora_to_hf(
 def _write_safetensors(tmp: Path, items, entries, shards, dtype) -> None:
     """Write `items` ((name, tensor) pairs, in any order, each dropped once written) into
     the planned `shards` (and the index when several)."""
-    where = {name: file for file, names in shards.items() for name in names}
-    writers = {}
-    for file, names in shards.items():
-        wanted = set(names)
-        writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in wanted])
+    writer = ShardedWriter(tmp, entries, shards, dtype)
     try:
         for name, tensor in items:
-            writers[where[name]].write(name, tensor if dtype is None else tensor.to(dtype))
+            writer.write(name, tensor)
     except BaseException:
-        for writer in writers.values():
-            with contextlib.suppress(OSError):  # a full disk fails the flush again
-                writer.close(check=False)
+        writer.abort()
         raise
-    for writer in writers.values():
-        writer.close()
-    if len(shards) > 1:
-        _write_index(tmp, writers, where)
+    writer.close()
 
 
 # -- Megatron -> Hugging Face / MindSpeed ---------------------------------------------------
@@ -483,33 +448,6 @@ def lora_to_peft(source: str | Path, output: str | Path) -> Path:
         write_peft_adapter(model.path, model.weights, model.config, lora, tmp)
     logger.info("wrote %s (peft adapter, rank %d)", output, lora.rank)
     return Path(output)
-
-
-def plan_shards(
-    entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int
-) -> dict[str, list[str]]:
-    """File name -> tensor names, in order, each file at most `max_shard_size` (or one tensor)."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, dtype, shape in entries:
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if groups[-1] and size + nbytes > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    if len(groups) == 1:
-        return {hf_io.SINGLE_FILE: groups[0]}
-    n = len(groups)
-    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
-
-
-def _write_index(tmp: Path, writers, where: dict[str, str]) -> None:
-    index = {
-        "metadata": {"total_size": sum(w.size for w in writers.values())},
-        "weight_map": dict(sorted(where.items())),
-    }
-    (tmp / hf_io.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _write_hf_config(model: ModelSource, tmp: Path, entries) -> None:
