@@ -1,11 +1,14 @@
-"""`mindspeed convert` holds about one tensor, never the model: a Megatron checkpoint (legacy
-rank files merged over tp and pp) and a LoRA run's merge into Hugging Face weights are
-converted in a child process whose peak resident memory above its start stays within a
-small multiple of the largest tensor, far below the model's size; the outputs are the
-bit-exact ones (the source itself after HF -> Megatron -> HF; `load_model`'s merge)."""
+"""`mindspeed convert` holds about one tensor, never the model: Megatron checkpoints (legacy
+rank files merged over tp and pp; torch_dist's layer-stacked tensors) and a LoRA run's
+merge into Hugging Face weights are converted in a child process whose peak resident
+memory above its start stays within a small multiple of the largest tensor, far below the
+model's size; the outputs are the bit-exact ones (the source itself after HF -> Megatron
+-> HF; `load_model`'s merge)."""
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,12 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItemType
 
 from mindspeed_core.checkpoint.safetensors import SafetensorsWriter, read_tensor
 from mindspeed_core.cli import run as cli
 from mindspeed_llm.models import Transformer, TransformerConfig
 from mindspeed_llm.models.common import hf_adapter
-from mindspeed_llm.models.hf_io import hf_tensor_index
+from mindspeed_llm.models.hf_io import hf_tensor_index, iter_hf_tensors, read_hf_config
+from mindspeed_tools import megatron, megatron_save
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
 
@@ -100,24 +107,105 @@ def assert_same_tensors(a: Path, b: Path) -> None:
         assert torch.equal(read_tensor(left[name]), read_tensor(right[name])), name
 
 
-def test_megatron_legacy_tp2_pp2_converts_with_about_one_tensor_in_memory(tmp_path):
-    hf, mega, back = tmp_path / "hf", tmp_path / "megatron", tmp_path / "back"
-    model_bytes, largest = write_random_hf(hf)
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory) -> tuple[Path, int, int]:
+    """(the random Hugging Face folder, its bytes, its largest tensor's bytes)."""
+    folder = tmp_path_factory.mktemp("memory") / "hf"
+    return (folder, *write_random_hf(folder))
+
+
+def _report(what: str, peak: int, start: float, model_bytes: int, largest: int) -> None:
+    print(f"{what}: {peak / 2**20:.0f} MiB above start in {time.perf_counter() - start:.1f} s; "
+          f"model {model_bytes / 2**20:.0f} MiB, largest tensor {largest / 2**20:.0f} MiB")  # fmt: skip
+
+
+def test_megatron_legacy_tp2_pp2_converts_with_about_one_tensor_in_memory(random_model, tmp_path):
+    hf, model_bytes, largest = random_model
+    mega, back = tmp_path / "megatron", tmp_path / "back"
     assert cli(["convert", "--input", str(hf), "--output", str(mega), "--to", "megatron",
                 "--tp", "2", "--pp", "2"]) == 0  # fmt: skip
     start = time.perf_counter()
     peak = peak_above_start("convert", "--input", mega, "--output", back, "--to", "hf")
-    print(f"megatron -> hf: {peak / 2**20:.0f} MiB above start in {time.perf_counter() - start:.1f} s; "
-          f"model {model_bytes / 2**20:.0f} MiB, largest tensor {largest / 2**20:.0f} MiB")  # fmt: skip
+    _report("megatron legacy -> hf", peak, start, model_bytes, largest)
     # one tensor's two tp shards and their merge (the whole model: 8x the largest tensor)
     assert peak < 2.5 * largest, (peak, largest)
     assert_same_tensors(hf, back)
 
 
+class _OneChunkPerLayer(dcp.DefaultSavePlanner):
+    """Saves each layer of a layer-stacked tensor as its own chunk, as Megatron's
+    dist_checkpointing does (every layer is a ShardedTensor at its layer's offset)."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = []
+        for item in plan.items:
+            shape = self.state_dict[item.index.fqn].shape
+            if not item.index.fqn.startswith("decoder.layers."):
+                items.append(item)
+                continue
+            for i in range(shape[0]):
+                at = torch.Size((i, *(0,) * (len(shape) - 1)))
+                chunk = ChunkStorageMetadata(offsets=at, sizes=torch.Size((1, *shape[1:])))
+                data = dataclasses.replace(item.tensor_data, chunk=chunk)
+                index = MetadataIndex(item.index.fqn, at)
+                items.append(dataclasses.replace(item, index=index, type=WriteItemType.SHARD,
+                                                 tensor_data=data))  # fmt: skip
+        self.plan = dataclasses.replace(plan, items=items)
+        return self.plan
+
+    def resolve_data(self, write_item):
+        tensor = self.state_dict[write_item.index.fqn]
+        chunk = write_item.tensor_data.chunk
+        for dim, (at, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+            tensor = tensor.narrow(dim, at, size)
+        return tensor.contiguous()
+
+
+def write_torch_dist(hf: Path, root: Path) -> None:
+    """The Hugging Face model as a Megatron torch_dist save: Megatron's names, homogeneous
+    layers stacked along a leading axis (one chunk per layer), `common.pt` holding the args."""
+    config = read_hf_config(hf)
+    whole = megatron_save.to_megatron(dict(iter_hf_tensors(hf)), config)
+    layers: dict[str, list[torch.Tensor]] = {}
+    tensors = {}
+    for name, tensor in whole.items():
+        match = re.match(r"^decoder\.layers\.\d+\.(.+)$", name)
+        if match:
+            layers.setdefault(f"decoder.layers.{match.group(1)}", []).append(tensor)
+        else:
+            tensors[name] = tensor
+    tensors.update({name: torch.stack(parts) for name, parts in layers.items()})
+    folder = root / "iter_0000001"
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)),
+             planner=_OneChunkPerLayer(), no_dist=True)  # fmt: skip
+    args = megatron_save.megatron_args(config, 1, 1, torch.float32)
+    args.ckpt_format = "torch_dist"
+    torch.save({"args": args, "iteration": 1}, folder / megatron.COMMON_FILE)
+    (root / megatron.LATEST_FILE).write_text("1\n")
+
+
 @pytest.mark.slow
-def test_merge_lora_holds_about_one_tensor_and_gives_load_models_merge(tmp_path, monkeypatch):
+def test_megatron_torch_dist_converts_one_layer_slice_at_a_time(random_model, tmp_path):
+    hf, model_bytes, largest = random_model
+    mega, back = tmp_path / "megatron", tmp_path / "back"
+    write_torch_dist(hf, mega)
+    start = time.perf_counter()
+    peak = peak_above_start("convert", "--input", mega, "--output", back, "--to", "hf")
+    _report("megatron torch_dist -> hf", peak, start, model_bytes, largest)
+    # a region's buffer and the record DCP reads it from (the whole model: 8x)
+    assert peak < 2.5 * largest, (peak, largest)
+    assert_same_tensors(hf, back)
+
+
+@pytest.mark.slow
+def test_merge_lora_holds_about_one_tensor_and_gives_load_models_merge(
+    random_model, tmp_path, monkeypatch
+):
     """A LoRA run (every linear, rank 4) on the random model: `--merge-lora` writes
-    `load_model`'s merged weights bit for bit, about one tensor in memory."""
+    `load_model`'s merged weights bit for bit, about one tensor in memory; the run's own
+    `logging.hf_export_every` export (the same command, in a child of the trainer) is the
+    same file."""
     from mindspeed_core.config import load_config
     from mindspeed_core.distributed import destroy_distributed, init_distributed
     from mindspeed_core.testing import import_sibling
@@ -127,13 +215,14 @@ def test_merge_lora_holds_about_one_tensor_and_gives_load_models_merge(tmp_path,
     from mindspeed_llm.train.trainer import Trainer
 
     lora_tests = import_sibling(__file__, "test_convert_lora")
-    base, run, out = tmp_path / "base", tmp_path / "run", tmp_path / "merged"
-    model_bytes, largest = write_random_hf(base)
+    base, model_bytes, largest = random_model
+    run, out = tmp_path / "run", tmp_path / "merged"
     monkeypatch.setenv("MINDSPEED_CACHE", str(tmp_path / "cache"))
     args = ["--train.steps=1", "--train.micro_batch=1", "--train.global_batch=1",
             "--data.seq_len=16", "--optim.warmup_steps=0", "--optim.lr=1e-2",
             "--train.eval_interval=0", "--logging.progress=false", "--logging.tensorboard=false",
-            f"--model.hf_path={base}", f"--logging.run_dir={run}", "--lora.rank=4"]  # fmt: skip
+            f"--model.hf_path={base}", f"--logging.run_dir={run}", "--lora.rank=4",
+            "--checkpoint.interval=1", "--logging.hf_export_every=1"]  # fmt: skip
     cfg = load_config(lora_tests.LoRAPretrainConfig, None, args)
     trainer = Trainer(cfg, init_distributed(device_type="cpu"), **lora_trainer_options(cfg.lora))
     try:
@@ -144,8 +233,7 @@ def test_merge_lora_holds_about_one_tensor_and_gives_load_models_merge(tmp_path,
     start = time.perf_counter()
     peak = peak_above_start("convert", "--input", run / "checkpoints", "--output", out,
                             "--to", "hf", "--merge-lora")  # fmt: skip
-    print(f"merge lora -> hf: {peak / 2**20:.0f} MiB above start in {time.perf_counter() - start:.1f} s; "
-          f"model {model_bytes / 2**20:.0f} MiB, largest tensor {largest / 2**20:.0f} MiB")  # fmt: skip
+    _report("merge lora -> hf", peak, start, model_bytes, largest)
     # the embedding alone, or an adapted weight, its merged copy and the fp32 update
     assert peak < 2.5 * largest, (peak, largest)
     model, config = load_model(run / "checkpoints")
@@ -157,3 +245,5 @@ def test_merge_lora_holds_about_one_tensor_and_gives_load_models_merge(tmp_path,
     merged = read_tensor(got["model.layers.0.mlp.down_proj.weight"])
     source = read_tensor(hf_tensor_index(base)["model.layers.0.mlp.down_proj.weight"])
     assert not torch.equal(merged, source)  # the adapters trained: merging changed the weight
+    exported = (run / "hf" / "step_1" / "model.safetensors").read_bytes()
+    assert exported == (out / "model.safetensors").read_bytes()
