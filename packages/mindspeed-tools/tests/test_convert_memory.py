@@ -115,8 +115,9 @@ def random_model(tmp_path_factory) -> tuple[Path, int, int]:
 
 
 def _report(what: str, peak: int, start: float, model_bytes: int, largest: int) -> None:
-    print(f"{what}: {peak / 2**20:.0f} MiB above start in {time.perf_counter() - start:.1f} s; "
-          f"model {model_bytes / 2**20:.0f} MiB, largest tensor {largest / 2**20:.0f} MiB")  # fmt: skip
+    mib = 2**20
+    print(f"{what}: {peak / mib:.0f} MiB above start in {time.perf_counter() - start:.1f} s; "
+          f"model {model_bytes / mib:.0f} MiB, largest tensor {largest / mib:.0f} MiB")  # fmt: skip
 
 
 def test_megatron_legacy_tp2_pp2_converts_with_about_one_tensor_in_memory(random_model, tmp_path):

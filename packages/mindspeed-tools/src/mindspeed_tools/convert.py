@@ -218,19 +218,15 @@ def mindspeed_to_hf(
     needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
     with _staging(output, needed) as tmp:
         writer = ShardedWriter(tmp, entries, shards, dtype)
+        bar = _progress(len(wanted), "mindspeed -> hf")
 
         def done(fqn: str, tensor: torch.Tensor) -> None:
             bar.update(1)
             for hf, made in to_hf.put(fqn[len(prefix) :], tensor):
                 writer.write(hf, made)
 
-        try:
-            with _progress(len(wanted), "mindspeed -> hf") as bar:
-                load_streaming(step_dir, wanted, done)
-        except BaseException:
-            writer.abort()
-            raise
-        writer.close()
+        with writer, bar:
+            load_streaming(step_dir, wanted, done)
         _write_hf_config(model, tmp, entries)
     logger.info("wrote %s (%d tensors in %d file(s))", output, len(entries), len(shards))
     return Path(output)
@@ -267,19 +263,15 @@ def merge_lora_to_hf(
     needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
     with _staging(output, needed) as tmp:
         writer = ShardedWriter(tmp, entries, shards, dtype)
+        bar = _progress(len(merge.shapes), "merge lora -> hf")
 
         def put(name: str, tensor: torch.Tensor) -> None:
             bar.update(1)
             for hf, made in to_hf.put(name, tensor):
                 writer.write(hf, made)
 
-        try:
-            with _progress(len(merge.shapes), "merge lora -> hf") as bar:
-                merge.stream(put)
-        except BaseException:
-            writer.abort()
-            raise
-        writer.close()
+        with writer, bar:
+            merge.stream(put)
         _write_hf_config(model_source, tmp, entries)
     logger.info("wrote %s (LoRA merged, %d tensors)", output, len(entries))
     return Path(output)
@@ -288,14 +280,9 @@ def merge_lora_to_hf(
 def _write_safetensors(tmp: Path, items, entries, shards, dtype) -> None:
     """Write `items` ((name, tensor) pairs, in any order, each dropped once written) into
     the planned `shards` (and the index when several)."""
-    writer = ShardedWriter(tmp, entries, shards, dtype)
-    try:
+    with ShardedWriter(tmp, entries, shards, dtype) as writer:
         for name, tensor in items:
             writer.write(name, tensor)
-    except BaseException:
-        writer.abort()
-        raise
-    writer.close()
 
 
 # -- Megatron -> Hugging Face / MindSpeed ---------------------------------------------------
@@ -315,8 +302,9 @@ def megatron_to_hf(
     One tensor at a time, its shards are read, merged over tp/pp/ep and virtual-pipeline
     chunks, renamed and un-fused to Hugging Face's Llama/Qwen/Mixtral/Qwen3-MoE layout,
     written and dropped (memory holds about the largest tensor, not the model); the
-    folder is checked with the same reader `--to mindspeed` uses. Megatron saves no tokenizer: `tokenizer` (a
-    folder or tokenizer file) is copied in; without it the folder has none (logged).
+    folder is checked with the same reader `--to mindspeed` uses. Megatron saves no
+    tokenizer: `tokenizer` (a folder or tokenizer file) is copied in; without it the
+    folder has none (logged).
 
     Raises:
         ConfigError / CheckpointError: a refused pickle, a missing rank file, an

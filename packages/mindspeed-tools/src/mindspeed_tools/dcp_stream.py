@@ -236,7 +236,8 @@ def _check_files(folder: Path, metadata, planned) -> None:
         for item in items:
             info = metadata.storage_data.get(item.storage_index)
             if info is None:
-                raise CheckpointError(f"{folder}: .metadata has no record of {item.storage_index.fqn}")
+                fqn = item.storage_index.fqn
+                raise CheckpointError(f"{folder}: .metadata has no record of {fqn}")
             end = info.offset + info.length
             ends[info.relative_path] = max(end, ends.get(info.relative_path, 0))
     for name, end in sorted(ends.items()):

@@ -42,11 +42,16 @@ def plan_shards(entries: Entries, max_shard_size: int) -> dict[str, list[str]]:
 
 class ShardedWriter:
     """The planned `shards` of `entries` in `folder`, written as tensors arrive (any order),
-    each cast to `dtype` when given. `close` checks every tensor was written and writes the
-    index when there are several files; `abort` closes them after a failure."""
+    each cast to `dtype` when given. Leaving its `with` block closes the files: normally
+    checking every tensor was written and writing the index when there are several; after
+    a failure only closing them (the caller discards the folder)."""
 
     def __init__(
-        self, folder: Path, entries: Entries, shards: dict[str, list[str]], dtype: torch.dtype | None
+        self,
+        folder: Path,
+        entries: Entries,
+        shards: dict[str, list[str]],
+        dtype: torch.dtype | None,
     ):
         self.folder = folder
         self.dtype = dtype
@@ -57,11 +62,20 @@ class ShardedWriter:
             mine = [e for e in entries if e[0] in wanted]
             self.writers[file] = SafetensorsWriter(folder / file, mine)
 
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self._close()
+        else:
+            self._abort()
+
     def write(self, name: str, tensor: torch.Tensor) -> None:
         cast = tensor if self.dtype is None else tensor.to(self.dtype)
         self.writers[self.where[name]].write(name, cast)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         for writer in self.writers.values():
             writer.close()
         if len(self.writers) > 1:
@@ -71,7 +85,7 @@ class ShardedWriter:
             }
             (self.folder / hf_io.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
-    def abort(self) -> None:
+    def _abort(self) -> None:
         for writer in self.writers.values():
             with contextlib.suppress(OSError):  # a full disk fails the flush again
                 writer.close(check=False)

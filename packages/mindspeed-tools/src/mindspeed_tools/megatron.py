@@ -402,9 +402,12 @@ class _RankFile:
         self.file = file
         self.state = safe_torch_load(file, meta=True)
         self._size = file.stat().st_size
-        with zipfile.ZipFile(file) as archive:
-            order = [n for n in archive.namelist() if n.endswith("/byteorder")]
-            byteorder = archive.read(order[0]).decode() if order else sys.byteorder
+        try:
+            with zipfile.ZipFile(file) as archive:
+                order = [n for n in archive.namelist() if n.endswith("/byteorder")]
+                byteorder = archive.read(order[0]).decode() if order else sys.byteorder
+        except (zipfile.BadZipFile, OSError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{file} is truncated or corrupt ({err})") from None
         if byteorder != sys.byteorder:
             raise CheckpointError(f"{file} was saved {byteorder}-endian: not converted")
 

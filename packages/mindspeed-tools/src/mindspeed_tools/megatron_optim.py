@@ -135,5 +135,6 @@ def _read_moments(
         )
     first, second = (set(names[kind].values()) for kind in MOMENTS)
     if first != second:
-        raise CheckpointError(f"{folder}: exp_avg and exp_avg_sq differ in {sorted(first ^ second)[0]}")
+        odd = sorted(first ^ second)[0]
+        raise CheckpointError(f"{folder}: exp_avg and exp_avg_sq differ in {odd}")
     return {kind: megatron.stored_tensors(folder, args, metadata, names[kind]) for kind in MOMENTS}
