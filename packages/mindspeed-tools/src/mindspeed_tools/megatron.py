@@ -396,11 +396,19 @@ def _layout(
 class _RankFile:
     """One legacy rank file, unpickled onto the meta device (its structure, and each
     tensor's dtype, shape and place in the zip archive `torch.save` writes); `read` reads one
-    tensor's bytes into fresh memory, so the process holds only the tensors it keeps."""
+    tensor's bytes into fresh memory, so the process holds only the tensors it keeps.
+
+    torch before 2.10 says where a storage lies only for loads under a FakeTensorMode: there
+    the file is memory-mapped instead (`mmap=True`), its tensors read from the mapping as
+    they are merged (the pages they touch stay counted in the process's resident memory).
+    """
 
     def __init__(self, file: Path):
         self.file = file
         self.state = safe_torch_load(file, meta=True)
+        self.mapped = not _has_offsets(self.state)
+        if self.mapped:
+            self.state = safe_torch_load(file)
         self._size = file.stat().st_size
         try:
             with zipfile.ZipFile(file) as archive:
@@ -428,12 +436,15 @@ class _RankFile:
         return offset + start, count
 
     def check(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
-        """`tensor` (meta), once its bytes are known to lie in the file."""
-        self._span(tensor, name)
+        """`tensor` of this file, once its bytes are known to lie in the file."""
+        if not self.mapped:
+            self._span(tensor, name)
         return tensor
 
     def read(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The values of the meta `tensor` of this file (called `name` in errors)."""
+        if self.mapped:
+            return tensor
         start, count = self._span(tensor, name)
         flat = torch.empty(count, dtype=tensor.dtype)
         with open(self.file, "rb") as f:
@@ -442,6 +453,14 @@ class _RankFile:
         if got != count * tensor.element_size():
             raise CheckpointError(f"{self.file} is truncated: tensor {name} is cut short")
         return flat.as_strided(tensor.shape, tensor.stride())
+
+
+def _has_offsets(state: Any) -> bool:
+    """Whether the meta tensors of a loaded rank file say where their bytes lie (torch >= 2.10;
+    a file without tensors has nothing to read)."""
+    model = state.get("model", state.get("model0")) if isinstance(state, dict) else None
+    tensor = next((v for v in (model or {}).values() if isinstance(v, torch.Tensor)), None)
+    return tensor is None or hasattr(tensor.untyped_storage(), "_checkpoint_offset")
 
 
 def _read_legacy(folder: Path) -> MegatronTensors:
@@ -484,7 +503,7 @@ def _read_legacy(folder: Path) -> MegatronTensors:
                     held = range(tp_size) if split else range(1)
                     sources[glob] = [(rank_files[tp], _shard(parts[tp], name, rank_files[tp]))
                                      for tp in held]  # fmt: skip
-                    meta[glob] = _merge_tp(glob, [t for _, t in sources[glob]], args)
+                    meta[glob] = _merge_tp(glob, [t.to("meta") for _, t in sources[glob]], args)
 
     def read() -> Iterator[tuple[str, torch.Tensor]]:
         for glob, parts in sources.items():
