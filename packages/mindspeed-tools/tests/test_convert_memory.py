@@ -120,6 +120,7 @@ def _report(what: str, peak: int, start: float, model_bytes: int, largest: int) 
           f"model {model_bytes / mib:.0f} MiB, largest tensor {largest / mib:.0f} MiB")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_megatron_legacy_tp2_pp2_converts_with_about_one_tensor_in_memory(random_model, tmp_path):
     hf, model_bytes, largest = random_model
     mega, back = tmp_path / "megatron", tmp_path / "back"
@@ -131,6 +132,26 @@ def test_megatron_legacy_tp2_pp2_converts_with_about_one_tensor_in_memory(random
     # one tensor's two tp shards and their merge (the whole model: 8x the largest tensor)
     assert peak < 2.5 * largest, (peak, largest)
     assert_same_tensors(hf, back)
+
+
+def test_megatron_rank_files_are_read_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """The cheap guard of the above: opening a legacy checkpoint reads no tensor, and each
+    tensor's shards are read only when that tensor is asked for."""
+    small = dict(CONFIG, vocab_size=256, hidden_size=64, intermediate_size=128, head_dim=16)
+    hf, mega = tmp_path / "hf", tmp_path / "megatron"
+    write_random_hf(hf, small)
+    assert cli(["convert", "--input", str(hf), "--output", str(mega), "--to", "megatron",
+                "--tp", "2", "--pp", "2"]) == 0  # fmt: skip
+    reads = []
+    read = megatron._RankFile.read
+    monkeypatch.setattr(megatron._RankFile, "read", lambda *a: reads.append(a[2]) or read(*a))
+    tensors = megatron.read_checkpoint(mega)
+    assert reads == [] and all(t.is_meta for t in tensors.meta.values())
+    for i, (name, tensor) in enumerate(tensors.items()):
+        assert reads == [name] * len(reads) and len(reads) in (1, 2), (i, name, reads)
+        assert tuple(tensor.shape) == tuple(tensors.meta[name].shape)
+        reads.clear()
+    assert i + 1 == len(tensors.meta)
 
 
 class _OneChunkPerLayer(dcp.DefaultSavePlanner):
