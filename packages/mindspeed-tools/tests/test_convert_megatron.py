@@ -433,12 +433,9 @@ def test_tp2_pp2_legacy_and_torch_dist_convert_to_hf_and_mindspeed(tmp_path, cap
     model, _ = load_model(ours, dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(model(_tokens()), want, atol=ATOL, rtol=0)
-    # both formats hold the same tensors: the two HF folders are bit-identical
-    a, b = (
-        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf_{f}").state_dict()
-        for f in ("legacy", "torch_dist")
-    )
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # both formats hold the same tensors, streamed in the same order: the same file
+    a, b = ((tmp_path / f"hf_{f}" / "model.safetensors").read_bytes() for f in ("legacy", "torch_dist"))
+    assert a == b
 
 
 def test_hostile_legacy_checkpoint_is_refused_and_nothing_is_written(tmp_path, capsys):
@@ -531,11 +528,19 @@ def test_hf_to_megatron_tp2_pp2_round_trips_and_megatron_core_loads_it(tmp_path,
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("pp", [1, 2])
-def test_qwen2_with_tied_embeddings_round_trips_through_megatron(tmp_path, capsys, pp):
+@pytest.mark.parametrize(("pp", "mapped"), [(1, False), (2, False), (2, True)])
+def test_qwen2_with_tied_embeddings_round_trips_through_megatron(
+    tmp_path, capsys, monkeypatch, pp, mapped
+):
     """q/k/v biases fused like the weights, a tied output kept on the last stage only when
-    it is not the first: HF -> Megatron (tp=2) -> HF is bit-identical."""
+    it is not the first: HF -> Megatron (tp=2) -> HF is bit-identical; also where torch
+    (before 2.10) gives no storage offsets and the rank files are memory-mapped instead."""
     from safetensors.torch import load_file
+
+    from mindspeed_tools import megatron
+
+    if mapped:
+        monkeypatch.setattr(megatron, "_has_offsets", lambda state: False)
 
     config = transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
@@ -592,3 +597,44 @@ def test_bad_megatron_checkpoints_are_one_line(tmp_path, capsys, case, expected)
     code, err = _cli(capsys, "--input", root, "--output", tmp_path / "out", "--to", "hf")
     assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("truncated_rank", "mp_rank_01/model_optim_rng.pt is truncated, corrupt or unsafe"),
+        ("missing_distcp", "__0_0.distcp is missing"),
+        ("truncated_distcp", "__0_0.distcp is truncated"),
+    ],
+)
+def test_truncated_or_missing_files_are_one_line_and_nothing_is_written(
+    tmp_path, capsys, case, expected
+):
+    """Found while the files' structure is read, before the first tensor: one line naming
+    the file, exit 2, no output folder."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path / "megatron"
+    embedding = {"embedding.word_embeddings.weight": torch.randn(VOCAB, HIDDEN)}
+    folder = root / "iter_0000001"
+    if case == "truncated_rank":
+        for tp in range(2):
+            _rank_file(root, f"mp_rank_{tp:02d}", _megatron_args(2, 1))
+            torch.save({"args": _megatron_args(2, 1), "model": embedding},
+                       folder / f"mp_rank_{tp:02d}" / "model_optim_rng.pt")  # fmt: skip
+        file = folder / "mp_rank_01" / "model_optim_rng.pt"
+    else:
+        dcp.save(embedding, checkpoint_id=str(folder), no_dist=True)
+        args = _megatron_args(1, 1)
+        args.ckpt_format = "torch_dist"
+        torch.save({"args": args, "iteration": 1}, folder / "common.pt")
+        (root / "latest_checkpointed_iteration.txt").write_text("1\n")
+        file = folder / "__0_0.distcp"
+    if case == "missing_distcp":
+        file.unlink()
+    else:
+        file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    for to in ("hf", "mindspeed"):
+        code, err = _cli(capsys, "--input", root, "--output", tmp_path / "out", "--to", to)
+        assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron"]

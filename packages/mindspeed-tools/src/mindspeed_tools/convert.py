@@ -39,21 +39,21 @@ import torch
 from tqdm import tqdm
 
 from mindspeed_core.checkpoint import LATEST
-from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.distributed import setup_logging
 from mindspeed_core.errors import CheckpointError, ConfigError, disk_full_error, is_disk_full
 from mindspeed_core.files import check_folder, owned_temp_prefix, remove_stale_temps
 from mindspeed_core.parallel import ParallelConfig
-from mindspeed_llm.loading import ModelSource, checkpoint_source, load_model
+from mindspeed_llm.loading import ModelSource, checkpoint_source
 from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models import hf_io
 from mindspeed_llm.models.common.layout import check_layout
-from mindspeed_llm.models.registry import get_model_spec
 from mindspeed_llm.models.weight_check import check_weights, model_shapes
 from mindspeed_llm.peft.checkpoint import run_lora, write_peft_adapter
 from mindspeed_tools import megatron, megatron_optim, megatron_save
 from mindspeed_tools.dcp_stream import load_streaming, save_streaming
+from mindspeed_tools.hf_out import OursToHF, ShardedWriter, plan_shards
+from mindspeed_tools.lora_merge import LoRAMerge
 
 logger = logging.getLogger("mindspeed.convert")
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -209,67 +209,24 @@ def mindspeed_to_hf(
         )
     config, step_dir = model.config, model.weights
     stored = ckpt.tensor_metadata(step_dir)
-    meta = {n: torch.empty(shape, dtype=d, device="meta") for n, (d, shape) in stored.items()}
-    hf_shapes, renamed = hf_io.to_hf_plan(config, meta)
-    entries = [(hf, dtype or d, shape) for hf, (d, shape) in hf_shapes.items()]
+    to_hf = OursToHF(config, stored)
+    entries = [(hf, dtype or d, shape) for hf, (d, shape) in to_hf.shapes.items()]
     shards = plan_shards(entries, max_shard_size)
     prefix = ckpt.MODEL_KEY + "."
-    computed = len(renamed) < len(hf_shapes)  # e.g. per-expert weights from stacked experts
-    sources = set(renamed.values()) | (set(stored) if computed else set())
-    wanted = {prefix + ours: stored[ours] for ours in stored if ours in sources}
-    hf_names: dict[str, list[str]] = {}
-    for hf, ours in renamed.items():
-        hf_names.setdefault(prefix + ours, []).append(hf)
+    wanted = {prefix + ours: stored[ours] for ours in stored if ours in to_hf.wanted}
 
     needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
     with _staging(output, needed) as tmp:
-        writers = {}
-        for file, names in shards.items():
-            writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in names])
-        where = {hf: file for file, names in shards.items() for hf in names}
-
-        def write(hf: str, tensor: torch.Tensor) -> None:
-            writers[where[hf]].write(hf, tensor if dtype is None else tensor.to(dtype))
+        writer = ShardedWriter(tmp, entries, shards, dtype)
+        bar = _progress(len(wanted), "mindspeed -> hf")
 
         def done(fqn: str, tensor: torch.Tensor) -> None:
             bar.update(1)
-            for hf in hf_names.get(fqn, ()):
-                write(hf, tensor)
-            if computed and fqn not in hf_names:
-                compute(fqn[len(prefix) :], tensor)
+            for hf, made in to_hf.put(fqn[len(prefix) :], tensor):
+                writer.write(hf, made)
 
-        # Computed tensors of a layer are made once all their sources are read (one stacked
-        # expert tensor gives several; a fused q/k/v needs three); a layer's sources are
-        # dropped once all its computed tensors are written.
-        todo: dict[int | None, set[str]] = {}
-        for hf in hf_shapes:
-            if hf not in renamed:
-                todo.setdefault(hf_io.layer_of(hf), set()).add(hf)
-        pending: dict[int | None, dict[str, torch.Tensor]] = {}
-
-        def compute(name: str, tensor: torch.Tensor) -> None:
-            layer = hf_io.layer_of(name)
-            sources = pending.setdefault(layer, {})
-            sources[name] = tensor
-            for hf, made in hf_io.to_hf_some(config, meta, sources).items():
-                if hf in todo.get(layer, ()):
-                    todo[layer].discard(hf)
-                    write(hf, made)
-            if not todo.get(layer):
-                pending.pop(layer)
-
-        try:
-            with _progress(len(wanted), "mindspeed -> hf") as bar:
-                load_streaming(step_dir, wanted, done)
-        except BaseException:
-            for writer in writers.values():
-                with contextlib.suppress(OSError):  # a full disk fails the flush again
-                    writer.close(check=False)
-            raise
-        for writer in writers.values():
-            writer.close()
-        if len(shards) > 1:
-            _write_index(tmp, writers, where)
+        with writer, bar:
+            load_streaming(step_dir, wanted, done)
         _write_hf_config(model, tmp, entries)
     logger.info("wrote %s (%d tensors in %d file(s))", output, len(entries), len(shards))
     return Path(output)
@@ -296,33 +253,36 @@ def merge_lora_to_hf(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """A Hugging Face folder holding a LoRA run's base with its adapters merged
-    (W + scaling B A); the whole model is built in memory once."""
-    model_source, _ = _lora_source(source, "--merge-lora")
-    model, config = load_model(model_source)  # base + adapters, merged
-    spec = get_model_spec(config.family)
-    tensors = spec.hf_adapter.to_hf(model.state_dict(), config)
-    entries = [(hf, dtype or t.dtype, tuple(t.shape)) for hf, t in tensors.items()]
+    (W + scaling B A), one base tensor at a time (`lora_merge.LoRAMerge`): memory holds
+    about one tensor and the adapters, never the model."""
+    model_source, lora = _lora_source(source, "--merge-lora")
+    merge = LoRAMerge(model_source, lora)
+    to_hf = OursToHF(model_source.config, merge.shapes)
+    entries = [(hf, dtype or d, shape) for hf, (d, shape) in to_hf.shapes.items()]
     shards = plan_shards(entries, max_shard_size)
     needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
     with _staging(output, needed) as tmp:
-        _write_safetensors(tmp, tensors, entries, shards, dtype)
+        writer = ShardedWriter(tmp, entries, shards, dtype)
+        bar = _progress(len(merge.shapes), "merge lora -> hf")
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            bar.update(1)
+            for hf, made in to_hf.put(name, tensor):
+                writer.write(hf, made)
+
+        with writer, bar:
+            merge.stream(put)
         _write_hf_config(model_source, tmp, entries)
     logger.info("wrote %s (LoRA merged, %d tensors)", output, len(entries))
     return Path(output)
 
 
-def _write_safetensors(tmp: Path, tensors, entries, shards, dtype) -> None:
-    """Write in-memory `tensors` into the planned `shards` (and the index when several)."""
-    writers = {}
-    for file, names in shards.items():
-        writers[file] = SafetensorsWriter(tmp / file, [e for e in entries if e[0] in names])
-        for name in names:
-            tensor = tensors[name]
-            writers[file].write(name, tensor if dtype is None else tensor.to(dtype))
-        writers[file].close()
-    if len(shards) > 1:
-        where = {hf: file for file, names in shards.items() for hf in names}
-        _write_index(tmp, writers, where)
+def _write_safetensors(tmp: Path, items, entries, shards, dtype) -> None:
+    """Write `items` ((name, tensor) pairs, in any order, each dropped once written) into
+    the planned `shards` (and the index when several)."""
+    with ShardedWriter(tmp, entries, shards, dtype) as writer:
+        for name, tensor in items:
+            writer.write(name, tensor)
 
 
 # -- Megatron -> Hugging Face / MindSpeed ---------------------------------------------------
@@ -339,30 +299,33 @@ def megatron_to_hf(
     """Convert a Megatron-LM/Megatron-Core save folder (legacy per-rank files or
     torch_dist) into a Hugging Face folder; see `mindspeed_tools.megatron`.
 
-    The tensors are merged over tp/pp/ep and virtual-pipeline chunks in memory (the whole
-    model once), renamed and un-fused to Hugging Face's Llama/Qwen/Mixtral/Qwen3-MoE
-    layout, written, and the folder is checked with
-    the same reader `--to mindspeed` uses. Megatron saves no tokenizer: `tokenizer` (a
-    folder or tokenizer file) is copied in; without it the folder has none (logged).
+    One tensor at a time, its shards are read, merged over tp/pp/ep and virtual-pipeline
+    chunks, renamed and un-fused to Hugging Face's Llama/Qwen/Mixtral/Qwen3-MoE layout,
+    written and dropped (memory holds about the largest tensor, not the model); the
+    folder is checked with the same reader `--to mindspeed` uses. Megatron saves no
+    tokenizer: `tokenizer` (a folder or tokenizer file) is copied in; without it the
+    folder has none (logged).
 
     Raises:
         ConfigError / CheckpointError: a refused pickle, a missing rank file, an
             architecture we do not convert (each named).
     """
-    args, state, folder = megatron.read_checkpoint(source)
-    config = megatron.hf_config(args, folder)
-    tensors = megatron.to_hf_tensors(state, config, folder)
-    del state
+    tensors = megatron.read_checkpoint(source)
+    folder = tensors.folder
+    config = megatron.hf_config(tensors.args, folder)
+    meta = tensors.hf_meta(config)
     if tokenizer is not None and not Path(tokenizer).exists():
         raise ConfigError(f"--tokenizer {tokenizer} does not exist")
-    entries = [(hf, dtype or t.dtype, tuple(t.shape)) for hf, t in tensors.items()]
+    entries = [(hf, dtype or t.dtype, tuple(t.shape)) for hf, t in meta.items()]
     shards = plan_shards(entries, max_shard_size)
     dtypes = {str(d).removeprefix("torch.") for _, d, _ in entries}
     if len(dtypes) == 1:
         config["torch_dtype"] = dtypes.pop()
     needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
     with _staging(output, needed) as tmp:
-        _write_safetensors(tmp, tensors, entries, shards, dtype)
+        with _progress(len(entries), "megatron -> hf") as bar:
+            items = _counted(tensors.hf_items(config), bar)
+            _write_safetensors(tmp, items, entries, shards, dtype)
         megatron.write_config(tmp, config)
         generation = {"_from_model_config": True}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -410,7 +373,8 @@ def megatron_to_mindspeed(
         source_adam = None
         if adam is not None:
             for kind, folder in folders.items():
-                _stage_tensors(folder, adam.moments[kind])
+                moments = adam.moments[kind]
+                _stage_tensors(folder, moments.hf_meta(adam.config), moments.hf_items(adam.config))
             source_adam = AdamSource(moments=folders, step=adam.step, iteration=adam.iteration)
             del adam
         hf_to_mindspeed(
@@ -422,11 +386,12 @@ def megatron_to_mindspeed(
     return out
 
 
-def _stage_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """`tensors` as a folder of safetensors (read back through `hf_io.HFWeights`)."""
+def _stage_tensors(folder: Path, meta: dict[str, torch.Tensor], items) -> None:
+    """The tensors `items` yields (as `meta` describes them) as a folder of safetensors
+    (read back through `hf_io.HFWeights`)."""
     folder.mkdir()
-    entries = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    _write_safetensors(folder, tensors, entries, plan_shards(entries, 5 * 10**9), None)
+    entries = [(name, t.dtype, tuple(t.shape)) for name, t in meta.items()]
+    _write_safetensors(folder, items, entries, plan_shards(entries, 5 * 10**9), None)
 
 
 def hf_to_megatron(
@@ -473,33 +438,6 @@ def lora_to_peft(source: str | Path, output: str | Path) -> Path:
     return Path(output)
 
 
-def plan_shards(
-    entries: list[tuple[str, torch.dtype, tuple[int, ...]]], max_shard_size: int
-) -> dict[str, list[str]]:
-    """File name -> tensor names, in order, each file at most `max_shard_size` (or one tensor)."""
-    groups: list[list[str]] = [[]]
-    size = 0
-    for name, dtype, shape in entries:
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if groups[-1] and size + nbytes > max_shard_size:
-            groups.append([])
-            size = 0
-        groups[-1].append(name)
-        size += nbytes
-    if len(groups) == 1:
-        return {hf_io.SINGLE_FILE: groups[0]}
-    n = len(groups)
-    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
-
-
-def _write_index(tmp: Path, writers, where: dict[str, str]) -> None:
-    index = {
-        "metadata": {"total_size": sum(w.size for w in writers.values())},
-        "weight_map": dict(sorted(where.items())),
-    }
-    (tmp / hf_io.INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-
 def _write_hf_config(model: ModelSource, tmp: Path, entries) -> None:
     """config.json (the source's when it has one, else built from our config), plus the
     generation config and tokenizer files of the source when known."""
@@ -541,6 +479,13 @@ def _copy_tokenizer(tokenizer: Path, dest: Path) -> None:
 def _progress(total: int, desc: str) -> tqdm:
     """A tensor-count progress bar on an interactive terminal (silent in logs and tests)."""
     return tqdm(total=total, desc=desc, unit="tensor", disable=not sys.stderr.isatty())
+
+
+def _counted(items, bar: tqdm):
+    """`items`, advancing `bar` by one for each."""
+    for item in items:
+        yield item
+        bar.update(1)
 
 
 def _copy_hf_files(source: Path, dest: Path) -> list[str]:

@@ -17,7 +17,11 @@ pickle naming anything else (os.system, builtins.eval, ...) is refused before it
 
 The model's shape comes from the saved args (Megatron-LM's argument names); the tensors
 are merged over tp/pp and renamed to the Hugging Face Llama/Qwen layout, which the
-existing `mindspeed convert` paths then write (see `convert.megatron_to_hf`).
+existing `mindspeed convert` paths then write (see `convert.megatron_to_hf`). Nothing is
+read whole: a legacy rank file is unpickled onto the meta device (its structure, and where
+each tensor's bytes are) and each tensor's shards are read from their offsets, merged,
+handed on and dropped; a torch_dist folder is read one layer's slice at a time through
+DCP. Memory holds about the largest tensor, whatever the model's size.
 Dense Llama/Mistral/Qwen2/Qwen3-style models (RMSNorm, SwiGLU, RoPE) are converted, and
 their MoE kin with softmax top-k routing and no shared expert: Mixtral (no qk-norm) and
 Qwen3-MoE (qk-norm), the experts merged over expert-parallel ranks (legacy files
@@ -33,7 +37,10 @@ import argparse
 import json
 import pickle
 import re
-from collections.abc import Mapping
+import sys
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +48,7 @@ import torch
 
 from mindspeed_core.checkpoint import read_safe_metadata
 from mindspeed_core.errors import CheckpointError, ConfigError
-from mindspeed_tools.dcp_stream import load_streaming
+from mindspeed_tools.dcp_stream import Region, RegionReader
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 LEGACY_FILE = "model_optim_rng.pt"
@@ -136,10 +143,12 @@ def _stand_in(name: str) -> bool:
     return name.startswith(("megatron.", "numpy.")) or name in _STDLIB_DATA
 
 
-def safe_torch_load(file: Path) -> Any:
+def safe_torch_load(file: Path, *, meta: bool = False) -> Any:
     """A `torch.save` file read with weights_only (tensors, containers, numbers, strings)
     plus `argparse.Namespace`. Megatron's data-only globals (its enums, numpy RNG state,
     configs) become inert `_StandIn`s; any other global is refused before anything loads.
+    With `meta`, tensors come on the meta device and no tensor byte is read: each
+    storage's `_checkpoint_offset` says where its bytes are in the file (`_RankFile`).
 
     Raises:
         CheckpointError: the file names another global, or is corrupt (named).
@@ -156,10 +165,12 @@ def safe_torch_load(file: Path) -> Any:
             )
         stand_ins = [(type(g.rsplit(".", 1)[-1], (_StandIn,), {}), g) for g in unsafe]
         with torch.serialization.safe_globals([argparse.Namespace, *stand_ins]):
+            if meta:
+                return torch.load(file, map_location="meta", weights_only=True)
             return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as err:
         first = " ".join(str(err).split())[:200]
-        raise CheckpointError(f"{file} is unreadable or unsafe ({first})") from None
+        raise CheckpointError(f"{file} is truncated, corrupt or unsafe ({first})") from None
 
 
 # -- the model's shape, from Megatron-LM's args ---------------------------------------------
@@ -289,13 +300,51 @@ def _moe_config(
 # -- tensors ---------------------------------------------------------------------------------
 
 
-def read_checkpoint(root: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Path]:
-    """(saved args, Megatron state dict of whole tensors with global layer numbers, the
-    iteration folder) of the Megatron save folder `root`."""
+@dataclass(frozen=True)
+class MegatronTensors:
+    """The whole tensors of a Megatron checkpoint (merged over tp/pp/ep and virtual-pipeline
+    chunks) under global names (`decoder.layers.L.<...>`, each expert as
+    `decoder.layers.L.mlp.experts.E.linear_fcN.weight`), read one at a time: memory holds
+    about one tensor (its shards and their merge), never the model."""
+
+    args: dict[str, Any]
+    """Megatron-LM's saved args."""
+    folder: Path
+    """The iteration folder."""
+    meta: dict[str, torch.Tensor]
+    """Name -> a meta tensor of the whole tensor's dtype and shape, in the order `items`
+    yields them."""
+    read: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole tensor) in `meta`'s order, each read when it is asked for."""
+        return self.read()
+
+    def hf_meta(self, config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The Hugging Face tensors `hf_items` yields (meta), in its order.
+
+        Raises:
+            CheckpointError: a tensor with no Hugging Face name (before anything is read).
+        """
+        return to_hf_tensors(self.meta, config, self.folder)
+
+    def hf_items(self, config: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor), each made from one Megatron tensor as it is read."""
+        for name, tensor in self.items():
+            yield from to_hf_tensors({name: tensor}, config, self.folder).items()
+
+
+def read_checkpoint(root: str | Path) -> MegatronTensors:
+    """The tensors of the Megatron save folder `root` (its latest iteration), in either
+    format; the files' structure is read and checked now, the tensors when asked for.
+
+    Raises:
+        CheckpointError: a refused pickle, a missing or truncated rank file (named).
+    """
     folder = iteration_dir(Path(root))
     if (folder / COMMON_FILE).is_file():
-        return (*_read_torch_dist(folder), folder)
-    return (*_read_legacy(folder), folder)
+        return _read_torch_dist(folder)
+    return _read_legacy(folder)
 
 
 def _args_of(state: Any, file: Path) -> dict[str, Any]:
@@ -344,10 +393,81 @@ def _layout(
     return files
 
 
-def _read_legacy(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+class _RankFile:
+    """One legacy rank file, unpickled onto the meta device (its structure, and each
+    tensor's dtype, shape and place in the zip archive `torch.save` writes); `read` reads one
+    tensor's bytes into fresh memory, so the process holds only the tensors it keeps.
+
+    torch before 2.10 says where a storage lies only for loads under a FakeTensorMode: there
+    the file is memory-mapped instead (`mmap=True`), its tensors read from the mapping as
+    they are merged (the pages they touch stay counted in the process's resident memory).
+    """
+
+    def __init__(self, file: Path):
+        self.file = file
+        self.state = safe_torch_load(file, meta=True)
+        self.mapped = not _has_offsets(self.state)
+        if self.mapped:
+            self.state = safe_torch_load(file)
+        self._size = file.stat().st_size
+        try:
+            with zipfile.ZipFile(file) as archive:
+                order = [n for n in archive.namelist() if n.endswith("/byteorder")]
+                byteorder = archive.read(order[0]).decode() if order else sys.byteorder
+        except (zipfile.BadZipFile, OSError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{file} is truncated or corrupt ({err})") from None
+        if byteorder != sys.byteorder:
+            raise CheckpointError(f"{file} was saved {byteorder}-endian: not converted")
+
+    def _span(self, tensor: torch.Tensor, name: str) -> tuple[int, int]:
+        """(file offset, element count) of the bytes `tensor` spans in its storage."""
+        storage = tensor.untyped_storage()
+        offset = getattr(storage, "_checkpoint_offset", None)
+        if offset is None:
+            raise CheckpointError(f"{self.file}: {name} is not in torch.save's zip format")
+        count = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+        count = count if tensor.numel() else 0
+        start = tensor.storage_offset() * tensor.element_size()
+        end = start + count * tensor.element_size()
+        if end > storage.nbytes() or offset + end > self._size:
+            raise CheckpointError(
+                f"{self.file} is truncated or corrupt: tensor {name} ends past its storage"
+            )
+        return offset + start, count
+
+    def check(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """`tensor` of this file, once its bytes are known to lie in the file."""
+        if not self.mapped:
+            self._span(tensor, name)
+        return tensor
+
+    def read(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The values of the meta `tensor` of this file (called `name` in errors)."""
+        if self.mapped:
+            return tensor
+        start, count = self._span(tensor, name)
+        flat = torch.empty(count, dtype=tensor.dtype)
+        with open(self.file, "rb") as f:
+            f.seek(start)
+            got = f.readinto(flat.view(torch.uint8).numpy())
+        if got != count * tensor.element_size():
+            raise CheckpointError(f"{self.file} is truncated: tensor {name} is cut short")
+        return flat.as_strided(tensor.shape, tensor.stride())
+
+
+def _has_offsets(state: Any) -> bool:
+    """Whether the meta tensors of a loaded rank file say where their bytes lie (torch >= 2.10;
+    a file without tensors has nothing to read)."""
+    model = state.get("model", state.get("model0")) if isinstance(state, dict) else None
+    tensor = next((v for v in (model or {}).values() if isinstance(v, torch.Tensor)), None)
+    return tensor is None or hasattr(tensor.untyped_storage(), "_checkpoint_offset")
+
+
+def _read_legacy(folder: Path) -> MegatronTensors:
     found = _rank_files(folder)
     first = found[min(found)]
-    args = _args_of(safe_torch_load(first), first)
+    opened = {first: _RankFile(first)}
+    args = _args_of(opened[first].state, first)
     tp_size = _arg(args, "tensor_model_parallel_size", first, 1)
     pp_size = _arg(args, "pipeline_model_parallel_size", first, 1)
     ep_size = _arg(args, "expert_model_parallel_size", first, 1)
@@ -358,6 +478,7 @@ def _read_legacy(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
             "experts split like the rest (etp = tp) or whole on every rank (etp = 1) are converted"
         )
     ranks = _layout(folder, found, tp_size, pp_size, ep_size)
+    files = {key: opened.get(path) or _RankFile(path) for key, path in ranks.items()}
     num_layers = _arg(args, "num_layers", first)
     chunks = _arg(args, "virtual_pipeline_model_parallel_size", first, 1)
     if args.get("num_layers_per_virtual_pipeline_stage"):
@@ -365,10 +486,12 @@ def _read_legacy(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     per_chunk = num_layers // pp_size // chunks
     num_experts = args.get("num_experts") or 0
     local_experts = num_experts // ep_size
-    merged: dict[str, torch.Tensor] = {}
+    sources: dict[str, list[tuple[_RankFile, torch.Tensor]]] = {}
+    meta: dict[str, torch.Tensor] = {}
     for pp in range(pp_size):
         for ep in range(ep_size):
-            shards = [_model_chunks(ranks[(tp, pp, ep)], chunks) for tp in range(tp_size)]
+            rank_files = [files[(tp, pp, ep)] for tp in range(tp_size)]
+            shards = [_model_chunks(f, chunks) for f in rank_files]
             for chunk in range(chunks):
                 offset = (chunk * pp_size + pp) * per_chunk  # Megatron's layer offset
                 parts = [s[chunk] for s in shards]
@@ -377,15 +500,34 @@ def _read_legacy(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
                     if ep > 0 and not _is_expert(glob):
                         continue  # every expert rank holds the same dense tensors
                     split = etp_size > 1 or not _is_expert(glob)
-                    tensors = [q[name] for q in parts] if split else [parts[0][name]]
-                    merged[glob] = _merge_tp(glob, tensors, args)
-    return args, merged
+                    held = range(tp_size) if split else range(1)
+                    sources[glob] = [(rank_files[tp], _shard(parts[tp], name, rank_files[tp]))
+                                     for tp in held]  # fmt: skip
+                    meta[glob] = _merge_tp(glob, [t.to("meta") for _, t in sources[glob]], args)
+
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
+        for glob, parts in sources.items():
+            yield glob, _merge_tp(glob, [file.read(t, glob) for file, t in parts], args)
+
+    return MegatronTensors(args=args, folder=folder, meta=meta, read=read)
 
 
-def _model_chunks(file: Path, chunks: int) -> list[dict[str, torch.Tensor]]:
-    """The `model` tensors of one rank file (Transformer Engine's `_extra_state` left out),
-    one dict per virtual-pipeline chunk (`model0`, `model1`, ... when there are several)."""
-    state = safe_torch_load(file)
+def _shard(part: Mapping[str, torch.Tensor], name: str, file: _RankFile) -> torch.Tensor:
+    """Tensor `name` of one rank's chunk (meta), checked to lie in its file.
+
+    Raises:
+        CheckpointError: the rank file lacks it, or it lies past the file's end (named).
+    """
+    if name not in part:
+        raise CheckpointError(f"{file.file} has no {name}, which its tensor-parallel peers hold")
+    return file.check(part[name], name)
+
+
+def _model_chunks(file: _RankFile, chunks: int) -> list[dict[str, torch.Tensor]]:
+    """The `model` tensors (meta) of one rank file (Transformer Engine's `_extra_state`
+    left out), one dict per virtual-pipeline chunk (`model0`, `model1`, ... when there are
+    several)."""
+    state = file.state
     keys = ["model"] if chunks == 1 else [f"model{c}" for c in range(chunks)]
     out = []
     for key in keys:
@@ -396,7 +538,7 @@ def _model_chunks(file: Path, chunks: int) -> list[dict[str, torch.Tensor]]:
                 "virtual-pipeline chunks (model0, ...) but the args give none" if vpp
                 else f"no {key!r} (the args give {chunks} virtual-pipeline chunk(s))"
             )
-            raise CheckpointError(f"{file}: {why}")
+            raise CheckpointError(f"{file.file}: {why}")
         out.append({
             k: v for k, v in model.items()
             if isinstance(v, torch.Tensor) and not k.endswith(_SKIPPED)
@@ -443,50 +585,83 @@ def _merge_tp(name: str, parts: list[torch.Tensor], args: Mapping[str, Any]) -> 
     return torch.cat(parts, dim=dim)
 
 
-def _read_torch_dist(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _read_torch_dist(folder: Path) -> MegatronTensors:
     args = _args_of(safe_torch_load(folder / COMMON_FILE), folder / COMMON_FILE)
     metadata = read_safe_metadata(folder)
-    shapes = {}
+    names = {}
     for name, meta in metadata.state_dict_metadata.items():
         size = getattr(meta, "size", None)
         wanted = name in _TOP_NAMES or name.startswith("decoder.layers.")
         if size is not None and wanted and not name.endswith(_SKIPPED):
-            shapes[name] = (meta.properties.dtype, tuple(size))
-    if not shapes:
+            names[name] = name
+    if not names:
         raise CheckpointError(f"{folder}: its .metadata holds no model tensors (decoder.layers.*)")
-    stacked: dict[str, torch.Tensor] = {}
-    load_streaming(folder, shapes, stacked.__setitem__)
-    return args, unstack_layers(stacked, _arg(args, "num_layers", folder / COMMON_FILE), folder)
+    return stored_tensors(folder, args, metadata, names)
 
 
-def unstack_layers(
-    stacked: Mapping[str, torch.Tensor], num_layers: int, folder: Path
-) -> dict[str, torch.Tensor]:
-    """torch_dist's tensors (homogeneous layers stacked along a leading axis, experts along
-    a second) under per-layer (and per-expert) names. The optimizer's moments, saved in the
-    weights' layout, go through here too (`megatron_optim`).
+def stored_tensors(
+    folder: Path, args: dict[str, Any], metadata: Any, names: Mapping[str, str]
+) -> MegatronTensors:
+    """The tensors a torch_dist folder stores under the keys of `names` (key -> the
+    Megatron name it holds: the optimizer's moments are stored under their weight's name
+    behind a prefix), one layer (and expert) at a time: torch_dist stacks homogeneous
+    layers along a leading axis (experts along a second), which is read one layer's slice
+    at a time through DCP. They come layer after layer (the embedding first, the final
+    norm and output layer last).
 
     Raises:
         CheckpointError: a layer tensor whose leading axis is not `num_layers` (named).
     """
-    merged = {}
-    for name, tensor in stacked.items():
-        rest = name.removeprefix("decoder.layers.")
-        if name in _TOP_NAMES or _LAYER.match(name):
-            merged[name] = tensor
-        elif tensor.shape[0] == num_layers:  # homogeneous layers: (num_layers, ...)
-            for i in range(num_layers):
-                if rest.startswith(_STACKED_EXPERTS):  # (num_layers, num_experts, ...)
-                    fc = rest.removeprefix(_STACKED_EXPERTS)
-                    for e in range(tensor.shape[1]):
-                        merged[f"decoder.layers.{i}.mlp.experts.{e}.{fc}"] = tensor[i, e]
-                else:
-                    merged[f"decoder.layers.{i}.{rest}"] = tensor[i]
+    num_layers = _arg(args, "num_layers", folder / COMMON_FILE)
+    regions: list[tuple[str, Region]] = []
+    for key, name in names.items():
+        meta = metadata.state_dict_metadata[key]
+        dtype, shape = meta.properties.dtype, tuple(meta.size)
+        for glob, offsets, sizes, whole in _unstacked(name, shape, num_layers, folder):
+            regions.append((glob, Region(key, offsets, sizes, dtype), whole))
+    regions.sort(key=lambda item: _reading_order(item[0]))
+    reader = RegionReader(folder, {glob: region for glob, region, _ in regions})
+    meta = {glob: torch.empty(whole, dtype=r.dtype, device="meta") for glob, r, whole in regions}
+    budget = max(r.nbytes for r in reader.regions.values())  # one region, or a few small
+
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
+        for glob, tensor in reader.items(budget=budget):
+            yield glob, tensor.view(meta[glob].shape)
+
+    return MegatronTensors(args=args, folder=folder, meta=meta, read=read)
+
+
+def _unstacked(
+    name: str, shape: tuple[int, ...], num_layers: int, folder: Path
+) -> Iterator[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """(per-layer name, offsets, sizes, the slice's own shape) of each layer's (and
+    expert's) slice of a stored tensor; a top-level or already per-layer tensor is one
+    slice, the whole."""
+    if name in _TOP_NAMES or _LAYER.match(name):
+        yield name, (0,) * len(shape), shape, shape
+        return
+    if not shape or shape[0] != num_layers:
+        raise CheckpointError(
+            f"{folder}: {name} has shape {shape}, not {num_layers} stacked layers"
+        )
+    rest = name.removeprefix("decoder.layers.")
+    for i in range(num_layers):
+        if rest.startswith(_STACKED_EXPERTS):  # (num_layers, num_experts, ...)
+            fc = rest.removeprefix(_STACKED_EXPERTS)
+            for e in range(shape[1]):
+                at, box = (i, e, *(0,) * (len(shape) - 2)), (1, 1, *shape[2:])
+                yield f"decoder.layers.{i}.mlp.experts.{e}.{fc}", at, box, shape[2:]
         else:
-            raise CheckpointError(
-                f"{folder}: {name} has shape {tuple(tensor.shape)}, not {num_layers} stacked layers"
-            )
-    return merged
+            at, box = (i, *(0,) * (len(shape) - 1)), (1, *shape[1:])
+            yield f"decoder.layers.{i}.{rest}", at, box, shape[1:]
+
+
+def _reading_order(name: str) -> tuple[int, ...]:
+    """Embedding first, then layer by layer, then the final norm and output layer."""
+    if name == "embedding.word_embeddings.weight":
+        return (0,)
+    match = _LAYER.match(name)
+    return (1, int(match.group(1))) if match else (2,)
 
 
 # -- Megatron names -> Hugging Face ------------------------------------------------------------

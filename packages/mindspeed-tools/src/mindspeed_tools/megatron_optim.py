@@ -10,9 +10,10 @@ stores each moment as a global tensor in its weight's layout, keyed after that w
 
 and its step in `common.pt`: `optimizer.state.common_step` (torch's Adam keeps one per
 parameter; Megatron saves the shared one) or `param_groups[i].step` (Apex's and Transformer
-Engine's FusedAdam). The moments then take the weights' road (`megatron.unstack_layers`,
-`megatron.to_hf_tensors`: fused q/k/v split per query group, fc1 into gate and up), which
-is exact because those are re-indexings and Adam's state is elementwise.
+Engine's FusedAdam). The moments then take the weights' road (`megatron.stored_tensors`,
+one layer's slice at a time, and `megatron.to_hf_tensors`: fused q/k/v split per query
+group, fc1 into gate and up), which is exact because those are re-indexings and Adam's
+state is elementwise.
 
 Refused, one line naming the file (nothing written): a save without optimizer state; the
 legacy per-rank format (`model_optim_rng.pt` keeps torch's optimizer state by parameter
@@ -29,12 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mindspeed_core.checkpoint import read_safe_metadata
 from mindspeed_core.errors import CheckpointError
 from mindspeed_tools import megatron
-from mindspeed_tools.dcp_stream import load_streaming
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.([a-z0-9_]+)\.(.+)$")
@@ -48,13 +46,17 @@ class MegatronAdam:
     """Adam's step count (its bias correction), shared by every parameter."""
     iteration: int
     """The training iteration the checkpoint was saved at."""
-    moments: dict[str, dict[str, torch.Tensor]]
-    """"exp_avg" / "exp_avg_sq" -> Hugging Face name -> whole tensor."""
+    moments: dict[str, megatron.MegatronTensors]
+    """"exp_avg" / "exp_avg_sq" -> the moments under Megatron's weight names, read one
+    at a time (`hf_items(config)` renames them as `convert.megatron_to_hf` renames the
+    weights)."""
+    config: dict[str, Any]
+    """The Hugging Face config of the model (`megatron.hf_config`)."""
 
 
 def read_adam(root: str | Path) -> MegatronAdam:
-    """The Adam state of the Megatron save folder `root`, renamed as `convert.megatron_to_hf`
-    renames its weights.
+    """The Adam state of the Megatron save folder `root` (its structure is read and checked
+    now, the moments when asked for).
 
     Raises:
         CheckpointError / ConfigError: no optimizer state, or one we do not convert (named).
@@ -72,14 +74,11 @@ def read_adam(root: str | Path) -> MegatronAdam:
     config = megatron.hf_config(args, folder)
     optimizer = saved.get("optimizer")
     step = _adam_step(optimizer, common)
-    stacked = _read_moments(folder, common)
-    num_layers = megatron._arg(args, "num_layers", common)
-    moments = {}
+    moments = _read_moments(folder, common, args)
     for kind in MOMENTS:
-        layers = megatron.unstack_layers(stacked[kind], num_layers, folder)
-        moments[kind] = megatron.to_hf_tensors(layers, config, folder)
+        moments[kind].hf_meta(config)  # every moment has a Hugging Face name
     iteration = saved.get("iteration", step)
-    return MegatronAdam(step=step, iteration=int(iteration), moments=moments)
+    return MegatronAdam(step=step, iteration=int(iteration), moments=moments, config=config)
 
 
 def _adam_step(optimizer: Any, file: Path) -> int:
@@ -110,10 +109,12 @@ def _adam_step(optimizer: Any, file: Path) -> int:
     return steps.pop()
 
 
-def _read_moments(folder: Path, common: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """"exp_avg" / "exp_avg_sq" -> Megatron's name -> the tensor as torch_dist stored it."""
+def _read_moments(
+    folder: Path, common: Path, args: dict[str, Any]
+) -> dict[str, megatron.MegatronTensors]:
+    """"exp_avg" / "exp_avg_sq" -> its tensors under Megatron's weight names."""
     metadata = read_safe_metadata(folder)
-    shapes, names = {}, {}
+    names: dict[str, dict[str, str]] = {kind: {} for kind in MOMENTS}
     for key, meta in metadata.state_dict_metadata.items():
         match = _KEY.match(key)
         if not match or getattr(meta, "size", None) is None:
@@ -126,21 +127,14 @@ def _read_moments(folder: Path, common: Path) -> dict[str, dict[str, torch.Tenso
             )
         if kind not in MOMENTS:
             raise CheckpointError(f"{folder}: {key}: optimizer state {kind!r} is not Adam's")
-        shapes[key] = (meta.properties.dtype, tuple(meta.size))
-        names[key] = (kind, name)
-    if not shapes:
+        names[kind][key] = name
+    if not any(names.values()):
         raise CheckpointError(
             f"{folder}: its .metadata holds no optimizer.state.exp_avg.* (saved without the "
             f"optimizer, e.g. --no-save-optim; {common.name} names none either)"
         )
-    moments: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in MOMENTS}
-
-    def done(key: str, tensor: torch.Tensor) -> None:
-        kind, name = names[key]
-        moments[kind][name] = tensor
-
-    load_streaming(folder, shapes, done)
-    if moments["exp_avg"].keys() != moments["exp_avg_sq"].keys():
-        odd = sorted(moments["exp_avg"].keys() ^ moments["exp_avg_sq"].keys())
-        raise CheckpointError(f"{folder}: exp_avg and exp_avg_sq differ in {odd[0]}")
-    return moments
+    first, second = (set(names[kind].values()) for kind in MOMENTS)
+    if first != second:
+        odd = sorted(first ^ second)[0]
+        raise CheckpointError(f"{folder}: exp_avg and exp_avg_sq differ in {odd}")
+    return {kind: megatron.stored_tensors(folder, args, metadata, names[kind]) for kind in MOMENTS}

@@ -204,7 +204,9 @@ class TrainLoop:
 
 def export_hf(step_dir: Path, out: Path, *, merge_lora: bool = False) -> None:
     """`mindspeed convert --to hf` of one checkpoint (a process of its own: the converter is
-    mindspeed-tools'); an existing `out` (a resumed run exporting again) is kept."""
+    mindspeed-tools'); an existing `out` (a resumed run exporting again) is kept. Nothing is
+    gathered: this rank keeps only its own shards while the child reads the checkpoint one
+    tensor at a time (merging a LoRA run's adapters into each base tensor likewise)."""
     if out.exists():
         return
     argv = [sys.executable, "-m", "mindspeed_core.cli", "convert", "--input", str(step_dir),
