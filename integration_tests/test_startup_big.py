@@ -36,10 +36,12 @@ pytestmark = pytest.mark.slow
 LLM_TESTS = Path(__file__).resolve().parents[1] / "packages" / "mindspeed-llm" / "tests"
 chat_tests = import_sibling(str(LLM_TESTS / "conftest.py"), "test_chat_template")
 GiB = 2**30
-BIG = {  # 1.98B parameters: Llama-3's vocabulary, 24 layers of width 2048
+BIG = {  # 1.96B parameters: 30 layers of width 2048, Llama-2's vocabulary (four ranks of
+    # FSDP training with Llama-3's would each gather its 2 GiB fp32 embedding and head:
+    # more than this machine has beside the one-process reference)
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
-    "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 16,
-    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 1024,
+    "intermediate_size": 8192, "num_hidden_layers": 30, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }  # fmt: skip
