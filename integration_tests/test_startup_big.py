@@ -179,7 +179,9 @@ from mindspeed_llm.train.trainer import Trainer
 cfg = load_config(PretrainConfig, None, sys.argv[1:])
 with process_group("cpu") as info:
     setup_logging()
-    Trainer(cfg, info)  # builds the model, loads it, logs the start-up peak; no step
+    peaks = Trainer(cfg, info).startup_peak_gb  # the model built and loaded; no step
+    if info.rank == 0:
+        print("start-up peak per rank", ", ".join(f"{p:.2f}" for p in peaks), "GiB")
 """
 
 

@@ -71,6 +71,8 @@ class TrainLoop:
         load: `checkpoint.load`.
         command: names the progress bar.
         profile: the `profile` section (torch.profiler traces of a window of steps).
+        startup_peak_gb: every rank's memory peak once its models were built (logged when
+            the run starts, after its checkpoint is resumed).
     """
 
     def __init__(
@@ -86,10 +88,12 @@ class TrainLoop:
         load: Any = "auto",
         command: str = "train",
         profile: ProfileConfig | None = None,
+        startup_peak_gb: list[float] | None = None,
     ):
         self.step, self.data, self.checkpoints, self.run_dir = step, data, checkpoints, run_dir
         self.cfg, self.train, self.logging, self.load = cfg, train, logging, load
         self.command, self.profile = command, profile
+        self.startup_peak_gb = startup_peak_gb
         self.state = step.state
 
     def run(self) -> dict[str, float]:
@@ -104,6 +108,9 @@ class TrainLoop:
 
     def _run(self) -> dict[str, float]:
         resumed = resume(self.checkpoints, self.load, self.checkpoints.states)
+        if self.startup_peak_gb is not None:
+            logger.info("start-up peak per rank %s GiB (models built, weights loaded)",
+                        ", ".join(f"{peak:.2f}" for peak in self.startup_peak_gb))  # fmt: skip
         metrics = self.run_dir.start(self.cfg, resumed)
         profiler = build_profiler(
             self.profile,

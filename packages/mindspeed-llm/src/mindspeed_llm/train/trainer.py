@@ -9,7 +9,6 @@ data source and an objective it pretrains: GPT data and next-token cross entropy
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +25,6 @@ from mindspeed_llm.train.objectives import NextToken, Objective, RunContext
 from mindspeed_llm.train.pretrain_data import PretrainData
 from mindspeed_llm.train.run_dir import RunDirectory
 from mindspeed_llm.train.step import TrainingError, TrainStep
-
-logger = logging.getLogger("mindspeed.train")
 
 __all__ = [
     "Trainer",
@@ -110,10 +107,8 @@ class Trainer:
         self.step: TrainStep = objective.build_step(run) or TrainStep(
             self.parts, objective, self.dims, **run.step_options
         )
-        # Every model of the run built and its weights in, before the first step (collective).
+        # Every model of the run built and its weights in (collective; logged by the loop).
         self.startup_peak_gb = peak_per_rank(self.device)
-        logger.info("start-up peak per rank %s GiB (models built, weights loaded)",
-                    ", ".join(f"{peak:.2f}" for peak in self.startup_peak_gb))  # fmt: skip
 
     def build_model(self, **options) -> BuiltModel:
         """Another model of this run (a frozen reference, a critic): the run's model config,
@@ -168,6 +163,7 @@ class Trainer:
             load=self.cfg.checkpoint.load,
             command=self.command,
             profile=self.cfg.profile,
+            startup_peak_gb=self.startup_peak_gb,
         )
         summary = loop.run()
         summary["startup_peak_gb_per_rank"] = self.startup_peak_gb
