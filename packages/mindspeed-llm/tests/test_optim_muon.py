@@ -197,5 +197,5 @@ def test_a_model_without_matrices_is_refused():
     from mindspeed_core.optim import build_optimizers
 
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.LayerNorm(4))
-    with pytest.raises(ConfigError, match="optim.name=muon: the model has no trainable matrix"):
+    with pytest.raises(ConfigError, match="optim.name=muon: no trainable hidden matrix"):
         build_optimizers(model, lr=1e-3, name="muon")

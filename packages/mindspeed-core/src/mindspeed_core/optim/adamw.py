@@ -9,8 +9,8 @@ whole state's. The state keeps torch's names (`step`, `exp_avg`, `exp_avg_sq`), 
 parameter's layout (DTensor shards for sharded parameters), so a checkpoint of either
 dtype loads into the other.
 
-torch's own AdamW cannot do this: its kernels want moments of the parameter's dtype, and
-`Optimizer.load_state_dict` casts a loaded state to the parameter's dtype (undone here
+torch's own AdamW step cannot do this: its kernels want moments of the parameter's dtype,
+and `Optimizer.load_state_dict` casts a loaded state to the parameter's dtype (undone here
 after loading). torchao's 8-bit AdamW is not offered: its blocks quantise each rank's
 local shard, so its state depends on the layout, and it wants a tensor learning rate that
 our schedules do not set.
@@ -23,13 +23,17 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class LowPrecisionAdamW(Optimizer):
-    """AdamW whose moments are stored in `state_dtype` and updated in fp32."""
+class LowPrecisionAdamW(torch.optim.AdamW):
+    """AdamW whose moments are stored in `state_dtype` and updated in fp32.
+
+    A `torch.optim.AdamW` (same parameter-group settings, so either one's checkpoint loads
+    into the other) with its own step; amsgrad, maximize and the foreach/fused kernels are
+    not offered.
+    """
 
     def __init__(
         self,
@@ -41,8 +45,8 @@ class LowPrecisionAdamW(Optimizer):
         *,
         state_dtype: torch.dtype = torch.bfloat16,
     ):
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
-        super().__init__(params, defaults)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         foreach=False)  # fmt: skip
         self.state_dtype = state_dtype
 
     @torch.no_grad()

@@ -9,11 +9,14 @@ from typing import ClassVar, Literal
 import torch.distributed as dist
 from torch import nn
 
+from mindspeed_core.optim.adamw import STATE_DTYPES
 from mindspeed_core.optim.muon import check_muon_args
 from mindspeed_core.optim.optimizer import (
+    OPTIMIZERS,
     OptimizersContainer,
     build_optimizers,
     check_adamw_args,
+    check_choice,
 )
 from mindspeed_core.optim.scheduler import LRSchedulersContainer, build_lr_schedulers
 
@@ -67,6 +70,8 @@ class OptimConfig:
             self.lr, tuple(self.betas), self.eps, self.weight_decay, section=self.config_key
         )
         check_muon_args(self.muon_momentum, self.muon_ns_steps, section=self.config_key)
+        check_choice("name", self.name, OPTIMIZERS, self.config_key)
+        check_choice("state_dtype", self.state_dtype, tuple(STATE_DTYPES), self.config_key)
 
     def build(
         self,

@@ -139,8 +139,8 @@ class OptimizersContainer(Stateful):
         pp_group: dist.ProcessGroup | None = None,
     ):
         check_adamw_args(lr, betas, eps, weight_decay)
-        _check_choice("name", name, OPTIMIZERS)
-        _check_choice("state_dtype", state_dtype, tuple(STATE_DTYPES))
+        check_choice("name", name, OPTIMIZERS)
+        check_choice("state_dtype", state_dtype, tuple(STATE_DTYPES))
         self.model_parts = list(model_parts)
         flags = _impl_flags(implementation, _device_type(self.model_parts))
         matrices = [
@@ -227,7 +227,8 @@ def build_optimizers(model_parts: nn.Module | Sequence[nn.Module], **kwargs) -> 
     return OptimizersContainer(parts, **kwargs)
 
 
-def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+def check_choice(field: str, value: str, choices: tuple[str, ...], section: str = "optim") -> None:
+    """Refuse `value` outside `choices`, naming `<section>.<field>`."""
     if value not in choices:
         raise ConfigError(f"optim.{field}={value!r}; choose one of {list(choices)}")
 
@@ -240,8 +241,9 @@ def _require_matrices(count: int, pp_group: dist.ProcessGroup | None) -> None:
         count = sum(counts)
     if count == 0:
         raise ConfigError(
-            "optim.name=muon: the model has no trainable matrix to orthogonalise (Muon takes "
-            "the hidden layers' 2-D weights); use optim.name=adamw"
+            "optim.name=muon: no trainable hidden matrix to orthogonalise (Muon takes the "
+            "blocks' 2-D weights; embeddings, frozen weights and LoRA adapters are not); "
+            "use optim.name=adamw"
         )
 
 
