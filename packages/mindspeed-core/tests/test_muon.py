@@ -129,6 +129,7 @@ def _plain_steps():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # CI: mindspeed-llm's test_optim_muon runs the sharded update in training
 def test_sharded_muon_and_bf16_adamw_step_exactly_as_on_whole_tensors():
     want = _plain_steps()
     for rank in run_distributed(_sharded_steps, 2):

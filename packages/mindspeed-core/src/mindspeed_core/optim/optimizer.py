@@ -119,7 +119,8 @@ class OptimizersContainer(Stateful):
     Args:
         name: "adamw", or "muon" for Muon on the hidden matrices and AdamW on the rest.
         state_dtype: "fp32" (torch's AdamW) or "bf16" (`LowPrecisionAdamW`) moments.
-        muon: Muon's own settings (`Muon`'s arguments: momentum, ns_steps, adjust_lr_fn).
+        muon: Muon's own settings (`Muon`'s arguments: momentum, ns_steps, adjust_lr_fn,
+            ns_dtype).
         pp_group: the pipeline group, where a stage may hold no matrix (name="muon"
             refuses a model without any, counted over all stages).
     """
