@@ -4,7 +4,8 @@
 - Muon on plain matrices is `torch.optim.Muon`; on a stack `(experts, in, out)` it is
   torch's Muon on each expert's `(out, in)` matrix;
 - sharded on equal gradients (two gloo ranks): rows (FSDP2), columns (tensor parallel), a
-  stack split along its experts (expert parallel) and replicated matrices step exactly
+  stack split along its experts (expert parallel), replicated matrices and a gradient laid
+  out otherwise than its parameter step exactly
   as `torch.optim.Muon` on the whole tensors, so the gather-orthogonalise-keep-your-block
   update is one process's (what differs across layouts in training is the gradients'
   summation order, which bf16 Newton-Schulz amplifies: see mindspeed-llm's test);
@@ -83,11 +84,12 @@ def test_muon_is_torch_muon_on_matrices_and_on_each_matrix_of_a_stack():
         torch.testing.assert_close(stack[e].detach(), p.detach().T, atol=0, rtol=0)
 
 
-SHARDED = {  # name: (whole shape, placements on a 1-D mesh of 2)
+SHARDED = {  # name: (whole shape, placements on a 1-D mesh of 2[, the gradient's])
     "rows (fsdp)": ((20, 12), [Shard(0)]),
     "columns (tp)": ((12, 20), [Shard(1)]),
     "experts (ep)": ((4, 12, 20), [Shard(0)]),
     "replicated": ((12, 20), [Replicate()]),
+    "rows, gradient replicated": ((20, 12), [Shard(0)], [Replicate()]),
 }
 
 
@@ -96,7 +98,7 @@ def _sharded_steps():
 
     mesh = init_device_mesh("cpu", (2,))
     out = {}
-    for name, (shape, placements) in SHARDED.items():
+    for name, (shape, placements, *grad_placements) in SHARDED.items():
         whole, grad = _randn(*shape, seed=7), _randn(*shape, seed=8)
         # (a replicated DTensor's local tensor may be `whole` itself: one copy each)
         p = nn.Parameter(distribute_tensor(whole.clone(), mesh, placements))
@@ -104,7 +106,7 @@ def _sharded_steps():
         q = nn.Parameter(distribute_tensor(whole.clone(), mesh, placements))
         adamw = LowPrecisionAdamW([q], lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)
         for i in range(3):
-            g = distribute_tensor(grad * (i + 1), mesh, placements)
+            g = distribute_tensor(grad * (i + 1), mesh, (grad_placements or [placements])[0])
             p.grad, q.grad = g, g.clone()
             muon.step()
             adamw.step()
@@ -115,7 +117,7 @@ def _sharded_steps():
 
 def _plain_steps():
     out = {}
-    for name, (shape, _) in SHARDED.items():
+    for name, (shape, *_) in SHARDED.items():
         whole, grad = _randn(*shape, seed=7), _randn(*shape, seed=8)
         p, q = nn.Parameter(whole.clone()), nn.Parameter(whole.clone())
         muon = Muon([p], lr=0.02, weight_decay=0.1)

@@ -70,7 +70,7 @@ class LowPrecisionAdamW(torch.optim.AdamW):
         state["step"] += 1
         step = state["step"].item()
         (beta1, beta2), lr = group["betas"], group["lr"]
-        param, grad = _local(p), _local(p.grad).float()
+        param, grad = _local(p), _local(grad_like_param(p)).float()
         exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
         param.mul_(1 - lr * group["weight_decay"])
         m = exp_avg.float().lerp_(grad, 1 - beta1)
@@ -91,6 +91,15 @@ class LowPrecisionAdamW(torch.optim.AdamW):
 
 def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def grad_like_param(p: Tensor) -> Tensor:
+    """`p.grad` laid out as `p` (a DTensor's gradient may come in another placement, e.g.
+    replicated for a vocabulary-sharded embedding), so local blocks line up."""
+    grad = p.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad
 
 
 def state_bytes(optimizers) -> int:

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.optim.adamw import grad_like_param
 from mindspeed_core.parallel.materialize import local_box
 
 ADJUST_LR = ("match_rms_adamw", "original", "spectral_unclamped")
@@ -145,9 +146,10 @@ class Muon(Optimizer):
     def _update(self, p: Tensor, group: dict[str, Any]) -> None:
         # `torch.optim._muon._single_tensor_muon`, with the orthogonalisation layout-aware.
         state = self.state[p]
+        grad = grad_like_param(p)  # so the momentum and its blocks follow the parameter's
         if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-        grad, buf, momentum = p.grad, state["momentum_buffer"], group["momentum"]
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        buf, momentum = state["momentum_buffer"], group["momentum"]
         buf.lerp_(grad, 1 - momentum)
         update = grad.lerp(buf, momentum) if group["nesterov"] else buf
         ortho = self._orthogonalize(update, group)  # this rank's block, a plain tensor
