@@ -191,7 +191,8 @@ def test_bf16_moments_under_fsdp_tp_and_resumed_across_layouts_equal_one_process
     _assert_layouts(ranks, want_losses, want, atol=3e-5)
 
 
-@pytest.mark.parametrize("state_dtype", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])
+@pytest.mark.slow  # CI: the resume across layouts above
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 def test_resume_at_step_3_equals_the_straight_run(tmp_path, state_dtype):
     optim = _optim("muon", state_dtype)
     want_losses, want, _ = _train(ParallelConfig(), optim, STEPS, world_size=1,
