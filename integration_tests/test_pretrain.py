@@ -140,6 +140,8 @@ def test_configuration_mistakes_are_named(pretrain_cli, tmp_path, demo):
     _assert_user_error(
         done, "data.seq_len=100000 exceeds", "max_position_embeddings", tmp_path=tmp_path
     )
+    done = pretrain_cli(tmp_path / "run", "--optim.name=sgd")
+    _assert_user_error(done, "optim.name", "'adamw', 'muon'", "got 'sgd'", tmp_path=tmp_path)
     done = pretrain_cli(tmp_path / "run", "--model.family=gemma2",
                         "--train.fused_linear_cross_entropy=on")  # fmt: skip
     _assert_user_error(done, "train.fused_linear_cross_entropy=on cannot run here",

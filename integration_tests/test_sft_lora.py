@@ -51,3 +51,19 @@ def test_lora_sft_trains_adapters_only_and_exports_to_peft(tmp_path, monkeypatch
         ours, _ = load_model(run / "checkpoints", ops_impl="reference")
         torch.testing.assert_close(ours.eval()(ids), adapted, atol=1e-5, rtol=1e-5)
     assert (adapted - before).abs().max() > 1e-3  # the adapters changed the model
+
+
+@pytest.mark.slow
+def test_muon_on_lora_adapters_only_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Muon orthogonalises the blocks' weights, which LoRA freezes: nothing is left for it."""
+    monkeypatch.setenv("MINDSPEED_CACHE", str(tmp_path / "cache"))
+    folder, data = sft_tests.make_run_inputs(tmp_path, n=16)
+    run = tmp_path / "run"
+    args = sft_tests.run_args(folder, data, run, "--lora.rank=4", "--optim.name=muon")
+    capsys.readouterr()  # the Hugging Face folder's progress bars
+    assert cli(["sft", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # the run's log lines, then the error
+    errors = [line for line in err if line.startswith("error: ")]
+    assert errors == [err[-1]] and "optim.name=muon: no trainable hidden matrix" in err[-1], err
+    assert not any("Traceback" in line for line in err)
+    assert not (run / "metrics.jsonl").exists() and not (run / "checkpoints").exists()

@@ -40,12 +40,13 @@ def pretrain(cfg: PretrainConfig) -> dict[str, float]:
         else:
             logger.info(
                 "trained to step %d: loss %.3f -> %.3f; start-up peak per rank %s GiB; peak "
-                "memory per rank %s GiB; run directory %s",
+                "memory per rank %s GiB; optimizer state per rank %s MiB; run directory %s",
                 summary["steps"],
                 summary["first_loss"],
                 summary["final_loss"],
                 ", ".join(f"{peak:.2f}" for peak in summary["startup_peak_gb_per_rank"]),
                 ", ".join(f"{peak:.2f}" for peak in summary["peak_gb_per_rank"]),
+                ", ".join(f"{gb * 1024:.2f}" for gb in summary["optimizer_state_gb_per_rank"]),
                 cfg.logging.run_dir,
             )
         return summary

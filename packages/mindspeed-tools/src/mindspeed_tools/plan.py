@@ -54,6 +54,9 @@ def _parser() -> ArgumentParser:
     p.add_argument("--calibration", type=Path, help="a calibration JSON to use")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--config", help="score this training config's (or recipe's) layout only")
+    p.add_argument("--search", action="store_true",
+                   help="with --config: also search every layout of its job and print the "
+                        "planner's choice beside the config's own")  # fmt: skip
     return p
 
 
@@ -83,8 +86,9 @@ def run(argv: list[str]) -> int:
     calib = _calibration(args, config, job)
     per_node = min(opts["devices_per_node"], opts["devices"])
     candidates = plan(model_shape(config, opts["model"]), job, opts["devices"], opts["memory_gb"],
-                      calibration=calib, devices_per_node=per_node, offload=args.offload)  # fmt: skip
-    command = pretrain_command(opts, candidates[0].layout, per_node)
+                      calibration=calib, devices_per_node=per_node, offload=args.offload,
+                      accept=trainer_accepts(config, job.seq_len))  # fmt: skip
+    command = pretrain_command(opts, candidates[0].layout, per_node, moe=bool(config.num_experts))
     if args.json:
         rows = [{"layout": dataclasses.asdict(c.layout), "peak_gib": c.memory.peak / 2**30,
                  "startup_gib": c.memory.startup / 2**30, "step_s": c.time.total}
@@ -117,11 +121,15 @@ def _run_config(args) -> int:
     estimates = estimate_memory_per_stage(shape, layout, job)
     stages = [m.peak / 2**30 for m in estimates]
     startup = [m.startup / 2**30 for m in estimates]
-    seconds = estimate_step_time(shape, layout, job, _calibration(args, config, job)).total
+    per_node = devices // header["nodes"] if header.get("nodes") else None
+    calib = _calibration(args, config, job)
+    seconds = estimate_step_time(shape, layout, job, calib, per_node).total
+    choice = _search_choice(args, config, shape, job, devices, memory_gb, calib, per_node, layout)
     if args.json:
         print(json.dumps({"config": str(path), "layout": dataclasses.asdict(layout), "devices": devices,
                           "memory_gb": memory_gb, "peak_gib_per_stage": stages,
-                          "startup_gib_per_stage": startup, "step_s": seconds}))  # fmt: skip
+                          "startup_gib_per_stage": startup, "step_s": seconds,
+                          **({"planner": choice} if choice else {})}))  # fmt: skip
     else:
         print(f"{path.name}: {layout.describe()} on {devices} devices of {memory_gb:g} GiB "
               f"({shape.num_params() / 1e9:.1f}B parameters, seq {job.seq_len}, global batch "
@@ -130,10 +138,34 @@ def _run_config(args) -> int:
             print(f"  stage {i}: predicted start-up peak {start:.1f} GiB, training peak "
                   f"{peak:.1f} GiB per device")  # fmt: skip
         print(f"  predicted step time {seconds:.2f} s (calibration: {job.device} defaults or cache)")
+        if choice:
+            rank = f"#{choice['config_rank']}" if choice["config_rank"] else "not among them"
+            print(f"  planner's choice of the {choice['fitting']} layouts that fit: "
+                  f"{choice['describe']}, peak {choice['peak_gib']:.1f} GiB, step "
+                  f"{choice['step_s']:.2f} s (this config's layout: {rank})")  # fmt: skip
     if max(stages) > memory_gb:
         raise ConfigError(f"{path.name}: the predicted peak {max(stages):.1f} GiB per device does not fit "
                           f"--memory-gb {memory_gb:g}")  # fmt: skip
     return 0
+
+
+_SAME_LAYOUT = ("tp", "pp", "cp", "ep", "dp_shard", "dp_replicate", "virtual_stages", "ac",
+                "micro_batch")  # fmt: skip
+
+
+def _search_choice(args, config, shape, job, devices, memory_gb, calib, per_node, layout):
+    """`--search`: the planner's fastest layout for the config's job (and where the config's
+    own layout ranks among those that fit), or None without --search."""
+    if not args.search:
+        return None
+    candidates = plan(shape, job, devices, memory_gb, calibration=calib, devices_per_node=per_node,
+                      offload=False, accept=trainer_accepts(config, job.seq_len))  # fmt: skip
+    key = lambda lay: tuple(getattr(lay, k) for k in _SAME_LAYOUT)  # noqa: E731
+    ranks = [i for i, c in enumerate(candidates, 1) if key(c.layout) == key(layout)]
+    best = candidates[0]
+    return {"layout": dataclasses.asdict(best.layout), "describe": best.layout.describe(),
+            "peak_gib": best.memory.peak / 2**30, "step_s": best.time.total,
+            "fitting": len(candidates), "config_rank": ranks[0] if ranks else None}  # fmt: skip
 
 
 def format_table(candidates, job: Job, calib: Calibration, total: int) -> str:
@@ -144,14 +176,45 @@ def format_table(candidates, job: Job, calib: Calibration, total: int) -> str:
         t = c.time
         devices = c.layout.world_size
         rate = job.global_batch * job.seq_len / t.total / devices
-        comm = t.tp_comm + t.dp_comm + t.cp_comm + t.pp_comm
+        comm = t.tp_comm + t.dp_comm + t.cp_comm + t.pp_comm + t.ep_comm
         lines.append(f"{i:>3} {c.layout.describe():<40} {c.memory.startup / 2**30:>9.2f} "
                      f"{c.memory.peak / 2**30:>9.2f} {t.total:>9.3f} {rate:>10.0f} "
                      f"{t.compute:>8.3f} {comm:>8.3f} {t.bubble:>8.3f}")  # fmt: skip
     return "\n".join(lines)
 
 
-def pretrain_command(opts: dict, layout: Layout, per_node: int) -> str:
+def parallel_of(layout: Layout):
+    """The trainer's `ParallelConfig` of a planner `Layout`."""
+    from mindspeed_core.parallel import ParallelConfig
+
+    tp = layout.tp > 1
+    return ParallelConfig(tp=layout.tp, pp=layout.pp, pp_schedule=layout.pp_schedule,
+                          virtual_stages=layout.virtual_stages, cp=layout.cp, ep=layout.ep,
+                          dp_shard=layout.dp_shard, dp_replicate=layout.dp_replicate,
+                          sequence_parallel=layout.sequence_parallel and tp,
+                          loss_parallel=layout.loss_parallel and tp)  # fmt: skip
+
+
+def trainer_accepts(config, seq_len: int):
+    """The planner's filter: a layout the trainer's own check (`check_layout`) accepts for
+    this model, MoE models under pp with each layer's own load-balancing loss (as
+    `pretrain_command` sets it; the pooled one needs every layer on one stage)."""
+    from mindspeed_llm.models.common.layout import LayoutError, check_layout
+
+    per_layer = dataclasses.replace(config, router_aux_loss_scope="layer")
+
+    def accept(layout: Layout) -> bool:
+        model = per_layer if layout.pp > 1 and config.num_experts else config
+        try:
+            check_layout(model, parallel_of(layout), seq_len=seq_len, recompute=layout.ac != "none")
+        except LayoutError:
+            return False
+        return True
+
+    return accept
+
+
+def pretrain_command(opts: dict, layout: Layout, per_node: int, moe: bool = False) -> str:
     """The `mindspeed pretrain` command line (under torchrun) that trains with `layout`."""
     model = opts["model"]
     if Path(model).exists():
@@ -170,6 +233,8 @@ def pretrain_command(opts: dict, layout: Layout, per_node: int) -> str:
             parts.append(f"--parallel.{name} {getattr(layout, name)}")
     if layout.tp > 1:
         parts.append("--parallel.sequence_parallel true")
+    if moe and layout.pp > 1:  # each stage's layers balanced on their own
+        parts.append("--model.router_aux_loss_scope layer")
     if layout.activation_offload or layout.optimizer_offload:  # not wired into pretrain yet
         parts.append(f"# offload: activations={layout.activation_offload} "
                      f"optimizer={layout.optimizer_offload}")  # fmt: skip

@@ -138,18 +138,21 @@ def _attention_saved(shape: ModelShape, layout: Layout, job: Job, tokens: int) -
 
 def _mlp_width(shape: ModelShape, tp: int) -> int:
     if shape.num_experts:  # routed tokens: top-k rows of the expert width (no tp on experts)
-        return shape.num_experts_per_tok * shape.moe_intermediate_size + (
-            shape.shared_expert_intermediate_size
-        )
+        shared = ceil_div(shape.shared_expert_intermediate_size, tp)
+        return shape.num_experts_per_tok * shape.moe_intermediate_size + shared
     return ceil_div(shape.intermediate_size, tp)
 
 
 def _moe_extra(shape: ModelShape, layout: Layout, job: Job, tokens: int) -> int:
-    """Router scores and the dispatched copies of the routed rows (MoE only)."""
+    """What a MoE block keeps besides its experts' SwiGLU (MoE only): the router's fp32
+    logits and probabilities, and three copies of the routed rows (top-k per token): the
+    rows dispatched to the experts (the grouped GEMMs' input), the experts' output rows
+    (kept by the `index_copy` that puts them back in token order) and those rows in token
+    order (kept by the multiplication with the routing weights)."""
     if not shape.num_experts:
         return 0
     rows = tokens * shape.num_experts_per_tok
-    return _FP32 * tokens * shape.num_experts + 2 * rows * shape.hidden_size * job.element_size
+    return 2 * _FP32 * tokens * shape.num_experts + 3 * rows * shape.hidden_size * job.element_size
 
 
 def _attention_workspace(shape: ModelShape, layout: Layout, job: Job, tokens: int) -> int:
@@ -175,6 +178,9 @@ def _sizes(shape: ModelShape, layout: Layout, job: Job) -> _Sizes:
     # swiglu's backward: d(residual), d(its output), and its two input gradients (w2's
     # saved input is already freed)
     backward_mlp = saved_none + tokens * h * e + 2 * tokens * inter * e
+    if shape.num_experts:  # and the routed rows' gradients: d(weighted rows), d(expert
+        # output), d(dispatched rows) from w1 and from w3 before they are summed
+        backward_mlp += 2 * tokens * shape.num_experts_per_tok * h * e
     # attention's backward: d(residual), d(out), dq/dk/dv, the kernel's fp32 workspace
     backward_attn = attn_none + tokens * (2 * h + 2 * hq + 2 * hkv) * e + 3 * workspace // 2
     layer_elems = _tp_layer_params(shape, tp)
@@ -208,15 +214,15 @@ def _sizes(shape: ModelShape, layout: Layout, job: Job) -> _Sizes:
 def _tp_layer_params(shape: ModelShape, tp: int, ep: int = 1) -> int:
     """Elements of one (dense-average) block on a tensor-parallel rank; with `ep` > 1 the
     routed experts a rank computes with (1/ep of them: expert parallel places each expert's
-    weights on one ep rank, FSDP shards the rest of the block)."""
+    weights on one ep rank, FSDP shards the rest of the block). Tensor parallel splits
+    attention, dense MLPs and shared experts but leaves the routed experts whole on every
+    tp rank (`mindspeed_llm.models.common.tp_plan`)."""
     norms = 2 * shape.hidden_size + (2 * shape.head_dim if shape.qk_norm else 0)
     dense = (shape.layer_params(False) - norms) // tp + norms
     if not shape.num_moe_layers:
         return dense
-    moe = shape.layer_params(True)
-    if ep > 1:
-        experts = shape.num_experts * 3 * shape.hidden_size * shape.moe_intermediate_size
-        moe -= experts - experts // ep
+    experts = shape.routed_expert_params()
+    moe = (shape.layer_params(True) - experts - norms) // tp + norms + experts // ep
     total = (shape.num_layers - shape.num_moe_layers) * dense + shape.num_moe_layers * moe
     return total // shape.num_layers
 

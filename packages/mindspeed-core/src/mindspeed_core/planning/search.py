@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mindspeed_core.errors import MindSpeedError, ParallelError
@@ -34,10 +36,7 @@ def _model_axes(shape: ModelShape, job: Job, devices: int, per_node: int):
             continue
         if tp > per_node or shape.num_heads % tp or shape.num_kv_heads % tp:
             continue
-        if shape.num_experts and (tp > 1 or pp > 1 or cp > 1):
-            # The trainer builds these now, but this memory model has not been checked
-            # against measured peaks for them (routed experts whole on each tp rank, the
-            # gathered sequence around MoE blocks, stages mixing MoE and dense blocks).
+        if _tp_splits_mlps(shape) % tp:
             continue
         if pp > shape.num_layers or (pp > 1 and cp > 1):
             continue
@@ -59,7 +58,7 @@ def enumerate_layouts(
             for mb in _micro_batches(job, dp):
                 if pp > 1 and not _pipeline_ok(shape, pp, job.global_batch // (mb * dp), ac):
                     continue
-                for ep in _expert_degrees(shape, dp // replicate * cp):
+                for ep in _expert_degrees(shape, dp // replicate * cp, replicate):
                     for act, opt in _offloads(offload, ac, dp // replicate * cp):
                         out.append(Layout(
                             tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp // replicate,
@@ -86,8 +85,18 @@ def _pipeline_ok(shape: ModelShape, pp: int, microbatches: int, ac: str) -> bool
     return microbatches >= pp
 
 
-def _expert_degrees(shape: ModelShape, shard_ranks: int) -> list[int]:
-    if not shape.num_experts:
+def _tp_splits_mlps(shape: ModelShape) -> int:
+    """What tensor parallel must divide besides the heads: the dense MLP's width where some
+    block is dense, the shared expert's where there is one (routed experts stay whole)."""
+    widths = [shape.intermediate_size] if shape.num_moe_layers < shape.num_layers else []
+    widths += [shape.shared_expert_intermediate_size] if shape.num_moe_layers else []
+    return math.gcd(*widths) if widths else 0
+
+
+def _expert_degrees(shape: ModelShape, shard_ranks: int, replicate: int) -> list[int]:
+    """ep degrees: factors of dp_shard x cp that divide the experts (the trainer does not
+    combine expert parallel with replicated data parallel)."""
+    if not shape.num_experts or replicate > 1:
         return [1]
     return [e for e in divisors(shard_ranks) if shape.num_experts % e == 0]
 
@@ -110,8 +119,15 @@ def plan(
     calibration: Calibration | None = None,
     devices_per_node: int | None = None,
     offload: bool | None = None,
+    accept: Callable[[Layout], bool] | None = None,
 ) -> list[Candidate]:
     """Layouts that fit `memory_gb` per device, fastest predicted first.
+
+    Args:
+        devices_per_node: tensor parallel stays inside a node; groups that span nodes
+            move data at `calibration.inter_node_bandwidth`.
+        accept: the trainer's own check of a layout against the model (e.g.
+            `mindspeed_llm.models.common.layout.check_layout`); False drops it.
 
     Raises:
         PlanError: nothing fits (the message names the smallest layout and its need).
@@ -120,6 +136,8 @@ def plan(
     offload = job.device != "cpu" if offload is None else offload
     layouts = enumerate_layouts(shape, job, devices, devices_per_node=devices_per_node,
                                 offload=offload)  # fmt: skip
+    if accept is not None:
+        layouts = [layout for layout in layouts if accept(layout)]
     if not layouts:
         raise PlanError(
             f"no layout of {devices} devices divides global batch {job.global_batch} and "
@@ -128,7 +146,8 @@ def plan(
     budget = memory_gb * 2**30
     scored = [(layout, estimate_memory(shape, layout, job)) for layout in layouts]
     fitting = [
-        Candidate(layout=lay, memory=mem, time=estimate_step_time(shape, lay, job, calib))
+        Candidate(layout=lay, memory=mem,
+                  time=estimate_step_time(shape, lay, job, calib, devices_per_node))  # fmt: skip
         for lay, mem in scored
         if mem.peak <= budget
     ]

@@ -58,6 +58,11 @@ class ModelShape:
         shared += h if self.shared_expert_intermediate_size else 0  # its sigmoid gate
         return self.num_experts * (3 * h * self.moe_intermediate_size + h) + shared
 
+    def routed_expert_params(self) -> int:
+        """One MoE layer's routed experts (the stacked w1/w3/w2: what expert parallel
+        spreads and tensor parallel leaves whole)."""
+        return self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+
     def layer_params(self, moe: bool = False) -> int:
         return self.attention_params() + self.mlp_params(moe) + 2 * self.hidden_size
 

@@ -243,9 +243,10 @@ def build_train_parts(
     precision: str = "fp32",
     adapter_only: bool = False,
 ) -> TrainParts:
-    """AdamW over `model`'s trainable parameters, its LR schedule over `total_steps`,
-    and a dynamic loss scaler for fp16; `adapter_only`: see `TrainParts`."""
-    optimizer, scheduler = optim.build(model.parts, total_steps)
+    """The optimizers over `model`'s trainable parameters (`optim.name`), their LR schedule
+    over `total_steps`, and a dynamic loss scaler for fp16; `adapter_only`: see `TrainParts`."""
+    pp_group = model.pipeline.stages[0].group if model.pipeline is not None else None
+    optimizer, scheduler = optim.build(model.parts, total_steps, pp_group=pp_group)
     scaler = DynamicLossScaler() if precision == "fp16" else None
     return TrainParts(
         model=model,

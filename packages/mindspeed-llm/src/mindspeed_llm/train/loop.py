@@ -228,9 +228,13 @@ def export_hf(step_dir: Path, out: Path, *, merge_lora: bool = False) -> None:
 def peak_per_rank(device) -> list[float]:
     """Every rank's peak memory in GiB (allocator peak on accelerators, peak resident set on
     CPU), in rank order: a collective, so every rank calls it."""
-    peak = dev.memory_stats(device)["peak_gb"]
+    return per_rank(dev.memory_stats(device)["peak_gb"])
+
+
+def per_rank(value: float) -> list[float]:
+    """Every rank's `value`, in rank order (a collective: every rank calls it)."""
     if not dist.is_initialized():
-        return [peak]
-    peaks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, peak)
-    return peaks
+        return [value]
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values

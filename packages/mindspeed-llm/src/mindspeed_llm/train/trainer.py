@@ -20,7 +20,7 @@ from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.common.parallelize import ModelHook
 from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts, model_config
 from mindspeed_llm.train.config import TrainSection
-from mindspeed_llm.train.loop import DataSource, TrainLoop, peak_per_rank
+from mindspeed_llm.train.loop import DataSource, TrainLoop, peak_per_rank, per_rank
 from mindspeed_llm.train.objectives import NextToken, Objective, RunContext
 from mindspeed_llm.train.pretrain_data import PretrainData
 from mindspeed_llm.train.run_dir import RunDirectory
@@ -167,6 +167,9 @@ class Trainer:
         )
         summary = loop.run()
         summary["startup_peak_gb_per_rank"] = self.startup_peak_gb
+        summary["optimizer_state_gb_per_rank"] = per_rank(
+            self.parts.optimizer.state_bytes() / 2**30
+        )
         return summary
 
 

@@ -24,7 +24,7 @@ from mindspeed_llm.models.common.feed_forward import FeedForward
 from mindspeed_llm.models.common.gated_deltanet import GatedDeltaNet
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.common.mla import MultiLatentAttention
-from mindspeed_llm.models.common.moe import MoE
+from mindspeed_llm.models.common.moe import GroupedExperts, MoE
 from mindspeed_llm.models.common.mtp import MultiTokenPrediction, mtp_loss
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.common.rope import rope_tables
@@ -336,6 +336,23 @@ class Transformer(nn.Module):
         if not isinstance(logits, DTensor):
             return logits[..., :vocab]
         return mask_vocab_padding(logits, vocab)
+
+    def hidden_matrices(self) -> list[str]:
+        """The parameters Muon orthogonalises (`mindspeed_core.optim.muon`): the weights of
+        the blocks' projections (attention, MLP, shared experts, MTP modules) and the
+        stacked routed-expert matrices. The embedding and output head stay with AdamW (as
+        Moonshot and Keller Jordan do), and so do norms, biases, convolutions, routers and
+        one-output gates: a router's rows are the experts' logits, whose scale sets how
+        sharply it routes, and a single row orthogonalised is only its normalised gradient."""
+        names = []
+        for root in ("layers", "mtp"):
+            module = getattr(self, root)
+            for name, sub in module.named_modules(prefix=root) if module is not None else ():
+                if isinstance(sub, nn.Linear) and min(sub.weight.shape) > 1:
+                    names.append(f"{name}.weight")
+                elif isinstance(sub, GroupedExperts):
+                    names += [f"{name}.{w}" for w in ("w1", "w2", "w3")]
+        return names
 
     def saved_params(self) -> dict[str, SavedParam]:
         """How checkpoints hold the vocabulary matrices (`mindspeed_core.checkpoint.saved`):
