@@ -8,6 +8,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mindspeed_ops.backends import is_fake
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -43,6 +45,12 @@ def eager() -> bool:
     """False while torch.compile traces: data-dependent checks (values, not shapes) are skipped
     there; the kernels still check them."""
     return not torch.compiler.is_compiling()
+
+
+def on_host(t: Tensor) -> bool:
+    """Whether `t`'s values sit in host memory, so that reading them costs no device sync: a
+    CPU tensor, not a fake one (FakeTensorMode has shapes and no values)."""
+    return t.device.type == "cpu" and not is_fake(t)
 
 
 def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
@@ -85,3 +93,23 @@ def host_values(t: Tensor) -> list[int]:
     values = t.tolist()
     _HOST_VALUES[t] = (t._version, values)
     return values
+
+
+def remember_host_values(t: Tensor, values: list[int] | None = None) -> Tensor:
+    """Have `host_values(t)` answer without reading `t`: `values` (the Python list `t` was
+    made from) or, by default, `t`'s own values, read now. Data code calls it on the host
+    tensors it builds (document boundaries), so that a training step, which moves them to
+    the device with `carry_host_values`, never waits for the device to read them back.
+    Returns `t`."""
+    if not t.is_inference():
+        _HOST_VALUES[t] = (t._version, t.tolist() if values is None else list(values))
+    return t
+
+
+def carry_host_values(src: Tensor, dst: Tensor) -> Tensor:
+    """`dst`, a copy of `src` (on another device), remembered with `src`'s host values when
+    `src` has them (`remember_host_values`); no tensor is read. Returns `dst`."""
+    hit = None if src.is_inference() else _HOST_VALUES.get(src)
+    if hit is not None and hit[0] == src._version and dst is not src and not dst.is_inference():
+        _HOST_VALUES[dst] = (dst._version, hit[1])
+    return dst
