@@ -1,0 +1,62 @@
+"""Training runs attention's wq/wk/wv and the feed-forward's w1/w3 as one matmul each (and RoPE
+once over q's and k's heads): the same loss and gradients as the layers one by one, which is
+what a layer with a hook (LoRA) or no gradient still runs."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mindspeed_llm.models import Transformer, build_model_config
+from mindspeed_llm.models.common import linear as linear_module
+
+JOINED = ("wq", "wk", "wv", "w1", "w3")
+
+
+class _Matmuls(TorchDispatchMode):
+    """Counts the matmuls dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+        return func(*args, **(kwargs or {}))
+
+
+def _loss_and_grads(model, tokens, cu_seqlens):
+    model.zero_grad()
+    with _Matmuls() as matmuls:
+        logits = model(tokens, cu_seqlens=cu_seqlens)
+    loss = logits.float().logsumexp(-1).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, matmuls.count
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_joint_projections_match_the_layers_one_by_one(family):
+    torch.manual_seed(0)
+    model = Transformer(build_model_config(family, flavor="debug"))
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16))
+    cu_seqlens = torch.tensor([0, 5, 16, 25, 32], dtype=torch.int32)
+    loss, grads, joined = _loss_and_grads(model, tokens, cu_seqlens)
+    hooks = [m.register_forward_hook(lambda *a: None) for n, m in model.named_modules()
+             if n.rsplit(".", 1)[-1] in JOINED]  # fmt: skip
+    loss_apart, grads_apart, apart = _loss_and_grads(model, tokens, cu_seqlens)
+    for hook in hooks:
+        hook.remove()
+    # each block: qkv, wo, [w1; w3], w2 against seven matmuls; then the output layer
+    assert (joined, apart) == (4 * model.config.num_layers + 1, 7 * model.config.num_layers + 1)
+    torch.testing.assert_close(loss, loss_apart, atol=1e-6, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_apart[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_no_gradient_runs_the_layers_one_by_one():
+    model = Transformer(build_model_config("llama", flavor="debug"))
+    x = torch.randn(1, 4, model.config.hidden_size)
+    attention = model.layers["0"].attention
+    layers = (attention.wq, attention.wk, attention.wv)
+    assert linear_module.joint_projection(x, layers) is not None
+    with torch.no_grad():
+        assert linear_module.joint_projection(x, layers) is None
