@@ -82,18 +82,20 @@ def _rotary_composed(
 def _rotary_body(
     x: Tensor, position_ids: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, inverse: bool
 ) -> Tensor:
-    """x (tokens, heads, head_dim) contiguous; position_ids (tokens,) int64; fp32 tables."""
-    if on_host(position_ids):  # reading it costs no device sync
-        _check_positions(position_ids, cos.shape[0])
+    """x (tokens, heads, head_dim) contiguous; position_ids (tokens,) int64; fp32 tables.
+    The C++ kernel checks the positions against the tables (ValueError); the composed
+    fallback checks them here, on host tensors only (where reading them costs no sync)."""
     if x.device.type == "cpu" and x.dtype in _CPP_DTYPES and cpu_ext.load() is not None:
         return cpu_ext.load().rotary(x, position_ids, cos, sin, interleaved, inverse)
+    if on_host(position_ids):
+        _check_positions(position_ids, cos.shape[0])
     return rotary_reference(x, cos, -sin if inverse else sin, position_ids, interleaved)
 
 
 def _check_positions(positions: Tensor, table: int) -> None:
-    """Positions inside the tables. Checked where it costs no device sync: on host tensors,
-    inside the kernel's body (out-of-range positions on an accelerator fail in its indexing,
-    as they do in torch's own embedding lookup)."""
+    """Positions inside the tables. Checked where it costs no device sync: on host tensors
+    (out-of-range positions on an accelerator fail in its indexing, as they do in torch's own
+    embedding lookup)."""
     if positions.numel() > 0:
         low, high = int(positions.min()), int(positions.max())
         if low < 0 or high >= table:

@@ -74,8 +74,9 @@ def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
 _HOST_VALUES = WeakIdKeyDictionary()
 
 
-def host_values(t: Tensor) -> list[int]:
-    """An index tensor's values as a Python list, read from the device once per tensor.
+def host_values(t: Tensor) -> list[int] | int:
+    """An index tensor's values as a Python list (a number for a 0-d tensor), read from the
+    device once per tensor.
 
     Reading a GPU tensor waits for everything queued before it. The packed-document
     boundaries (cu_seqlens) are one tensor that every layer's attention reads, forward and
@@ -95,14 +96,14 @@ def host_values(t: Tensor) -> list[int]:
     return values
 
 
-def remember_host_values(t: Tensor, values: list[int] | None = None) -> Tensor:
+def remember_host_values(t: Tensor, values: list[int] | int | None = None) -> Tensor:
     """Have `host_values(t)` answer without reading `t`: `values` (the Python list `t` was
-    made from) or, by default, `t`'s own values, read now. Data code calls it on the host
-    tensors it builds (document boundaries), so that a training step, which moves them to
-    the device with `carry_host_values`, never waits for the device to read them back.
-    Returns `t`."""
+    made from) or, by default, `t`'s own values, read now. Called on host tensors (a training
+    step's document boundaries before it moves them, `mindspeed_llm.data.collate.to_device`),
+    whose device copies then get the values with `carry_host_values`: the kernels that need
+    them on the host never wait for the device to read them back. Returns `t`."""
     if not t.is_inference():
-        _HOST_VALUES[t] = (t._version, t.tolist() if values is None else list(values))
+        _HOST_VALUES[t] = (t._version, t.tolist() if values is None else values)
     return t
 
 
