@@ -13,7 +13,7 @@ from mindspeed_align.dpo_config import DPOConfig
 from mindspeed_align.pairs import PairData
 from mindspeed_core.config import load_config
 from mindspeed_core.distributed import destroy_distributed, init_distributed
-from mindspeed_core.testing import HostSyncs, import_sibling
+from mindspeed_core.testing import import_sibling
 from mindspeed_llm.train.trainer import Trainer
 
 dpo_tests = import_sibling(__file__, "test_dpo")

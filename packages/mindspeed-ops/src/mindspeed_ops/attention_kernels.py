@@ -39,7 +39,7 @@ def choose(device: str, q: Tensor, v: Tensor, window: int, softcap: float, offse
     """The kernel for a call on `device` ("cpu", "cuda" or "npu")."""
     plain = softcap == 0.0 and offsets is None
     if device == "cpu":
-        if q.dtype != torch.float64 and cpu_ext.load() is not None:
+        if q.dtype != torch.float64 and cpu_ext.available():
             return "cpu_flash"
         return "torch_flash" if plain and window == NO_WINDOW and v.shape[-1] == q.shape[-1] else (
             "composed"
@@ -185,6 +185,11 @@ def _int32(cu: Tensor) -> Tensor:
 
 
 def _longest(cu: Tensor) -> int:
+    """The longest document's length: from the boundaries' host values, or while a CUDA graph
+    is recorded the whole token count, the bound of any document a replay may bring (the
+    graph replays with later batches' boundaries, the length fixed at recording)."""
+    if torch.cuda.is_current_stream_capturing():
+        return host_values(cu)[-1]
     bounds = host_values(cu)
     return max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 

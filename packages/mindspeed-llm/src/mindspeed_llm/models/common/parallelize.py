@@ -71,7 +71,7 @@ def parallelize_decoder(
     ulysses_degree: int | None = None,
     activation_offload: bool = False,
     cpu_offload: bool = False,
-    compile: bool = False,
+    compile: bool | str = False,
     fp8: bool = False,
     ep_dispatcher: str = "alltoall",
     before_tp: ModelHook | None = None,
@@ -153,7 +153,8 @@ def parallelize_decoder(
              attention_bwd_fn=functools.partial(attention_backward, impl=impl))  # fmt: skip
     apply_ac(model, ac_mode)
     if compile:  # under cp the attention runs eagerly between a block's two graphs
-        apply_compile(model, fullgraph=dims.cp == 1)
+        mode = compile if isinstance(compile, str) else None  # "reduce-overhead": CUDA graphs
+        apply_compile(model, fullgraph=dims.cp == 1, varying={"cu_seqlens": 0}, mode=mode)
     if not data_parallel:
         return model
     if cpu_offload and not dims.fsdp_enabled:
