@@ -12,8 +12,9 @@
 #   5. benchmarks/host_overhead.py: the host's share of a step (no GPU work), ours vs
 #      transformers, on this machine's CPU;
 #   6. the CUDA tests (pytest -m gpu, every failure listed; a test module whose imports fail
-#      there is reported and the rest still run), bounded by $SUITE_TEST_TIMEOUT seconds (150).
-# Steps 2-5 are each bounded by $SUITE_STEP_TIMEOUT seconds (100; compilation included).
+#      there is reported and the rest still run), bounded by $SUITE_TEST_TIMEOUT seconds (100).
+# Each step has its own bound in seconds (60, 90, 120 with compilation, 45, 60, 100: at most
+# 475 s with the environment's lines: under 8 minutes), times $SUITE_TIME_SCALE (1) if set.
 #
 #   benchmarks/device_suite.sh [--dry-run] [--out DIR]
 #
@@ -64,7 +65,8 @@ else
             --device cuda)
     host=(--shapes llama-1b --steps 3 --repeat 1)
 fi
-bounded=(timeout "${SUITE_STEP_TIMEOUT:-100}")
+scale=${SUITE_TIME_SCALE:-1}
+bounded() { local seconds=$1; shift; timeout "$((seconds * scale))" "$@"; }
 
 echo "== environment"
 "$py" -c "import torch, platform; print('torch', torch.__version__, '| python',
@@ -75,27 +77,27 @@ else 'cpu')"
 # suite); the script exits non-zero if any did.
 failed=()
 echo "== 1. attention (benchmarks/attention.py ${attention[*]})"
-"$py" benchmarks/attention.py "${attention[@]}" --dtype bf16 | tee "$out/attention.jsonl" \
+bounded 60 "$py" benchmarks/attention.py "${attention[@]}" --dtype bf16 | tee "$out/attention.jsonl" \
     || failed+=(attention)
 
 echo "== 2. training throughput, eager (benchmarks/train_throughput.py ${train[*]})"
-"${bounded[@]}" "$py" benchmarks/train_throughput.py "${train[@]}" --dtypes bf16 \
+bounded 90 "$py" benchmarks/train_throughput.py "${train[@]}" --dtypes bf16 \
     --sides ours,ours-fused,transformers,torchtitan | tee "$out/train.jsonl" || failed+=(train)
 
 echo "== 3. training throughput, compiled (benchmarks/train_throughput.py ${compiled[*]} --compile)"
-"${bounded[@]}" "$py" benchmarks/train_throughput.py "${compiled[@]}" --dtypes bf16 --compile \
+bounded 120 "$py" benchmarks/train_throughput.py "${compiled[@]}" --dtypes bf16 --compile \
     | tee "$out/train_compiled.jsonl" || failed+=(train_compiled)
 
 echo "== 4. decoding (benchmarks/generate.py ${decode[*]})"
-"${bounded[@]}" "$py" benchmarks/generate.py "${decode[@]}" | tee "$out/generate.jsonl" \
+bounded 45 "$py" benchmarks/generate.py "${decode[@]}" | tee "$out/generate.jsonl" \
     || failed+=(generate)
 
 echo "== 5. host time per step (benchmarks/host_overhead.py ${host[*]})"
-"${bounded[@]}" "$py" benchmarks/host_overhead.py "${host[@]}" | tee "$out/host_overhead.jsonl" \
+bounded 60 "$py" benchmarks/host_overhead.py "${host[@]}" | tee "$out/host_overhead.jsonl" \
     || failed+=(host_overhead)
 
 echo "== 6. accelerator tests (pytest ${tests[*]})"
-timeout "${SUITE_TEST_TIMEOUT:-150}" "$py" -m pytest "${tests[@]}" -p no:cacheprovider \
+timeout "${SUITE_TEST_TIMEOUT:-$((100 * scale))}" "$py" -m pytest "${tests[@]}" -p no:cacheprovider \
     --continue-on-collection-errors "${test_paths[@]}" >"$out/pytest.log" 2>&1 \
     || failed+=(tests)
 tail -n 25 "$out/pytest.log"

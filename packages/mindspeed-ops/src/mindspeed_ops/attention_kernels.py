@@ -188,7 +188,7 @@ def _longest(cu: Tensor) -> int:
     """The longest document's length: from the boundaries' host values, or while a CUDA graph
     is recorded the whole token count, the bound of any document a replay may bring (the
     graph replays with later batches' boundaries, the length fixed at recording)."""
-    if torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return host_values(cu)[-1]
     bounds = host_values(cu)
     return max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
