@@ -1,7 +1,7 @@
 """Host time of one training step with the device work removed: ours against transformers.
 
     python benchmarks/host_overhead.py [--shapes llama-1b,smollm-135m] [--kernels cuda|cpu]
-        [--steps 5] [--repeat 2] [--docs N] [--sides ours,transformers] [--compile]
+        [--steps 5] [--repeat 2] [--docs N] [--sides ours,transformers]
 
 An accelerator runs a step as fast as its host can queue the kernels, and no faster: when the
 Python, dispatch and autograd work per op takes longer than the kernels, the step is as long as
@@ -30,8 +30,9 @@ most frequent ops. A host read of a tensor value (`.item()`, `.tolist()`, data-d
 shapes: a sync on an accelerator) fails a fake step, so a side that completes makes none.
 Prints one JSON line per shape with both sides and the ratios (ours / transformers).
 
-`--compile`: our blocks compiled (`apply_compile`) under the fake mode: the step's ops are then
-the compiled graphs' (one call per block and direction) plus what runs outside them.
+Eager steps only: torch.compile does not run under an outer FakeTensorMode (it fakes tensors
+itself), so the compiled step's host time is measured on the device
+(`train_throughput.py --compile` in `device_suite.sh`).
 """
 
 from __future__ import annotations
@@ -88,18 +89,15 @@ def _documents(micro_batch: int, seq: int, docs: int):
     return cu, positions
 
 
-def _ours(hf_config: dict, kernels: str, compile: bool):
+def _ours(hf_config: dict, kernels: str):
     import torch
 
     import mindspeed_ops
     from mindspeed_core.optim import build_optimizers
-    from mindspeed_core.parallel import apply_compile
     from mindspeed_llm.models import build_model_config, get_model_spec
 
     config = build_model_config("llama", hf_config=hf_config, ops_impl=kernels)
     model = get_model_spec("llama").build(config)
-    if compile:
-        apply_compile(model)
     optimizer = build_optimizers(model, lr=1e-4, weight_decay=0.1, implementation="fused")
 
     def loss(tokens, labels, cu_seqlens, position_ids):
@@ -109,7 +107,7 @@ def _ours(hf_config: dict, kernels: str, compile: bool):
     return torch, optimizer, loss
 
 
-def _theirs(hf_config: dict, kernels: str, compile: bool):
+def _theirs(hf_config: dict, kernels: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -129,7 +127,7 @@ def _theirs(hf_config: dict, kernels: str, compile: bool):
     return torch, optimizer, loss
 
 
-def run_side(side: str, shape: str, kernels: str, steps: int, docs: int, compile: bool) -> dict:
+def run_side(side: str, shape: str, kernels: str, steps: int, docs: int) -> dict:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -139,7 +137,7 @@ def run_side(side: str, shape: str, kernels: str, steps: int, docs: int, compile
     build = {"ours": _ours, "transformers": _theirs}[side]
     with FakeTensorMode(allow_non_fake_inputs=True):
         torch.manual_seed(0)
-        _, optimizer, loss_of = build(hf_config, kernels, compile and side == "ours")
+        _, optimizer, loss_of = build(hf_config, kernels)
         tokens = torch.randint(0, hf_config["vocab_size"], (micro_batch, seq))
         cu_seqlens, position_ids = _documents(micro_batch, seq, docs)
 
@@ -154,7 +152,7 @@ def run_side(side: str, shape: str, kernels: str, steps: int, docs: int, compile
         # Our custom ops run their bodies in every timed step too, under the same counting
         # mode on both sides (the mode's own cost per op is the same for both).
         with Count(expand) as count:
-            step()  # warm-up: optimizer state, caches, compilation
+            step()  # warm-up: optimizer state, caches
         cpu_times, wall_times = [], []
         for _ in range(steps):
             with Count(expand) as count:
@@ -182,12 +180,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="processes per side")
     parser.add_argument("--docs", type=int, help="packed documents per row (default: the shape's)")
     parser.add_argument("--sides", default="ours,transformers")
-    parser.add_argument("--compile", action="store_true", help="compile our blocks")
     parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: one side, one shape
     args = parser.parse_args()
     if args.side:
-        result = run_side(args.side, args.shapes, args.kernels, args.steps, args.docs,
-                          args.compile)  # fmt: skip
+        result = run_side(args.side, args.shapes, args.kernels, args.steps, args.docs)
         print(json.dumps(result))
         return
     import subprocess
@@ -198,7 +194,7 @@ def main() -> None:
         _, seq, micro_batch, docs = SHAPES[shape]
         result = {"bench": "host_overhead", "shape": shape, "seq": seq, "micro_batch": micro_batch,
                   "docs_per_row": args.docs or docs, "dtype": "bf16", "kernels": args.kernels,
-                  "compile": args.compile, "cpu": _cpu_model()}  # fmt: skip
+                  "cpu": _cpu_model()}  # fmt: skip
         sides = args.sides.split(",")
         for _ in range(args.repeat):  # the sides alternate; each keeps its fastest process
             for side in sides:
@@ -206,7 +202,6 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--side", side, "--shapes", shape,
                        "--kernels", args.kernels, "--steps", str(args.steps)]  # fmt: skip
                 cmd += ["--docs", str(args.docs)] if args.docs else []
-                cmd += ["--compile"] if args.compile else []
                 out = subprocess.run(cmd, capture_output=True, text=True)
                 if out.returncode:
                     result[side] = {"failed": _error_line(out.stderr)}
