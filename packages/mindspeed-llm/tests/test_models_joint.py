@@ -1,6 +1,7 @@
-"""Training runs attention's wq/wk/wv and the feed-forward's w1/w3 as one matmul each (and RoPE
-once over q's and k's heads): the same loss and gradients as the layers one by one, which is
-what a layer with a hook (LoRA) or no gradient still runs."""
+"""Training under autocast runs attention's wq/wk/wv and the feed-forward's w1/w3 as one matmul
+each (and RoPE once over q's and k's heads): the loss and gradients of the layers one by one,
+which is what a layer with a hook (LoRA), no gradient or no autocast (fp32: the concatenated
+weights would be an extra copy kept for the backward) still runs."""
 
 import pytest
 import torch
@@ -24,9 +25,9 @@ class _Matmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _loss_and_grads(model, tokens, cu_seqlens):
+def _loss_and_grads(model, tokens, cu_seqlens, autocast=True):
     model.zero_grad()
-    with _Matmuls() as matmuls:
+    with _Matmuls() as matmuls, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = model(tokens, cu_seqlens=cu_seqlens)
     loss = logits.float().logsumexp(-1).mean()
     loss.backward()
@@ -47,9 +48,12 @@ def test_joint_projections_match_the_layers_one_by_one(family):
         hook.remove()
     # each block: qkv, wo, [w1; w3], w2 against seven matmuls; then the output layer
     assert (joined, apart) == (4 * model.config.num_layers + 1, 7 * model.config.num_layers + 1)
-    torch.testing.assert_close(loss, loss_apart, atol=1e-6, rtol=0)
+    # bf16 products: the joined GEMM's and the three's rounding may differ in the last bit
+    torch.testing.assert_close(loss, loss_apart, atol=1e-3, rtol=1e-3)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, grads_apart[name], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(grad, grads_apart[name], atol=2e-3, rtol=2e-2, msg=name)
+    *_, fp32 = _loss_and_grads(model, tokens, cu_seqlens, autocast=False)
+    assert fp32 == 7 * model.config.num_layers + 1  # no autocast: one by one
 
 
 def test_no_gradient_runs_the_layers_one_by_one():
@@ -57,6 +61,8 @@ def test_no_gradient_runs_the_layers_one_by_one():
     x = torch.randn(1, 4, model.config.hidden_size)
     attention = model.layers["0"].attention
     layers = (attention.wq, attention.wk, attention.wv)
-    assert linear_module.joint_projection(x, layers) is not None
-    with torch.no_grad():
-        assert linear_module.joint_projection(x, layers) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear_module.joint_projection(x, layers) is not None
+        with torch.no_grad():
+            assert linear_module.joint_projection(x, layers) is None
+    assert linear_module.joint_projection(x, layers) is None  # fp32

@@ -39,11 +39,17 @@ def joint_projection(x: Tensor, linears: Sequence[nn.Linear]) -> Tensor | None:
     In training that is one kernel, one cast of x under autocast and one gradient of x
     instead of one of each per layer (attention's wq, wk, wv and the feed-forward's w1, w3:
     about thirty fewer ops per block on the eager path, forward and backward). The parameters
-    stay separate (names, checkpoints, tensor-parallel plans). It does not apply to an adapter
-    or other module in place of a plain `Linear`, or to sharded (DTensor) weights, and does not
-    pay without a gradient (decoding would copy every weight per token). Layers with forward
-    hooks (LoRA's adapters, QLoRA's dequantisation) run one by one, hooks and all."""
-    if not torch.is_grad_enabled() or isinstance(x, DTensor):
+    stay separate (names, checkpoints, tensor-parallel plans). Only under autocast, where it
+    holds no more memory: the layers one by one keep a low-precision copy of each weight for
+    the backward, this keeps one of them side by side (without autocast the concatenation would
+    be a copy of the weights kept until the backward, and under FSDP it would outlive the
+    gathered weights it copies). It does not apply to an adapter or other module in place of a
+    plain `Linear`, or to sharded (DTensor) weights, and does not pay without a gradient
+    (decoding would copy every weight per token). Layers with forward hooks (LoRA's adapters,
+    QLoRA's dequantisation) run one by one, hooks and all."""
+    if not torch.is_grad_enabled() or not torch.is_autocast_enabled(x.device.type):
+        return None
+    if isinstance(x, DTensor):
         return None
     if _global_hooks():
         return None
