@@ -134,7 +134,7 @@ class TrainStep:
         extra = {**self._router_step(), **self._mtp_step()}
         grad_norm = self._optimizer_step(loss, schedule)
         return StepResult(loss, grad_norm, units, tokens, metrics, extra=extra,
-                          finish=self.objective.finish_metrics, on_read=self.settle)  # fmt: skip
+                          finish=self.objective.finish_metrics, on_read=self._nonfinite.settle)  # fmt: skip
 
     @torch.no_grad()
     def evaluate(self, steps: Sequence[Sequence[Batch]]) -> float:
@@ -298,7 +298,7 @@ class TrainStep:
         for a step skipped because its loss or gradient norm is not finite (or fp16
         gradients overflowed). The skip happens on the device where the optimizer can
         (torch's fused AdamW, `found_inf`), so nothing is read on the host; it is noted and
-        `settle` counts it when a result is read."""
+        `NonfiniteSteps.settle` counts it when a result is read."""
         parts = self.parts
         params = list(parts.optimizer.parameters())
         if parts.scaler is not None:  # fp16: the scaler reads its overflow flag on the host
@@ -324,11 +324,6 @@ class TrainStep:
             parts.scheduler.step()
         self._nonfinite.note(self.state.step + 1, loss, found)
         return torch.where(found, math.nan, full(grad_norm))
-
-    def settle(self) -> None:
-        """Count the skipped steps noted since the last call (`NonfiniteSteps.settle`); the
-        results' first read calls it."""
-        self._nonfinite.settle()
 
     # -- the model's side -----------------------------------------------------------
 
