@@ -81,6 +81,7 @@ def _assert_same(results, allowed_breaks=0, atol=1e-5):
             torch.testing.assert_close(value, eager_params[name], rtol=1e-4, atol=atol, msg=name)
 
 
+@pytest.mark.slow  # CI: test_train_compile_families.py (losses and gradients, one process)
 def test_compiled_training_is_eager_training_one_process():
     _assert_same([_compare(ParallelConfig(), world_size=1)])
 

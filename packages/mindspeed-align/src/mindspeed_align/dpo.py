@@ -33,13 +33,15 @@ from mindspeed_align.logps import (
     frozen_sequence_logps,
     renumber_slots,
     sequence_logps,
+    slot_count_tensor,
 )
 from mindspeed_align.losses import dpo_loss, orpo_loss, simpo_loss
 from mindspeed_align.reference import REF_KEY
 from mindspeed_core.cli import config_command, debug_enabled, guarded
 from mindspeed_core.distributed import process_group
-from mindspeed_llm.data.collate import IGNORE_INDEX
+from mindspeed_llm.data.collate import IGNORE_INDEX, to_device
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, RunContext
+from mindspeed_ops.validate import host_values
 
 __all__ = ["PreferenceObjective", "command", "dpo", "orpo_command", "simpo_command"]
 
@@ -117,19 +119,27 @@ class PreferenceObjective(Objective):
         return count_pairs(batch[SLOT_KEY])
 
     def targets(self, batch):
+        """From the step's host batch (its values read for free): the slots renumbered, their
+        count, and the reference's log-probs (its forward on the device)."""
         slots = renumber_slots(batch[SLOT_KEY])
-        num_slots = int(slots.max()) + 1
         # num_slots whole: a context-parallel rank may hold none of a short sequence's tokens
-        targets = {"labels": batch["labels"], SLOT_KEY: slots, "num_slots": torch.tensor(num_slots)}
+        targets = {"labels": batch["labels"], SLOT_KEY: slots,
+                   "num_slots": slot_count_tensor(int(slots.max()) + 1)}  # fmt: skip
+        num_slots = host_values(targets["num_slots"])
         if REF_KEY in batch:  # dpo.ref: precompute: each sequence's value on its first token
             keep = slots >= 0
             ref = torch.zeros(num_slots, dtype=torch.float32, device=slots.device)
             targets["ref_logps"] = ref.index_add(0, slots[keep], batch[REF_KEY][keep].float())
         elif self.reference is not None:
+            device = next(self.reference.parameters()).device
             # the output layer on the replies' positions only, or fused (no logits)
-            keep = batch["labels"] != IGNORE_INDEX if self.reference_keep else None
+            keep = None
+            if self.reference_keep:  # flat positions, found on the host
+                keep = (batch["labels"] != IGNORE_INDEX).flatten().nonzero().squeeze(1)
+                keep = keep.to(device, non_blocking=True)
+            moved = to_device({**batch, SLOT_KEY: slots}, device)  # the host copies stay
             targets["ref_logps"] = frozen_sequence_logps(
-                self.reference, batch, slots, num_slots, self.reference_ctx, keep=keep,
+                self.reference, moved, moved[SLOT_KEY], num_slots, self.reference_ctx, keep=keep,
                 fused=self.fused_reference,
             )  # fmt: skip
         elif self.section.uses_reference:
@@ -137,7 +147,7 @@ class PreferenceObjective(Objective):
         return targets
 
     def loss(self, outputs, targets, ctx: LossContext) -> LossOutput:
-        num_slots = int(targets["num_slots"])
+        num_slots = host_values(targets["num_slots"])
         logps, counts = sequence_logps(outputs, targets["labels"], targets[SLOT_KEY], num_slots, ctx)
         if self.cp_group is not None:  # each cp rank holds a share of every sequence's tokens
             logps, counts = _sum_over(self.cp_group, logps, counts)

@@ -35,6 +35,7 @@ from mindspeed_core.optim import OptimConfig
 from mindspeed_llm.train.config import LoggingSection, TrainSection
 from mindspeed_llm.train.objectives import LossContext, LossOutput
 from mindspeed_llm.train.sft_config import SFTConfig
+from mindspeed_ops.validate import host_values
 
 __all__ = ["KTOConfig", "KTOObjective", "KTOSection", "command", "kto"]
 
@@ -125,7 +126,7 @@ class KTOObjective(PreferenceObjective):
 
     def loss(self, outputs, targets, ctx: LossContext) -> LossOutput:
         s = self.section
-        num_slots = int(targets["num_slots"])  # whole: the kept positions may miss a slot's
+        num_slots = host_values(targets["num_slots"])  # whole: kept positions may miss a slot's
         logps = sequence_logps(outputs, targets["labels"], targets[SLOT_KEY], num_slots, ctx)[0]
         ref, labels = targets["ref_logps"], targets[LABEL_KEY].bool()
         kl = kto_kl_estimate(logps[1::2], ref[1::2], group=self.kl_group)

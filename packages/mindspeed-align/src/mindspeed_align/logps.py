@@ -19,7 +19,9 @@ from torch import Tensor
 
 from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS, Batch, forward_packed
 from mindspeed_llm.data.sft import Sample, collate_rows, pack_rows
+from mindspeed_llm.models.common.transformer import kept_positions
 from mindspeed_llm.train.objectives import LossContext, token_nll
+from mindspeed_ops.validate import remember_host_values
 
 Pair = tuple[Sample, Sample]
 """(chosen, rejected): two SFT samples sharing a prompt."""
@@ -146,6 +148,13 @@ def renumber_slots(slots: Tensor) -> Tensor:
     return out
 
 
+def slot_count_tensor(num_slots: int) -> Tensor:
+    """An objective's targets entry "num_slots": a tensor (targets are tensors) whose value
+    the host knows without reading it (`mindspeed_ops.validate.host_values`), on any device
+    the step moves it to."""
+    return remember_host_values(torch.tensor(num_slots), num_slots)
+
+
 def count_pairs(slots: Tensor) -> int:
     """The pairs a batch holds (its distinct slot // 2)."""
     return int(torch.unique(slots[slots >= 0] // 2).numel())
@@ -193,5 +202,5 @@ def frozen_sequence_logps(model, batch: Batch, slots: Tensor, num_slots: int,
         extra["nll_labels"], ctx = labels, replace(ctx or LossContext(), token_nll=True)
     outputs = forward_packed(model, batch, **extra)
     if keep is not None:
-        labels, slots = labels[keep], slots[keep]
+        labels, slots = kept_positions(labels, keep), kept_positions(slots, keep)
     return sequence_logps(outputs, labels, slots, num_slots, ctx)[0]

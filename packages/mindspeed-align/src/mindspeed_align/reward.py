@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from mindspeed_align.logps import SLOT_KEY
+from mindspeed_align.logps import SLOT_KEY, slot_count_tensor
 from mindspeed_align.losses import reward_loss
 from mindspeed_core.checkpoint.safetensors import SafetensorsWriter
 from mindspeed_core.files import staged_folder
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective
+from mindspeed_ops.validate import host_values
 
 __all__ = [
     "RewardObjective",
@@ -95,10 +96,10 @@ class RewardObjective(Objective):
 
     def targets(self, batch):
         return {SLOT_KEY: batch[SLOT_KEY].masked_fill(batch["input_ids"] == self.pad_id, -1),
-                "num_slots": batch[SLOT_KEY].max() + 1}  # fmt: skip
+                "num_slots": slot_count_tensor(int(batch[SLOT_KEY].max()) + 1)}  # fmt: skip
 
     def loss(self, outputs, targets, ctx: LossContext) -> LossOutput:
-        scores = sequence_scores(outputs, targets[SLOT_KEY], int(targets["num_slots"]))
+        scores = sequence_scores(outputs, targets[SLOT_KEY], host_values(targets["num_slots"]))
         chosen, rejected = scores[0::2], scores[1::2]
         losses = reward_loss(chosen, rejected, center_coefficient=self.center_coefficient)
         margins = (chosen - rejected).detach()

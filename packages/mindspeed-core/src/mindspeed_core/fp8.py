@@ -7,17 +7,22 @@ of its dtype under the same name; each forward casts input and weight to float8 
 dynamic scale per tensor (and the output gradient to e5m2 in the backward) and multiplies with
 `torch._scaled_mm` (H100-class GPUs; recent PyTorch also runs it on CPU, which is how the
 tests check it). Convert before any parallelism: FSDP2 then shards and gathers the weights of
-`Float8Linear` like any other; tensor parallel would need torchao's float8 parallel styles,
-which the decoder's plans do not use, so `mindspeed_llm` refuses fp8 with tp > 1.
+`Float8Linear` like any other. Under tensor parallel `float8_plan` turns a plan's column- and
+row-wise styles of converted layers into torchao's float8 ones (`Float8ColwiseParallel`,
+`Float8RowwiseParallel`: the input cast to float8 before the layer's sharded GEMM, the weight's
+scale over every shard).
 """
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from mindspeed_core.errors import ConfigError
 
-__all__ = ["FP8_MULTIPLE", "convert_fp8"]
+__all__ = ["FP8_MULTIPLE", "convert_fp8", "float8_plan"]
 
 FP8_MULTIPLE = 16  # torch._scaled_mm needs both GEMM dims divisible by 16
 
@@ -60,3 +65,24 @@ def convert_fp8(model: nn.Module, *, skip: tuple[str, ...] = ("output",)) -> lis
             f"{FP8_MULTIPLE} (skipping {', '.join(skip)}); nothing would run in fp8"
         )
     return converted
+
+
+def float8_plan(plan: dict[str, ParallelStyle], model: nn.Module) -> dict[str, ParallelStyle]:
+    """`plan` (module name patterns -> styles, as `apply_tp` takes) with each plain column- or
+    row-wise style whose modules are all `Float8Linear` (`convert_fp8`) swapped for torchao's
+    float8 style of the same layouts; every other entry as it was."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    swaps = {ColwiseParallel: Float8ColwiseParallel, RowwiseParallel: Float8RowwiseParallel}
+    modules = dict(model.named_modules())
+    out = {}
+    for pattern, style in plan.items():
+        matched = [m for name, m in modules.items() if fnmatchcase(name, pattern)]
+        kind = swaps.get(type(style))
+        if kind is not None and matched and all(isinstance(m, Float8Linear) for m in matched):
+            style = kind(input_layouts=style.input_layouts[0],
+                         output_layouts=style.output_layouts[0],
+                         use_local_output=style.use_local_output)  # fmt: skip
+        out[pattern] = style
+    return out

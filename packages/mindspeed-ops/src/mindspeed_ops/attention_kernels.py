@@ -39,7 +39,7 @@ def choose(device: str, q: Tensor, v: Tensor, window: int, softcap: float, offse
     """The kernel for a call on `device` ("cpu", "cuda" or "npu")."""
     plain = softcap == 0.0 and offsets is None
     if device == "cpu":
-        if q.dtype != torch.float64 and cpu_ext.load() is not None:
+        if q.dtype != torch.float64 and cpu_ext.available():
             return "cpu_flash"
         return "torch_flash" if plain and window == NO_WINDOW and v.shape[-1] == q.shape[-1] else (
             "composed"
@@ -179,14 +179,24 @@ def _varlen_arguments() -> frozenset[str]:
     return frozenset(a.name for a in torch.ops.torch_attn._varlen_attn.default._schema.arguments)
 
 
+def _int32(cu: Tensor) -> Tensor:
+    # Below autograd (in a custom op's body) even a no-op `.to` is dispatched: skip it.
+    return cu if cu.dtype == torch.int32 else cu.to(torch.int32)
+
+
 def _longest(cu: Tensor) -> int:
+    """The longest document's length: from the boundaries' host values, or while a CUDA graph
+    is recorded the whole token count, the bound of any document a replay may bring (the
+    graph replays with later batches' boundaries, the length fixed at recording)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return host_values(cu)[-1]
     bounds = host_values(cu)
     return max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def _cuda_flash_fwd(q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale):
     is_causal, window_size = _flash_window(causal, window)
-    cu_q32, cu_k32 = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    cu_q32, cu_k32 = _int32(cu_q), _int32(cu_k)
     max_q, max_k = _longest(cu_q), _longest(cu_k)
     # Newer torch (2.14 here) asks for enable_gqa; 2.11's op has no such argument and takes
     # GQA as is (its flash kernel reads each kv head for its group of query heads).
@@ -208,7 +218,7 @@ def _cuda_flash_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal, 
     unused = torch.zeros(2, dtype=torch.uint64, device=q.device)
     dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
         _pad_to(dout, width), q, k, _pad_to(v, width), _pad_to(out, width), lse,
-        cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k, is_causal, unused, scale,
+        _int32(cu_q), _int32(cu_k), max_q, max_k, is_causal, unused, scale,
         window_size,
     )  # fmt: skip
     return dq, dk, dv[..., : v.shape[-1]].contiguous()

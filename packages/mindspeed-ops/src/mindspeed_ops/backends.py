@@ -14,6 +14,7 @@ import warnings
 from functools import cache
 
 import torch
+from torch._subclasses.fake_tensor import is_fake as is_fake_tensor
 
 IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
 BACKENDS = ("reference", "cpu", "cuda", "npu")
@@ -84,9 +85,16 @@ def resolve_impl(impl: str, tensor: torch.Tensor) -> str:
     device = tensor.device.type
     if impl == "auto":
         return device if device in ("cpu", "cuda", "npu") else "reference"
-    if impl != "reference" and impl != device:
+    if impl != "reference" and impl != device and not is_fake(tensor):
         raise ValueError(f"impl={impl!r} cannot run on a tensor on device {device!r}")
     return impl
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a FakeTensor (shapes and dtypes, no data): any backend's path may
+    run on one, which is how `benchmarks/host_overhead.py` measures the host work of the
+    accelerator paths on a machine without the accelerator. Its values cannot be read."""
+    return is_fake_tensor(tensor)
 
 
 _warned: set[str] = set()

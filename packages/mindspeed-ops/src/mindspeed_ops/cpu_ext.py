@@ -115,6 +115,14 @@ def _build() -> ModuleType:
         )
 
 
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the C++ kernels can be had (`load`, building them on the first call). A
+    constant to torch.compile, which calls it once instead of tracing the build's file
+    checks (a compiled block that picks a kernel would otherwise break its graph there)."""
+    return load() is not None
+
+
 def load() -> ModuleType | None:
     """The compiled kernels, building them on the first call; None if they cannot be had."""
     if _state["loaded"]:

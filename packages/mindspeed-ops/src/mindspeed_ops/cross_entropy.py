@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mindspeed_ops.backends import resolve_impl
-from mindspeed_ops.validate import check_float, check_index, check_same_device
+from mindspeed_ops.validate import check_float, check_index, check_same_device, on_host
 
 REDUCTIONS = ("mean", "sum", "none")
 # fp32 elements of one chunk of logits: 16 MiB on CPU; 256 MiB on accelerators, where each
@@ -27,13 +27,11 @@ _LINEAR_CHUNK_ELEMENTS = {"cpu": 1 << 24}
 _CHUNK_ELEMENTS_ACCELERATOR = 1 << 26
 
 
-def _chunk_rows(
-    vocab: int, chunk_size: int | None, device: torch.device, linear: bool = False
-) -> int:
+def _chunk_rows(vocab: int, chunk_size: int | None, backend: str, linear: bool = False) -> int:
     if chunk_size:
         return chunk_size
     table = _LINEAR_CHUNK_ELEMENTS if linear else _CHUNK_ELEMENTS
-    return max(1, table.get(device.type, _CHUNK_ELEMENTS_ACCELERATOR) // vocab)
+    return max(1, table.get(backend, _CHUNK_ELEMENTS_ACCELERATOR) // vocab)
 
 
 def _chunk_loss(z: Tensor, target: Tensor, ignore_index: int, smoothing: float):
@@ -63,6 +61,7 @@ def _chunk_grad(z: Tensor, target: Tensor, lse: Tensor, dloss: Tensor, ignore_in
 def _ce_fwd(
     logits: Tensor, target: Tensor, ignore_index: int, smoothing: float, chunk: int
 ) -> tuple[Tensor, Tensor]:
+    _check_target_values(target, logits.shape[1], ignore_index)
     loss = logits.new_empty(len(logits), dtype=torch.float32)
     lse = torch.empty_like(loss)
     for a in range(0, len(logits), chunk):
@@ -118,6 +117,7 @@ _ce_fwd.register_autograd(_ce_backward, setup_context=_ce_setup)
 def _lce_fwd(
     hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, smoothing: float, chunk: int
 ) -> tuple[Tensor, Tensor]:
+    _check_target_values(target, weight.shape[0], ignore_index)
     loss = hidden.new_empty(len(hidden), dtype=torch.float32)
     lse = torch.empty_like(loss)
     for a in range(0, len(hidden), chunk):
@@ -195,7 +195,10 @@ def _validate_common(target, rows, ignore_index, label_smoothing, reduction, ref
 
 
 def _check_target_values(target: Tensor, vocab: int, ignore_index: int) -> None:
-    if torch.compiler.is_compiling():
+    """Targets are classes or ignore_index. Checked where it costs no device sync: on host
+    tensors (in the kernels' bodies and the reference); an accelerator's kernel fails on a
+    bad target in its gather, as torch's own cross entropy does."""
+    if torch.compiler.is_compiling() or not on_host(target):
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if bool(bad.any()):
@@ -237,14 +240,14 @@ def cross_entropy(
     if logits.dim() != 2:
         raise ValueError(f"logits must be (tokens, vocab), got shape {tuple(logits.shape)}")
     _validate_common(target, len(logits), ignore_index, label_smoothing, reduction, logits)
-    _check_target_values(target, logits.shape[1], ignore_index)
     backend = resolve_impl(impl, logits)
     if backend == "reference":
+        _check_target_values(target, logits.shape[1], ignore_index)
         return cross_entropy_reference(
             logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
             reduction=reduction,
         )  # fmt: skip
-    chunk = _chunk_rows(logits.shape[1], chunk_size, logits.device)
+    chunk = _chunk_rows(logits.shape[1], chunk_size, backend)
     loss, _ = _ce_fwd(
         logits.contiguous(), target.long(), ignore_index, float(label_smoothing), chunk
     )
@@ -287,12 +290,12 @@ def linear_cross_entropy(
     if hidden.dtype != weight.dtype:
         raise TypeError(f"weight has dtype {weight.dtype} but hidden has {hidden.dtype}")
     _validate_common(target, len(hidden), ignore_index, label_smoothing, reduction, hidden)
-    _check_target_values(target, weight.shape[0], ignore_index)
     backend = resolve_impl(impl, hidden)
     kwargs = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
     if backend == "reference":
+        _check_target_values(target, weight.shape[0], ignore_index)
         return linear_cross_entropy_reference(hidden, weight, target, **kwargs)
-    chunk = _chunk_rows(weight.shape[0], chunk_size, hidden.device, linear=True)
+    chunk = _chunk_rows(weight.shape[0], chunk_size, backend, linear=True)
     loss, _ = _lce_fwd(
         hidden.contiguous(), weight.contiguous(), target.long(), ignore_index,
         float(label_smoothing), chunk,

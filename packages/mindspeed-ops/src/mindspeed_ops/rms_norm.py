@@ -156,6 +156,10 @@ def rms_norm(
                 "rms_norm: liger-kernel not installed, impl='cuda' runs "
                 "the composed PyTorch kernel",
             )
+        # The composed kernel as plain aten ops, differentiated by autograd: wrapped in the
+        # custom op it cost the same kernels plus the op's Python dispatch and backward on
+        # the host, and torch.compile could not fuse into it.
+        return rms_norm_reference(x, weight, eps, offset)
     fwd = _rms_norm_fwd_body if eager_inference(x, weight) else _rms_norm_fwd
     y, _ = fwd(x.reshape(-1, hidden).contiguous(), weight, float(eps), offset)
     return y.view(x.shape)

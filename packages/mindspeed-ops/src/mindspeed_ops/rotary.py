@@ -13,7 +13,13 @@ from torch import Tensor
 
 from mindspeed_ops import cpu_ext
 from mindspeed_ops.backends import eager_inference, resolve_impl
-from mindspeed_ops.validate import check_float, check_index, check_same_device, eager
+from mindspeed_ops.validate import (
+    check_float,
+    check_index,
+    check_same_device,
+    host_values,
+    on_host,
+)
 
 _CPP_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -35,7 +41,7 @@ def rotary_tables(
 def position_ids_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
     """Positions that restart at 0 at every packed sequence boundary."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    total = int(cu_seqlens[-1])
+    total = host_values(cu_seqlens)[-1]  # remembered by data code: no device read
     starts = torch.repeat_interleave(cu_seqlens[:-1], lengths, output_size=total)
     return torch.arange(total, device=cu_seqlens.device) - starts
 
@@ -61,13 +67,40 @@ def rotary_reference(
     return torch.cat([out, xf[..., 2 * half :]], dim=-1).to(x.dtype)
 
 
+def _rotary_composed(
+    x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool
+) -> Tensor:
+    """The reference's math in plain aten ops, without its copy of the channels RoPE leaves
+    alone when it turns every channel (the eager CUDA path: each op is a kernel launch)."""
+    if 2 * cos.shape[-1] != x.shape[-1]:
+        return rotary_reference(x, cos, sin, positions, interleaved)
+    c = cos.float()[positions].unsqueeze(-2)
+    s = sin.float()[positions].unsqueeze(-2)
+    return _rotate(x.float(), c, s, interleaved).to(x.dtype)
+
+
 def _rotary_body(
     x: Tensor, position_ids: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, inverse: bool
 ) -> Tensor:
-    """x (tokens, heads, head_dim) contiguous; position_ids (tokens,) int64; fp32 tables."""
+    """x (tokens, heads, head_dim) contiguous; position_ids (tokens,) int64; fp32 tables.
+    The C++ kernel checks the positions against the tables (ValueError); the composed
+    fallback checks them here, on host tensors only (where reading them costs no sync)."""
     if x.device.type == "cpu" and x.dtype in _CPP_DTYPES and cpu_ext.load() is not None:
         return cpu_ext.load().rotary(x, position_ids, cos, sin, interleaved, inverse)
+    if on_host(position_ids):
+        _check_positions(position_ids, cos.shape[0])
     return rotary_reference(x, cos, -sin if inverse else sin, position_ids, interleaved)
+
+
+def _check_positions(positions: Tensor, table: int) -> None:
+    """Positions inside the tables. Checked where it costs no device sync: on host tensors
+    (out-of-range positions on an accelerator fail in its indexing, as they do in torch's own
+    embedding lookup)."""
+    if positions.numel() > 0:
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= table:
+            raise ValueError(f"position_ids must lie in [0, {table}) (the table length), "
+                             f"got values from {low} to {high}")  # fmt: skip
 
 
 _rotary = torch.library.custom_op("mindspeed::rotary", mutates_args=())(_rotary_body)
@@ -107,7 +140,8 @@ def _normalise_positions(x: Tensor, position_ids: Tensor | None) -> Tensor:
             f"position_ids shape {shape} must be {tuple(lead)} or {tuple(lead[-1:])} "
             f"for x of shape {tuple(x.shape)}"
         )
-    return position_ids.long().expand(lead)
+    positions = position_ids.long()
+    return positions if positions.shape == lead else positions.expand(lead)
 
 
 def _validate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleaved: bool) -> None:
@@ -128,13 +162,6 @@ def _validate(x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, interleave
         )
     if 2 * cos.shape[1] > x.shape[-1]:
         raise ValueError(f"rot_dim {2 * cos.shape[1]} exceeds head_dim {x.shape[-1]}")
-    if eager() and positions.numel() > 0:
-        low, high = int(positions.min()), int(positions.max())
-        if low < 0 or high >= cos.shape[0]:
-            raise ValueError(
-                f"position_ids must lie in [0, {cos.shape[0]}) (the table length), "
-                f"got values from {low} to {high}"
-            )
 
 
 def rotary_embedding(
@@ -160,10 +187,12 @@ def rotary_embedding(
     positions = _normalise_positions(x, position_ids)
     _validate(x, cos, sin, positions, interleaved)
     backend = resolve_impl(impl, x)
-    if backend in ("reference", "cuda"):
-        # No CUDA library matches this API (liger's rope takes q and k together, rotate-half
-        # only); the reference compiles well with inductor.
+    if backend == "reference":
         return rotary_reference(x, cos, sin, positions, interleaved)
+    if backend == "cuda":
+        # No CUDA library matches this API (liger's rope takes q and k together, rotate-half
+        # only); the composed math compiles well with inductor.
+        return _rotary_composed(x, cos, sin, positions, interleaved)
     if backend == "npu":
         return _rotary_npu(x, cos, sin, positions, interleaved)
     flat = x.reshape(-1, x.shape[-2], x.shape[-1]).contiguous()

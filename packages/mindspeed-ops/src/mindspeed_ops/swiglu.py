@@ -160,6 +160,7 @@ def swiglu(x: Tensor, y: Tensor | None = None, *, impl: str = "auto") -> Tensor:
                 "swiglu_cuda",
                 "swiglu: liger-kernel not installed, impl='cuda' runs the composed PyTorch kernel",
             )
+        return swiglu_reference(x, y)  # plain aten ops (see rms_norm's CUDA path)
     direct = eager_inference(x, y)  # the kernel without its custom op's dispatch
     if y is None:
         hidden2 = x.shape[-1]

@@ -8,6 +8,8 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mindspeed_ops.backends import is_fake
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -45,6 +47,12 @@ def eager() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def on_host(t: Tensor) -> bool:
+    """Whether `t`'s values sit in host memory, so that reading them costs no device sync: a
+    CPU tensor, not a fake one (FakeTensorMode has shapes and no values)."""
+    return t.device.type == "cpu" and not is_fake(t)
+
+
 def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
     """cu_seqlens: 1-D, starts at 0, non-decreasing, ends at `total` tokens."""
     check_index("cu_seqlens", cu_seqlens)
@@ -66,8 +74,9 @@ def check_cu_seqlens(cu_seqlens: Tensor, total: int) -> None:
 _HOST_VALUES = WeakIdKeyDictionary()
 
 
-def host_values(t: Tensor) -> list[int]:
-    """An index tensor's values as a Python list, read from the device once per tensor.
+def host_values(t: Tensor) -> list[int] | int:
+    """An index tensor's values as a Python list (a number for a 0-d tensor), read from the
+    device once per tensor.
 
     Reading a GPU tensor waits for everything queued before it. The packed-document
     boundaries (cu_seqlens) are one tensor that every layer's attention reads, forward and
@@ -85,3 +94,23 @@ def host_values(t: Tensor) -> list[int]:
     values = t.tolist()
     _HOST_VALUES[t] = (t._version, values)
     return values
+
+
+def remember_host_values(t: Tensor, values: list[int] | int | None = None) -> Tensor:
+    """Have `host_values(t)` answer without reading `t`: `values` (the Python list `t` was
+    made from) or, by default, `t`'s own values, read now. Called on host tensors (a training
+    step's document boundaries before it moves them, `mindspeed_llm.data.collate.to_device`),
+    whose device copies then get the values with `carry_host_values`: the kernels that need
+    them on the host never wait for the device to read them back. Returns `t`."""
+    if not t.is_inference():
+        _HOST_VALUES[t] = (t._version, t.tolist() if values is None else values)
+    return t
+
+
+def carry_host_values(src: Tensor, dst: Tensor) -> Tensor:
+    """`dst`, a copy of `src` (on another device), remembered with `src`'s host values when
+    `src` has them (`remember_host_values`); no tensor is read. Returns `dst`."""
+    hit = None if src.is_inference() else _HOST_VALUES.get(src)
+    if hit is not None and hit[0] == src._version and dst is not src and not dst.is_inference():
+        _HOST_VALUES[dst] = (dst._version, hit[1])
+    return dst

@@ -239,7 +239,8 @@ def _critic(cfg, dims, device, build: Callable[..., BuiltModel], init_from) -> L
     layout), optimizer and step."""
     parallel = dataclasses.replace(cfg.parallel, loss_parallel=False)  # one output: no vocab
     model = build(parallel=parallel, ac=cfg.train.ac, before_tp=add_score_head,
-                  compile=cfg.train.compile, fp8=cfg.train.fp8)  # fmt: skip
+                  compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
+                  fp8=cfg.train.fp8)  # fmt: skip
     if cfg.critic.init_from is not None:  # a trained reward model: body and value head
         load_value_model(model, cfg.critic.init_from)
     elif init_from is not None:  # the policy's starting body, a new value head

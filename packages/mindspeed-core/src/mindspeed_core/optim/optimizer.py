@@ -144,6 +144,9 @@ class OptimizersContainer(Stateful):
         check_choice("state_dtype", state_dtype, tuple(STATE_DTYPES))
         self.model_parts = list(model_parts)
         flags = _impl_flags(implementation, _device_type(self.model_parts))
+        # the fused kernels skip a non-finite step on the device (`step(skip_if=)`); Muon and
+        # bf16 moments have no such kernel
+        self.fused = bool(flags.get("fused")) and name == "adamw" and state_dtype == "fp32"
         matrices = [
             [p for _, p in hidden_matrices(m)] if name == "muon" else [] for m in self.model_parts
         ]
@@ -171,9 +174,28 @@ class OptimizersContainer(Stateful):
     def __len__(self) -> int:
         return len(self.optimizers)
 
-    def step(self) -> None:
+    def step(self, skip_if: torch.Tensor | None = None) -> None:
+        """One AdamW step of every part.
+
+        Args:
+            skip_if: a bool scalar tensor; true: no update (a non-finite loss or gradient).
+                The fused kernels take it on the device (torch's `found_inf`, as its
+                GradScaler passes it), so the host reads nothing; the other kernels read it
+                on the host first.
+        """
+        if skip_if is not None and not self.fused:
+            if bool(skip_if):
+                return
+            skip_if = None
         for opt in self.optimizers:
-            opt.step()
+            if skip_if is None:
+                opt.step()
+                continue
+            opt.found_inf = skip_if.to(torch.float32)  # torch's amp protocol for AdamW
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf
 
     def zero_grad(self) -> None:
         for opt in self.optimizers:

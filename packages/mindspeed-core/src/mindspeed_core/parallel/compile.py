@@ -12,7 +12,7 @@ context manager), and the block is not wrapped, so state-dict names gain no `_or
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -28,6 +28,8 @@ def apply_compile(
     fullgraph: bool = True,
     backend: str = "inductor",
     dynamic: bool | None = None,
+    varying: Mapping[str, int] | None = None,
+    mode: str | None = None,
 ) -> nn.Module:
     """Compile the `forward` of each block of `module` in place.
 
@@ -38,16 +40,23 @@ def apply_compile(
         backend: torch.compile's backend ("inductor"; "aot_eager" to debug).
         dynamic: torch.compile's `dynamic` (True for decoding, where the cached length
             grows every step: one graph for all steps instead of one per length).
+        varying: keyword arguments of the blocks' forward whose given dim changes from
+            call to call ({"cu_seqlens": 0}: the packed documents of a batch): compiled
+            with that size symbolic from the first call, so a new length reuses the graph
+            instead of compiling the block again.
+        mode: torch.compile's `mode` ("reduce-overhead": the blocks replayed as CUDA graphs).
     """
     for block in find_blocks(module, blocks):
         # An instance attribute shadows the class's forward; nn.Module.__call__ keeps
         # running the block's hooks (recompute, FSDP) around it, uncompiled.
-        compiled = torch.compile(block.forward, fullgraph=fullgraph, backend=backend, dynamic=dynamic)
-        block.forward = functools.wraps(compiled)(functools.partial(_settled_call, compiled))
+        compiled = torch.compile(block.forward, fullgraph=fullgraph, backend=backend,
+                                 dynamic=dynamic, mode=mode)  # fmt: skip
+        call = functools.partial(_settled_call, compiled, dict(varying or {}))
+        block.forward = functools.wraps(compiled)(call)
     return module
 
 
-def _settled_call(compiled, *args, **kwargs):
+def _settled_call(compiled, varying, *args, **kwargs):
     """`compiled(*args, **kwargs)` with in-flight collective results settled first.
 
     Tensor parallel's embedding returns the result of an async all-reduce as an
@@ -57,6 +66,10 @@ def _settled_call(compiled, *args, **kwargs):
     edge; it happens only for such inputs (the first block's, once per micro-batch).
     """
     args = tuple(a.clone() if isinstance(a, AsyncCollectiveTensor) else a for a in args)
+    for name, dim in varying.items():
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(value, dim)
     return compiled(*args, **kwargs)
 
 

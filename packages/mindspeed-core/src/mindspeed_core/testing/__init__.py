@@ -5,6 +5,8 @@
 - `import_sibling(__file__, "helpers")`: import a helper module next to a test file.
 - `processes.descendants(pid)` / `gone_within(pids, s)`: what a killed parent left running.
 - `faults.disk_full_after(saves)`: checkpoint saves that fail as on a full disk.
+- `HostSyncs(host=tensors)`: counts the host reads of device values (syncs) of a piece of
+  code, on CPU too.
 """
 
 import importlib.util
@@ -12,8 +14,10 @@ import sys
 from pathlib import Path
 
 from mindspeed_core.testing.spawn import RankFailure, RankTimeout, run_distributed
+from mindspeed_core.testing.syncs import HostSyncs
 
 __all__ = [
+    "HostSyncs",
     "RankFailure",
     "RankTimeout",
     "import_sibling",

@@ -29,6 +29,7 @@ from torch import Tensor
 from mindspeed_core.parallel import gather_tokens, packed_shard_index
 from mindspeed_llm.data.packing import packed_positions
 from mindspeed_llm.models.common.attention import SharedKeys
+from mindspeed_ops.validate import carry_host_values, remember_host_values
 
 IGNORE_INDEX = -100
 """The label of a position that is not supervised (torch's and transformers' default)."""
@@ -45,6 +46,7 @@ __all__ = [
     "lm_batch",
     "shard_context_parallel",
     "split_batch",
+    "to_device",
 ]
 
 
@@ -85,6 +87,31 @@ def forward_packed(model, batch: Batch, **kwargs):
         cu_seqlens = SharedKeys(cu_seqlens, *(batch[k] for k in SHARED_KEYS))
     return model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=cu_seqlens,
                  **kwargs)  # fmt: skip
+
+
+BOUNDARY_KEYS = ("cu_seqlens", "cu_seqlens_k", "kv_offsets")
+"""Index tensors the attention kernels read on the host (document boundaries, offsets)."""
+
+
+def to_device(tensors: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """`tensors` (a batch, an objective's targets) on `device`, without making the host wait:
+    the copies are non-blocking (a blocking copy to an accelerator waits for every kernel
+    queued before it), and the values of the document boundaries are remembered from their
+    host copies (`mindspeed_ops.validate.remember_host_values`), so the kernels that need them
+    on the host never read them back from the device. Host tensors are copied on a CPU
+    device too, so the host batch and the step's stay apart as on an accelerator (a test
+    counting syncs, `mindspeed_core.testing.HostSyncs`, tells them apart; a few kB a step).
+    Tensors already on an accelerator stay as they are."""
+    out = {}
+    for key, value in tensors.items():
+        if not isinstance(value, Tensor) or value.device.type != "cpu":
+            out[key] = value
+            continue
+        if key in BOUNDARY_KEYS:
+            remember_host_values(value)  # a host tensor: reading it waits for nothing
+        moved = value.to(device, non_blocking=True, copy=value.device == device)
+        out[key] = carry_host_values(value, moved)
+    return out
 
 
 def check_batch(batch: Batch) -> None:

@@ -35,6 +35,7 @@ from mindspeed_llm.models.common.moe import LoadTracker, active_params
 from mindspeed_llm.models.common.parallelize import ModelHook
 from mindspeed_llm.models.hf_io import check_hf_weights, read_hf_config
 from mindspeed_llm.models.startup import base_shapes, build_meta, fill_parts
+from mindspeed_llm.train.compile import compile_mode
 from mindspeed_llm.train.config import ModelSection
 from mindspeed_llm.train.objectives import LossContext
 
@@ -91,8 +92,9 @@ def build_model(
     before_tp: ModelHook | None = None,
     after_tp: ModelHook | None = None,
     frozen: bool = False,
-    compile: bool = False,
+    compile: str | bool = False,
     fp8: bool = False,
+    cuda_graphs: bool = False,
 ) -> BuiltModel:
     """Build `config` on `device`, load `hf_path`'s weights, parallelise it on `dims`.
 
@@ -108,7 +110,9 @@ def build_model(
         before_tp: swap the head before anything is split (see `parallelize_decoder`).
         after_tp: inject adapters after TP, before CP/recompute/FSDP (LoRA).
         frozen: no gradients, eval mode, no recompute: a reference model.
-        compile: torch.compile each block (after TP and recompute, before FSDP).
+        compile: torch.compile each block (after TP and recompute, before FSDP): "auto"
+            (CUDA, NPU), "on", "off" or a bool (`train.compile.resolve_compile`).
+        cuda_graphs: the compiled blocks replayed as CUDA graphs (`train.cuda_graphs`).
         fp8: torchao's float8 linear layers (not the head; not for a frozen model).
     """
     _check_offload(parallel, torch.device(device), "none" if frozen else ac)
@@ -124,8 +128,9 @@ def build_model(
     options = _parallelize_options(parallel, dims, dtype, "none" if frozen else ac)
     options.update(loss_parallel=loss_parallel)
     options.update({k: v for k, v in (("before_tp", before_tp), ("after_tp", after_tp)) if v})
-    if compile:  # only when asked: a family's own parallelize may not know the option
-        options.update(compile=True)
+    mode = compile_mode(compile, cuda_graphs, device, config)
+    if mode is not None:  # only when compiling: a family's parallelize may not know it
+        options.update(compile=True if mode == "default" else mode)
     if fp8 and not frozen:
         options.update(fp8=True)
     if dims.pp > 1:

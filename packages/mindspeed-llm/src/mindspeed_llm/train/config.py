@@ -88,9 +88,18 @@ class TrainSection:
     """Compute dtype; master weights and gradient reduction stay fp32."""
     ac: Literal["none", "full", "selective"] = "none"
     """Activation recompute per block."""
-    compile: bool = False
-    """torch.compile each transformer block (after tensor parallel and recompute, before
-    FSDP; parameter names unchanged). The first steps pay the compilation."""
+    compile: Literal["auto", "on", "off"] | bool = "auto"
+    """torch.compile each transformer block as one graph (after tensor parallel and recompute,
+    before FSDP; parameter names unchanged). auto: on for CUDA and NPU, off on CPU (where
+    compiling takes longer than most CPU runs); on / off (or true / false). A model whose
+    blocks cannot compile as one graph (gated DeltaNet's delta rule, MoE with a capacity
+    limit) says so in one log line and runs eager. The first steps pay the compilation."""
+    cuda_graphs: bool = False
+    """Replay each compiled block as CUDA graphs (torch.compile's "reduce-overhead"): the host
+    launches a block's kernels in one call. Needs a CUDA device and `compile` auto or on, and
+    fixed shapes: a graph is recorded per micro-batch shape and per count of packed documents
+    (the attention then sizes its kernel for the row's length, the bound of any document).
+    Not measured yet."""
     fp8: bool = False
     """fp8 linear layers (torchao's float8 training: e4m3 inputs and weights, e5m2 output
     gradients, one dynamic scale per tensor) for every linear but the output head whose
@@ -129,6 +138,10 @@ class TrainSection:
             raise ConfigError(f"train.exit_at_step={self.exit_at_step} must be positive")
         if self.eval_batches < 0:
             raise ConfigError(f"train.eval_batches={self.eval_batches} must be >= 0")
+        if isinstance(self.compile, bool):
+            self.compile = "on" if self.compile else "off"
+        if self.compile not in ("auto", "on", "off"):
+            raise ConfigError(f"train.compile={self.compile!r} must be auto, on or off")
 
 
 @dataclass(kw_only=True)

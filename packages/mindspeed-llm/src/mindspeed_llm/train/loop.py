@@ -140,29 +140,37 @@ class TrainLoop:
             dynamic_ncols=True,
         )
         first = last = None
+        unread: list = []  # results not read yet: their tokens are not counted yet
         tokens_since_log = 0
         stop = min(self.train.steps, self.train.exit_at_step or self.train.steps)
         while self.state.step < stop:
             result = self.step(self.data.next_step())
             self.state.step += 1
             profiler.step()
-            self.state.tokens_seen += result.num_tokens
-            tokens_since_log += result.num_tokens
             bar.update(1)
-            record = {"loss": result.loss, "lr": self.step.parts.scheduler.get_last_lr()}
-            record.update(grad_norm=result.grad_norm, **result.metrics)
+            first, last = first or result, result
+            unread.append(result)
             validation = self.data.validation() if self._eval_due() else None
-            if validation is not None:
-                record["valid_loss"] = self.step.evaluate(validation)
-            if self._log_due() or "valid_loss" in record:
+            log = self._log_due() or validation is not None
+            if not (log or self._saves() or self.state.step == stop):
+                continue  # a step that reads nothing: the host runs ahead of the device
+            # Reading the results waits for the device once (and counts skipped steps).
+            tokens = sum(r.num_tokens for r in unread)
+            unread.clear()
+            self.state.tokens_seen += tokens
+            tokens_since_log += tokens
+            if log:
+                record = {"loss": result.loss, "lr": self.step.parts.scheduler.get_last_lr()}
+                record.update(grad_norm=result.grad_norm, **result.metrics)
+                if validation is not None:
+                    record["valid_loss"] = self.step.evaluate(validation)
                 self._log(metrics, meter, bar, record, tokens_since_log)
                 tokens_since_log = 0
-            first = result.loss if first is None else first
-            last = result.loss
             self.checkpoints.save(self.state.step)
             self._export_hf()
         bar.close()
-        return {"first_loss": first, "final_loss": last, "steps": self.state.step}
+        return {"first_loss": first and first.loss, "final_loss": last and last.loss,
+                "steps": self.state.step}  # fmt: skip
 
     def _log(self, metrics, meter, bar, record: dict, tokens: int) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -190,6 +198,14 @@ class TrainLoop:
             lora = getattr(getattr(self.cfg, "lora", None), "rank", 0) > 0
             export_hf(self.checkpoints.folder / f"step_{step}", self.run_dir.path / "hf" / f"step_{step}",
                       merge_lora=lora)  # fmt: skip
+
+    def _saves(self) -> bool:
+        """Whether this step writes a checkpoint or a Hugging Face export (the counters in
+        them must be current)."""
+        every = getattr(self.logging, "hf_export_every", 0)
+        return self.checkpoints.should_save(self.state.step) or bool(
+            every and self.state.step % every == 0
+        )
 
     def _log_due(self) -> bool:
         interval = self.logging.log_interval

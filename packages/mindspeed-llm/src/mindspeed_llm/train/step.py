@@ -9,21 +9,26 @@ tensor-parallel peers read the same batches). FSDP/DDP average gradients over th
 averaged gradient is that of the global mean, whatever the layout and accumulation.
 Under context parallel each rank's `loss_sum` covers its share of the tokens (the count
 is still the whole batch's, not the shard's numel).
+
+A step reads no device value on the host (an accelerator would make the host wait for
+every kernel queued before it): what depends on the batch's values is worked out on the
+host batch, the batch moves without blocking (`collate.to_device`), counts and losses
+stay device tensors (`StepResult` reads them when asked: the loop's logging steps), and a
+non-finite loss or gradient norm skips the update on the device (fused AdamW). What still
+reads: the fp16 loss scaler, a non-fused AdamW's skip, MoE's router statistics.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from mindspeed_core.checkpoint import TrainState
-from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.optim import clip_grad_norm_
 from mindspeed_core.parallel import ParallelDims, build_pipeline_schedule, loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
@@ -34,6 +39,7 @@ from mindspeed_llm.data.collate import (
     forward_packed,
     shard_context_parallel,
     split_batch,
+    to_device,
 )
 from mindspeed_llm.models.common.moe import moe_aux_loss
 from mindspeed_llm.models.common.mtp import take_mtp_loss
@@ -41,28 +47,10 @@ from mindspeed_llm.models.common.parallelize import tied_embedding_grads
 from mindspeed_llm.train.build import TrainParts
 from mindspeed_llm.train.head import fused_ce_mode, fuses_tokens, supervised_positions_layout
 from mindspeed_llm.train.objectives import LossOutput, Objective
-
-logger = logging.getLogger("mindspeed.train")
+from mindspeed_llm.train.result import NonfiniteSteps, StepResult, TrainingError
+from mindspeed_ops.validate import carry_host_values, host_values, remember_host_values
 
 __all__ = ["StepResult", "TrainStep", "TrainingError", "supervised_positions_layout"]
-
-
-class TrainingError(MindSpeedError):
-    """Training cannot go on (e.g. the loss stayed inf/nan)."""
-
-
-@dataclass
-class StepResult:
-    loss: float
-    """The step's objective over every rank (the model's aux losses left out)."""
-    grad_norm: float
-    """Before clipping; nan when the step was skipped."""
-    num_units: float
-    """The step's supervised units over every data-parallel rank."""
-    num_tokens: int
-    """Input tokens of the step over every data-parallel rank."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """The objective's metric sums over the step's units, and the router's statistics."""
 
 
 class TrainStep:
@@ -124,6 +112,7 @@ class TrainStep:
         )
         self._fused_ce = fused_ce_mode(fused_linear_cross_entropy, objective, self.model, dims)
         self._nll_context = replace(self.model.loss, token_nll=True)
+        self._nonfinite = NonfiniteSteps(parts.state, max_nonfinite_steps)
 
     @property
     def state(self) -> TrainState:
@@ -135,78 +124,91 @@ class TrainStep:
         make one training step, e.g. RL's mini-batches)."""
         self.parts.optimizer.zero_grad()
         units, tokens = self._count(micro_batches)
-        weight = self.dims.degree("loss") / units if units else 0.0
+        # degree / units, 0 without units: a device tensor, never read here
+        weight = (self.dims.degree("loss") / units.clamp(min=1) * (units > 0)).float()
         if self.schedule is not None:
             loss_sum, sums = self._pipeline(micro_batches, weight, train=True)
         else:
             loss_sum, sums = self._forward_backward(micro_batches, weight)
         loss, metrics = self._reduce(loss_sum, sums, units)
-        metrics = self.objective.finish_metrics(metrics, units)
-        metrics.update(self._router_step())
-        metrics.update(self._mtp_step())
+        extra = {**self._router_step(), **self._mtp_step()}
         grad_norm = self._optimizer_step(loss, schedule)
-        return StepResult(loss, grad_norm, units, int(tokens), metrics)
+        return StepResult(loss, grad_norm, units, tokens, metrics, extra=extra,
+                          finish=self.objective.finish_metrics, on_read=self._nonfinite.settle)  # fmt: skip
 
     @torch.no_grad()
     def evaluate(self, steps: Sequence[Sequence[Batch]]) -> float:
         """The objective over the micro-batches of `steps` (forward only, every rank)."""
         units, loss_sum = 0.0, torch.zeros((), device=self.model.device)
         for micro_batches in steps:
-            units += self._count(micro_batches)[0]
+            units = units + self._count(micro_batches)[0]
             if self.schedule is not None:
                 loss_sum += self._pipeline(micro_batches, 0.0, train=False)[0]
             else:
                 for batch in micro_batches:
                     with self._compute_context():
                         loss_sum += full(self._forward(batch).loss_sum)
-        return self._reduce(loss_sum, {}, units)[0]
+        return float(self._reduce(loss_sum, {}, units)[0])
 
     # -- counting and reducing ------------------------------------------------------
 
-    def _count(self, micro_batches: Sequence[Batch]) -> tuple[float, float]:
-        """(supervised units, input tokens) of the step over every data-parallel rank."""
+    def _count(self, micro_batches: Sequence[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(supervised units, input tokens) of the step over every data-parallel rank, as
+        float64 device tensors: counted on the host batches (reading them waits for
+        nothing), summed over the ranks on the device, never read back here."""
         units = sum(float(self.objective.num_units(b)) for b in micro_batches)
         tokens = sum(b["input_ids"].numel() for b in micro_batches)
-        counts = torch.tensor([units, tokens], dtype=torch.float64, device=self.model.device)
+        counts = torch.tensor([units, tokens], dtype=torch.float64)
+        counts = counts.to(self.model.device, non_blocking=True)
         mesh = self.dims.mesh("dp")
         if mesh is not None:
             dist.all_reduce(counts, group=mesh.get_group())
-        units, tokens = counts.tolist()
-        return units, tokens
+        return counts[0], counts[1]
 
-    def _reduce(self, loss_sum, sums: dict, units: float) -> tuple[float, dict[str, float]]:
-        """Sums of this rank's share -> values over every rank, divided by the units."""
+    def _reduce(self, loss_sum, sums: dict, units) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sums of this rank's share -> values over every rank, divided by the units (nan
+        without units), as device tensors."""
         values = torch.stack([loss_sum.detach().float(), *(full(v).float() for v in sums.values())])
         mesh = self.dims.mesh("loss")
         if mesh is not None:
             dist.all_reduce(values, group=mesh.get_group())
-        values = (values / units if units else values * math.nan).tolist()
+        values = torch.where(units > 0, values / units.clamp(min=1), math.nan)
         return values[0], dict(zip(sums, values[1:], strict=True))
 
     # -- forward and backward -------------------------------------------------------
 
     def _forward(self, batch: Batch, *, train: bool = False):
         """The objective's output on `batch` (this rank's context-parallel share); in
-        training a model with MTP modules also gets the labels (see `_aux_loss`)."""
-        batch = _to(batch, self.model.device)
+        training a model with MTP modules also gets the labels (see `_aux_loss`).
+
+        What depends on the batch's values (the targets, the context-parallel shards, the
+        supervised positions) is worked out on the host batch, where reading costs nothing;
+        then batch and targets move to the device without waiting (`to_device`)."""
+        device = self.model.device
         targets = self.objective.targets(batch)
         if self.dims.cp > 1:
             batch, targets = shard_context_parallel(
                 batch, self.dims.rank("cp"), self.dims.cp, targets
             )
-        extra = {"mtp_labels": batch["labels"]} if train and self._mtp is not None else {}
+        extra, keep = {}, None
         if self._supervised_only:  # per-token targets follow the kept positions
-            keep = batch["labels"] != IGNORE_INDEX
-            targets = {k: v[keep] if v.shape == keep.shape else v for k, v in targets.items()}
-            extra["keep"] = keep
+            mask = batch["labels"] != IGNORE_INDEX
+            targets = {k: v[mask] if v.shape == mask.shape else v for k, v in targets.items()}
+            keep = mask.flatten().nonzero().squeeze(1)  # flat positions, not a mask: no sync
+            extra["keep"] = keep.to(device, non_blocking=True)
+        fuses = self._fuses(batch, keep)
+        batch, targets = to_device(batch, device), to_device(targets, device)
+        if train and self._mtp is not None:
+            extra["mtp_labels"] = batch["labels"]
         ctx = self.model.loss
-        if self._fuses(batch, extra.get("keep")):
+        if fuses:
             extra["nll_labels"], ctx = batch["labels"], self._nll_context
         outputs = forward_packed(self.model.model, batch, **extra)
         return self.objective.loss(outputs, targets, ctx)
 
     def _fuses(self, batch: Batch, keep) -> bool:
-        tokens = batch["labels"].numel() if keep is None or self._fused_ce != "auto" else int(keep.sum())
+        """Whether the loss comes from the fused op (`keep`: the kept positions, host)."""
+        tokens = batch["labels"].numel() if keep is None or self._fused_ce != "auto" else len(keep)
         return fuses_tokens(self._fused_ce, tokens, self.model.config.vocab_size)
 
     def _forward_backward(self, micro_batches, weight: float) -> tuple[torch.Tensor, dict]:
@@ -236,16 +238,20 @@ class TrainStep:
         per microbatch as target, so the target is the microbatch's index and the loss
         looks its targets up. The sums are the last stage's, summed over the pp group.
         """
-        batches = split_batch(_to(concat_batches(list(micro_batches)), self.model.device),
-                              self.n_microbatches)  # fmt: skip
+        device = self.model.device
+        batches = split_batch(concat_batches(list(micro_batches)), self.n_microbatches)
+        targets = [to_device(self.objective.targets(b), device) for b in batches]  # host work
+        batches = [to_device(b, device) for b in batches]
         args = [(b["input_ids"],) for b in batches]
         kwargs = [
             {"position_ids": b["position_ids"], "cu_seqlens": b["cu_seqlens"]} for b in batches
         ]
-        handles = [torch.tensor(i, device=self.model.device) for i in range(len(batches))]
+        handles = []  # each microbatch's index, known on the host without a device read
+        for i in range(len(batches)):
+            host = remember_host_values(torch.tensor(i), i)
+            handles.append(carry_host_values(host, host.to(device, non_blocking=True)))
         self._scale_attached_aux(len(batches))
-        self._pp = {"targets": [self.objective.targets(b) for b in batches], "weight": weight,
-                    "outputs": {}}  # fmt: skip
+        self._pp = {"targets": targets, "weight": weight, "outputs": {}}
         with self._compute_context():
             if train:  # the losses are all we need: do not keep every microbatch's logits
                 self.schedule.step(arg_mbs=args, kwarg_mbs=kwargs, target_mbs=handles,
@@ -278,7 +284,7 @@ class TrainStep:
         torch also calls it once on the first microbatch to infer gradient shapes; the
         real call comes later and replaces what that one recorded.
         """
-        index = int(handle)
+        index = host_values(handle)  # remembered when the handle was made: no device read
         out = self.objective.loss(outputs, self._pp["targets"][index], self.model.loss)
         detached = {k: full(v).detach().float() for k, v in out.metrics.items()}
         self._pp["outputs"][index] = LossOutput(full(out.loss_sum).detach().float(), detached)
@@ -287,47 +293,37 @@ class TrainStep:
 
     # -- the optimizer step ---------------------------------------------------------
 
-    def _optimizer_step(self, loss: float, schedule: bool = True) -> float:
-        """Unscale, clip, step and schedule (unless not `schedule`); nan (and no step)
-        for a non-finite loss or fp16 gradients that overflowed."""
+    def _optimizer_step(self, loss: torch.Tensor, schedule: bool = True) -> torch.Tensor:
+        """Unscale, clip, step and schedule (unless not `schedule`); the gradient norm, nan
+        for a step skipped because its loss or gradient norm is not finite (or fp16
+        gradients overflowed). The skip happens on the device where the optimizer can
+        (torch's fused AdamW, `found_inf`), so nothing is read on the host; it is noted and
+        `NonfiniteSteps.settle` counts it when a result is read."""
         parts = self.parts
-        if not math.isfinite(loss):
-            return self._skip(loss)
-        self.state.extra["nonfinite_in_a_row"] = 0
         params = list(parts.optimizer.parameters())
-        if parts.scaler is not None:
+        if parts.scaler is not None:  # fp16: the scaler reads its overflow flag on the host
+            if not math.isfinite(float(loss)):
+                self._nonfinite.note(self.state.step + 1, loss, torch.ones((), dtype=torch.bool, device=loss.device))
+                return torch.full((), math.nan)
             found_inf = parts.scaler.unscale_(params)
             parts.scaler.update(found_inf)
             if found_inf:  # the fp16 gradients overflowed: skip, the scale went down
                 parts.optimizer.zero_grad()
                 if schedule:
                     parts.scheduler.step()
-                return float("nan")
+                return torch.full((), math.nan)
         if self._tied is not None:
             self._tied()
         exclude = self._tied.exclude if self._tied is not None else ()
         grad_norm = clip_grad_norm_(
             params, self.clip_grad, pp_mesh=self.dims.mesh("pp"), exclude=exclude
         )
-        parts.optimizer.step()
+        found = ~(torch.isfinite(loss) & torch.isfinite(full(grad_norm)))
+        parts.optimizer.step(skip_if=found)
         if schedule:
             parts.scheduler.step()
-        return float(grad_norm)
-
-    def _skip(self, loss: float) -> float:
-        extra = self.state.extra
-        count = extra.get("nonfinite_in_a_row", 0) + 1
-        extra["nonfinite_in_a_row"] = count
-        extra["nonfinite_total"] = extra.get("nonfinite_total", 0) + 1
-        self.parts.optimizer.zero_grad()
-        step = self.state.step + 1
-        logger.warning("step %d: loss is %s; skipped (%d in a row)", step, loss, count)
-        if count >= self.max_nonfinite_steps:
-            raise TrainingError(
-                f"the loss was inf/nan for {count} steps in a row (up to step {step}); "
-                "lower optim.lr, raise optim.warmup_steps or use train.precision bf16/fp32"
-            )
-        return float("nan")
+        self._nonfinite.note(self.state.step + 1, loss, found)
+        return torch.where(found, math.nan, full(grad_norm))
 
     # -- the model's side -----------------------------------------------------------
 
@@ -375,10 +371,6 @@ class TrainStep:
             stack.enter_context(torch.autocast(self.model.device.type, dtype=self.model.autocast))
         stack.enter_context(loss_parallel_context(self.model.loss.loss_parallel))
         return stack
-
-
-def _to(batch: Batch, device: torch.device) -> Batch:
-    return {k: v.to(device) for k, v in batch.items()}
 
 
 def _add(sums: dict, metrics: dict) -> None:

@@ -19,6 +19,7 @@ from mindspeed_core.training import check_wandb
 from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.common.parallelize import ModelHook
 from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts, model_config
+from mindspeed_llm.train.compile import check_cuda_graphs
 from mindspeed_llm.train.config import TrainSection
 from mindspeed_llm.train.loop import DataSource, TrainLoop, peak_per_rank, per_rank
 from mindspeed_llm.train.objectives import NextToken, Objective, RunContext
@@ -77,6 +78,7 @@ class Trainer:
         check_wandb(cfg.logging.wandb_options())
         _check_hf_export(cfg)
         self.model_cfg = model_config(cfg.model)
+        check_cuda_graphs(cfg.train.cuda_graphs, cfg.train.compile, info.device, self.model_cfg)
         check_layout(
             self.model_cfg, cfg.parallel, seq_len=cfg.data.seq_len, recompute=cfg.train.ac != "none"
         )
@@ -127,6 +129,7 @@ class Trainer:
             before_tp=before_tp,
             after_tp=after_tp,
             compile=cfg.train.compile,
+            cuda_graphs=cfg.train.cuda_graphs,
             fp8=cfg.train.fp8,
         )
         return build_train_parts(

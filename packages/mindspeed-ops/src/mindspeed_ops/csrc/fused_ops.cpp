@@ -15,6 +15,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -436,9 +437,16 @@ at::Tensor rotary(
       "position_ids must be contiguous int64");
   const int64_t half = cos.size(1);
   TORCH_CHECK(2 * half <= x.size(2), "rotary dim exceeds head_dim");
-  if (position_ids.numel() > 0) {
-    TORCH_CHECK(position_ids.min().item<int64_t>() >= 0, "negative position id");
-    TORCH_CHECK(position_ids.max().item<int64_t>() < cos.size(0), "position id past the table");
+  if (position_ids.numel() > 0) {  // read from the host memory directly: no dispatched op
+    const int64_t* pos = position_ids.data_ptr<int64_t>();
+    int64_t low = pos[0], high = pos[0];
+    for (int64_t i = 1; i < position_ids.numel(); ++i) {
+      low = std::min(low, pos[i]);
+      high = std::max(high, pos[i]);
+    }
+    TORCH_CHECK_VALUE(
+        low >= 0 && high < cos.size(0), "position_ids must lie in [0, ", cos.size(0),
+        ") (the table length), got values from ", low, " to ", high);
   }
   auto out = at::empty_like(x);
   dispatch(x.scalar_type(), [&](auto tag) {

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from mindspeed_core.parallel import dtensor
 from mindspeed_core.parallel.materialize import ParamInit
-from mindspeed_llm.models.common.linear import Linear
+from mindspeed_llm.models.common.linear import Linear, joint_projection, project_together
 from mindspeed_llm.models.common.norm import RMSNorm, rms_norm_over_ranks
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import attention, rotary_embedding
@@ -127,21 +127,23 @@ class Attention(nn.Module):
         if shared is not None:
             cu_seqlens = shared.cu_seqlens
         batch, seq, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (batch, seq, local heads x head_dim)
         gate = None
-        if self.output_gate:  # Qwen3-Next: wq's rows are each head's q, then its gate
-            q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
-            q, gate = q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
-        if self.q_norm is not None and self.qk_norm_all:  # MiniMax-M2: over all heads
-            q, k = self._norm_all_heads(self.q_norm, q), self._norm_all_heads(self.k_norm, k)
-        q = q.view(batch, seq, -1, self.head_dim)  # (batch, seq, local heads, head_dim)
-        k = k.view(batch, seq, -1, self.head_dim)
-        v = v.view(batch, seq, -1, self.head_dim)
-        if self.q_norm is not None and not self.qk_norm_all:  # Qwen3: per head, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q = rotary_embedding(q, cos, sin, position_ids, impl=self.impl)
-        k = rotary_embedding(k, cos, sin, position_ids, impl=self.impl)
+        q, k, v = self._rotated_qkv(x, rope, position_ids)
+        if q is None:  # the projections one by one, or norms or a gate between them and RoPE
+            q, k, v = project_together(x, (self.wq, self.wk, self.wv))
+            if self.output_gate:  # Qwen3-Next: wq's rows are each head's q, then its gate
+                q, gate = q.view(batch, seq, -1, 2 * self.head_dim).chunk(2, dim=-1)
+                q, gate = q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
+            if self.q_norm is not None and self.qk_norm_all:  # MiniMax-M2: over all heads
+                q, k = self._norm_all_heads(self.q_norm, q), self._norm_all_heads(self.k_norm, k)
+            q = q.view(batch, seq, -1, self.head_dim)  # (batch, seq, local heads, head_dim)
+            k = k.view(batch, seq, -1, self.head_dim)
+            v = v.view(batch, seq, -1, self.head_dim)
+            if self.q_norm is not None and not self.qk_norm_all:  # Qwen3: per head, before RoPE
+                q, k = self.q_norm(q), self.k_norm(k)
+            cos, sin = rope
+            q = rotary_embedding(q, cos, sin, position_ids, impl=self.impl)
+            k = rotary_embedding(k, cos, sin, position_ids, impl=self.impl)
         # Gemma 2's own score scale and soft cap (None: 1/sqrt(head_dim), no cap).
         options = dict(window=self.sliding_window, scale=self.scale, softcap=self.softcap)
         if self.sinks is not None:  # this rank's heads' sinks
@@ -161,6 +163,24 @@ class Attention(nn.Module):
         else:
             out = attention(q, k, v, cu_seqlens=cu_seqlens, impl=self.impl, **options)
         return self._output(out.reshape(batch, seq, -1), gate)
+
+    def _rotated_qkv(self, x: Tensor, rope: RopeTables, position_ids: Tensor | None):
+        """(q, k, v) as (batch, seq, local heads, head_dim), q and k rotated, from one matmul
+        (`joint_projection`) and one RoPE call over q's and k's heads side by side: half the
+        RoPE ops of the eager path. (None, None, None) where a gate or q/k norms sit between
+        the projections and RoPE, or the projections do not run as one."""
+        if self.output_gate or self.q_norm is not None:
+            return None, None, None
+        qkv = joint_projection(x, (self.wq, self.wk, self.wv))
+        if qkv is None:
+            return None, None, None
+        batch, seq, _ = x.shape
+        q_heads, kv_heads = self.wq.out_features // self.head_dim, self.wk.out_features // self.head_dim
+        qk, v = qkv.split([self.wq.out_features + self.wk.out_features, self.wv.out_features], -1)
+        qk = qk.view(batch, seq, q_heads + kv_heads, self.head_dim)
+        qk = rotary_embedding(qk, *rope, position_ids, impl=self.impl)
+        q, k = qk.split([q_heads, kv_heads], dim=2)
+        return q, k, v.view(batch, seq, kv_heads, self.head_dim)
 
     def _output(self, out: Tensor, gate: Tensor | None) -> Tensor:
         return self.wo(out if gate is None else out * torch.sigmoid(gate))

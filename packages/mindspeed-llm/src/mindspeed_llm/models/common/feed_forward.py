@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mindspeed_core.parallel.materialize import ParamInit
-from mindspeed_llm.models.common.linear import Linear
+from mindspeed_llm.models.common.linear import Linear, joint_projection
 from mindspeed_ops import swiglu
 
 
@@ -34,4 +34,7 @@ class FeedForward(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.act == "gelu_tanh":
             return self.w2(F.gelu(self.w1(x), approximate="tanh") * self.w3(x))
+        gate_up = joint_projection(x, (self.w1, self.w3))  # [w1 x; w3 x], one matmul
+        if gate_up is not None:
+            return self.w2(swiglu(gate_up, impl=self.impl))
         return self.w2(swiglu(self.w1(x), self.w3(x), impl=self.impl))

@@ -48,6 +48,7 @@ from mindspeed_llm.models.common.moe import AttachAux
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.config import TransformerConfig
 from mindspeed_ops import attention, rotary_embedding
+from mindspeed_ops.validate import host_values
 
 if TYPE_CHECKING:
     from mindspeed_llm.generation.kv_cache import LayerCache
@@ -289,9 +290,9 @@ class MultiLatentAttention(nn.Module):
             return self._sparse_cached(q, k, v, iq, weights, keys, kv_cache)
         if cu_seqlens is not None:  # packed documents: one row, attention inside each
             q, k, v, iq, weights, keys = (t.flatten(0, 1)[None] for t in (q, k, v, iq, weights, keys))
-        allowed = _visible(q.shape[1], cu_seqlens, q.device)  # (1, seq, seq)
-        if int(allowed.sum(-1).max()) <= indexer.topk:
+        if _most_keys(q.shape[1], cu_seqlens) <= indexer.topk:
             return None
+        allowed = _visible(q.shape[1], cu_seqlens, q.device)  # (1, seq, seq)
         with torch.set_grad_enabled(learn and torch.is_grad_enabled()):
             scores = indexer.scores(iq, weights, keys, allowed)
         index, valid = select_keys(scores.detach(), allowed, indexer.topk)
@@ -352,3 +353,13 @@ def _visible(tokens: int, cu_seqlens: Tensor | None, device) -> Tensor:
         doc = torch.searchsorted(cu_seqlens.to(i), i, right=True)
         allowed = allowed & (doc[None, :] == doc[:, None])
     return allowed[None]
+
+
+def _most_keys(seq: int, cu_seqlens: Tensor | None) -> int:
+    """The most keys a query sees: its (longest) document's length, known on the host without
+    a device read (`host_values`). Under torch.compile the row's length, a constant: the
+    sparse path then runs for short documents too, and selects every key they have."""
+    if cu_seqlens is None or torch.compiler.is_compiling():
+        return seq
+    bounds = host_values(cu_seqlens)
+    return max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))

@@ -276,14 +276,14 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (tokens, hidden)
         indices, weights, probs, logits = self.router(x)
         flat = indices.flatten()  # (tokens * k,) token-major
-        counts_all = torch.bincount(flat, minlength=self.num_experts)
+        counts_all = _expert_counts(flat, self.num_experts)
         num_dropped = 0
         if self.capacity_factor is not None:
             flat, num_dropped = self._drop_over_capacity(flat, x.shape[0])
         # Dropped assignments carry the id num_experts, so they sort last and are cut off.
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts]
-        kept = order[: flat.numel() - num_dropped]
+        counts = _expert_counts(flat, self.num_experts + 1)[: self.num_experts]
+        kept = order[: flat.numel() - num_dropped] if num_dropped else order
         routed = self.experts(x[kept // self.top_k], counts)  # (kept, hidden)
         out = x.new_zeros(flat.numel(), shape[-1]).index_copy(0, kept, routed)
         out = (out.view(-1, self.top_k, shape[-1]) * weights.unsqueeze(-1)).sum(dim=1)
@@ -330,6 +330,14 @@ class MoE(nn.Module):
         position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1) - 1
         keep = position < capacity
         return torch.where(keep, flat, self.num_experts), int((~keep).sum())
+
+
+def _expert_counts(flat: Tensor, num_experts: int) -> Tensor:
+    """(num_experts,) assignments per expert id: `bincount(flat, minlength=num_experts)`
+    for ids below num_experts, with a shape torch.compile knows before it runs (bincount's
+    depends on the largest id)."""
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 class AttachAux(torch.autograd.Function):

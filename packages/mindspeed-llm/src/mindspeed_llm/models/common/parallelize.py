@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mindspeed_core.errors import ConfigError, ParallelError
-from mindspeed_core.fp8 import convert_fp8
+from mindspeed_core.fp8 import convert_fp8, float8_plan
 from mindspeed_core.memory import offload_activations
 from mindspeed_core.parallel import (
     ParallelDims,
@@ -73,7 +73,7 @@ def parallelize_decoder(
     ulysses_degree: int | None = None,
     activation_offload: bool = False,
     cpu_offload: bool = False,
-    compile: bool = False,
+    compile: bool | str = False,
     fp8: bool = False,
     ep_dispatcher: str = "alltoall",
     before_tp: ModelHook | None = None,
@@ -100,7 +100,8 @@ def parallelize_decoder(
         cpu_offload: FSDP2's CPU offload of sharded parameters, gradients and optimizer
             states (accelerators, with FSDP).
         fp8: torchao's float8 training for the linear layers but the output head
-            (`mindspeed_core.fp8.convert_fp8`), after `before_tp`; not with tensor parallel.
+            (`mindspeed_core.fp8.convert_fp8`), after `before_tp`; under tensor parallel with
+            torchao's float8 styles (`mindspeed_core.fp8.float8_plan`; dense attention models).
         ep_dispatcher: how expert parallel (ep > 1) moves tokens: "alltoall" or
             "allgather" (see `mindspeed_core.parallel.apply_ep`).
         before_tp: called on the whole, still plain model first: the place to swap the
@@ -126,10 +127,12 @@ def parallelize_decoder(
         ParallelError: a whole model under pp > 1 (see `pipeline_decoder`), or options
             that need tensor parallel without it.
     """
-    if fp8 and dims.tp > 1:
+    if fp8 and dims.tp > 1 and (model.config.num_experts or model.config.kv_lora_rank is not None
+                                or model.config.linear_attention_layers):  # fmt: skip
         raise ConfigError(
-            f"train.fp8 with parallel.tp={dims.tp}: fp8 linear layers under tensor "
-            "parallel are not supported yet (set parallel.tp=1)"
+            f"train.fp8 with parallel.tp={dims.tp}: fp8 linear layers under tensor parallel "
+            "are built for dense attention models only (not MoE, latent or linear attention; "
+            "set parallel.tp=1)"
         )
     if dims.pp > 1 and None not in (model.tok_embeddings, model.output):
         raise ParallelError(
@@ -145,7 +148,7 @@ def parallelize_decoder(
     if dims.tp == 1 and (sequence_parallel or loss_parallel):
         raise ParallelError("sequence_parallel and loss_parallel need tp > 1")
     if dims.tp > 1:
-        _tensor_parallel(model, dims.mesh("tp"), sequence_parallel, loss_parallel)
+        _tensor_parallel(model, dims.mesh("tp"), sequence_parallel, loss_parallel, fp8)
     kept_whole = (after_tp(model, dims) if after_tp is not None else None) or set()
     ignored_by_fsdp = kept_whole | _expert_parallel(
         model, dims, param_dtype, reduce_dtype, ep_dispatcher
@@ -157,7 +160,8 @@ def parallelize_decoder(
              attention_bwd_fn=functools.partial(attention_backward, impl=impl))  # fmt: skip
     apply_ac(model, ac_mode)
     if compile:  # under cp the attention runs eagerly between a block's two graphs
-        apply_compile(model, fullgraph=dims.cp == 1)
+        mode = compile if isinstance(compile, str) else None  # "reduce-overhead": CUDA graphs
+        apply_compile(model, fullgraph=dims.cp == 1, varying={"cu_seqlens": 0}, mode=mode)
     if not data_parallel:
         return model
     if cpu_offload and not dims.fsdp_enabled:
@@ -183,7 +187,8 @@ def parallelize_decoder(
 _POST_NORMS = ("post_attention_norm", "post_ffn_norm")
 
 
-def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: bool,
+                     fp8: bool = False) -> None:  # fmt: skip
     config = model.config
     plan = llama_tp_plan(
         num_heads=config.num_heads,
@@ -216,6 +221,8 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         )
     if config.linear_attention_layers:
         plan.update(_linear_attention_plan(model, sequence_parallel))
+    if fp8:  # the converted layers take torchao's float8 styles
+        plan = float8_plan(plan, model)
     apply_tp(model, tp_mesh, _owned_entries(plan, model))
     tie_embeddings(model)
     if config.linear_attention_layers:

@@ -233,8 +233,9 @@ class Transformer(nn.Module):
                 labels; the forward also runs the MTP modules and keeps their weighted
                 loss in `last_mtp_loss` (`common.mtp.take_mtp_loss`), as MoE keeps its
                 router statistics, so the return value stays the logits.
-            keep: (batch, seq) bool: the logits of those positions only, (kept, vocab),
-                in row-major order; a loss that reads few positions (SFT's replies, RL's
+            keep: (batch, seq) bool, or the flat indices (kept,) of those positions over
+                batch * seq (no device sync to find them): the logits of those positions
+                only, (kept, vocab), in the order given (row-major for a mask); a loss that reads few positions (SFT's replies, RL's
                 responses) then never holds a (tokens x vocab) tensor for the rest.
             nll_labels: (batch, seq) labels (-100: ignored): return each position's
                 -log p(label) instead of logits, (batch * seq,) fp32 (0 where ignored;
@@ -285,10 +286,10 @@ class Transformer(nn.Module):
             return h
         if nll_labels is not None:
             if keep is not None:
-                h, nll_labels = h[keep], nll_labels[keep]
+                h, nll_labels = kept_positions(h, keep), kept_positions(nll_labels, keep)
             return self.token_nll(h, nll_labels)
         if keep is not None and self.output is not None:
-            return self.project(h[keep])
+            return self.project(kept_positions(h, keep))
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         return h if self.output is None else self.project(h)
@@ -372,6 +373,14 @@ class Transformer(nn.Module):
             elif rows:
                 out[own] = SavedParam(own, rows)
         return out
+
+
+def kept_positions(t: Tensor, keep: Tensor) -> Tensor:
+    """The positions of t (batch, seq, ...) that `keep` picks, (kept, ...): a (batch, seq)
+    bool mask (its output size is read from the device: a sync on an accelerator) or
+    int64 indices over the flattened batch * seq positions (none)."""
+    flat = t.flatten(0, 1)
+    return flat[keep.flatten()] if keep.dtype == torch.bool else flat.index_select(0, keep)
 
 
 def mask_vocab_padding(logits: DTensor, vocab: int) -> DTensor:
