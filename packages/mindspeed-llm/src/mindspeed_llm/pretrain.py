@@ -38,12 +38,17 @@ def pretrain(cfg: PretrainConfig) -> dict[str, float]:
                 cfg.train.steps,
             )
         else:
+            speed = ", ".join(
+                f"{rate:,.0f} over steps {window}"
+                for window, rate in summary.get("tokens_per_s", {}).items()
+            )
             logger.info(
-                "trained to step %d: loss %.3f -> %.3f; peak memory per rank %s GiB; run "
-                "directory %s",
+                "trained to step %d: loss %.3f -> %.3f; tokens/s %s; peak memory per rank %s "
+                "GiB; run directory %s",
                 summary["steps"],
                 summary["first_loss"],
                 summary["final_loss"],
+                speed or "not measured",
                 ", ".join(f"{peak:.2f}" for peak in summary["peak_gb_per_rank"]),
                 cfg.logging.run_dir,
             )
