@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.errors import DataError
+from mindspeed_core.files import read_text
 
 __all__ = [
     "DEFAULT_MAP_KEYS",
@@ -365,7 +366,7 @@ def _read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     if suffix == ".parquet":
         yield from _parquet(path)
         return
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "data file")
     if suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
