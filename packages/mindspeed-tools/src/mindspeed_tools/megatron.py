@@ -366,9 +366,12 @@ def _read_legacy(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     num_experts = args.get("num_experts") or 0
     local_experts = num_experts // ep_size
     merged: dict[str, torch.Tensor] = {}
+    seen: dict[str, Path] = {}  # fingerprint of a rank's tensors -> its file
     for pp in range(pp_size):
         for ep in range(ep_size):
             shards = [_model_chunks(ranks[(tp, pp, ep)], chunks) for tp in range(tp_size)]
+            for tp in range(tp_size):
+                _check_distinct(ranks[(tp, pp, ep)], shards[tp], seen)
             for chunk in range(chunks):
                 offset = (chunk * pp_size + pp) * per_chunk  # Megatron's layer offset
                 parts = [s[chunk] for s in shards]
@@ -402,6 +405,29 @@ def _model_chunks(file: Path, chunks: int) -> list[dict[str, torch.Tensor]]:
             if isinstance(v, torch.Tensor) and not k.endswith(_SKIPPED)
         })
     return out
+
+
+def _check_distinct(file: Path, chunks: list[dict[str, torch.Tensor]], seen: dict[str, Path]) -> None:
+    """Refuse a rank file whose tensors another rank file holds too: every (tp, pp, ep) rank
+    saves different shards, layers or experts, so a repeat is a file copied over another
+    (which would convert silently into a wrong model). Each tensor is fingerprinted by its
+    name, shape, dtype and first and last 4096 values."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        for name in sorted(chunk):
+            flat = chunk[name].detach().reshape(-1)
+            digest.update(f"{name}{tuple(chunk[name].shape)}{chunk[name].dtype}".encode())
+            for part in (flat[:4096], flat[-4096:]):
+                digest.update(part.contiguous().view(torch.uint8).numpy().tobytes())
+    key = digest.hexdigest()
+    if key in seen:
+        raise CheckpointError(
+            f"{file} holds the same tensors as {seen[key]}: each tensor/pipeline/expert rank "
+            "saves its own shards, so one file was copied over another"
+        )
+    seen[key] = file
 
 
 def _is_expert(name: str) -> bool:
