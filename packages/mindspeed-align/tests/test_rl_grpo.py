@@ -79,7 +79,10 @@ def test_bad_inputs_are_one_line(task, capsys):
     broken.write_text('{"prompt": "a", "answer": 1}\n{"answer": 2}\n')
     no_answer = folder / "no_answer.jsonl"  # exact_match would score every completion 0
     no_answer.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b", "label": 2}\n')
+    latin1 = folder / "latin1.jsonl"
+    latin1.write_bytes('{"prompt": "a", "answer": 1}\n{"prompt": "\u00e9", "answer": 2}\n'.encode("latin-1"))
     cases = {
+        f"--data.prompts={latin1}": "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 13)",
         "--grpo.n=1": "grpo.n=1",
         "--parallel.pp=2": "parallel.pp=2",
         "--grpo.loss_agg=sum": "grpo.loss_agg='sum'",
