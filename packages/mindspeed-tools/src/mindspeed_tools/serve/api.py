@@ -60,12 +60,14 @@ class Server:
         self.default_max_tokens = base.max_new_tokens
         self.counter = itertools.count()
         self.draining = asyncio.Event()  # set when shutdown begins: bodies still arriving get 503
+        self.preparing = 0  # requests whose body is read, not yet submitted (rendering)
 
     async def drain(self, poll_s: float = 0.05) -> None:
-        """Refuse the bodies still arriving and wait until the engine has no request left
-        (the streams in flight and the requests queued behind them finish)."""
+        """Refuse the bodies still arriving and wait until no request is left: those being
+        prepared are submitted, the streams in flight and the requests queued behind them
+        finish."""
         self.draining.set()
-        while any(self.engine.load().values()):
+        while self.preparing or any(self.engine.load().values()):
             await asyncio.sleep(poll_s)
 
     def app(self):
@@ -110,16 +112,11 @@ class Server:
 
         try:
             body = await self._body(request)
-            stream, include_usage = _stream_options(body)
-            prompt = await self._chat_prompt(body) if chat else self._text_prompt(body)
-            job = self._job(body, prompt, chat)
+            self.preparing += 1
             try:
-                self.engine.submit(job)
-            except QueueFull:
-                raise BadRequest(
-                    f"the server is busy: {self.engine.max_queue} requests are already waiting",
-                    status=429, kind="rate_limit_error",
-                ) from None  # fmt: skip
+                job, stream, include_usage = await self._prepare(body, chat)
+            finally:
+                self.preparing -= 1
         except BadRequest as err:
             return err.response()
         except ClientDisconnect:  # the client left mid-body: no one to answer
@@ -132,6 +129,20 @@ class Server:
             events = self._stream(job, meta, chat, include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         return await self._whole(job, meta, chat)
+
+    async def _prepare(self, body: dict, chat: bool) -> tuple[Job, bool, bool]:
+        """The request's job, submitted to the engine, and its stream options."""
+        stream, include_usage = _stream_options(body)
+        prompt = await self._chat_prompt(body) if chat else self._text_prompt(body)
+        job = self._job(body, prompt, chat)
+        try:
+            self.engine.submit(job)
+        except QueueFull:
+            raise BadRequest(
+                f"the server is busy: {self.engine.max_queue} requests are already waiting",
+                status=429, kind="rate_limit_error",
+            ) from None  # fmt: skip
+        return job, stream, include_usage
 
     async def _body(self, request) -> dict:
         declared = request.headers.get("content-length")
