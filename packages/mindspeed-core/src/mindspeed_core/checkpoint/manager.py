@@ -79,6 +79,7 @@ CRASH_POINTS = (
     "after_prune",  # the save is done but for the final barrier
 )
 _TMP_PREFIX = ".tmp_step_"
+_SINGLE_PROCESS_NOTE = "torch.distributed is disabled, unavailable or uninitialized"
 _TRASH_PREFIX = ".trash_step_"
 
 
@@ -130,6 +131,9 @@ class CheckpointManager:
         if async_save and _distributed():
             # Background collectives need their own group, apart from training's.
             self._async_group = dist.new_group(backend="gloo")
+        elif async_save:  # one process saves without collectives (`_write`), on DCP's thread,
+            # which says so each time, outside any `catch_warnings` of ours
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE, category=UserWarning)
 
     # -- queries ----------------------------------------------------------------------
 
@@ -243,7 +247,7 @@ class CheckpointManager:
         # first checkpoint).
         kwargs = {"checkpoint_id": str(tmp), "no_dist": not _distributed(self.process_group)}
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTE, category=UserWarning)
             if self.async_save:
                 future = dcp.async_save(self.states, process_group=self._async_group, **kwargs)
                 self._pending = (future, step)
