@@ -104,7 +104,7 @@ def test_bad_inputs_are_one_line(task, capsys):
 def test_demo_reward_rises(tmp_path):
     """The embedded demo (a few minutes): the held-out greedy reward ends above 0.8 and the
     sampled one rises. The demo's LR schedule (warm-up, cosine decay) ends the policy
-    settled, so this holds on every CPU measured (greedy 0.89-0.98 over seeds, thread counts
+    settled, so this holds on every CPU measured (greedy 0.86-0.98 over seeds, thread counts
     and MKL's AVX2 and AVX-512 kernels; a constant LR ended at 0.70 on an Intel Xeon)."""
     from mindspeed_align.rl.cli import grpo
     from mindspeed_align.rl.config import GRPOConfig, GRPOLoggingSection
