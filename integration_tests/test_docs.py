@@ -120,3 +120,36 @@ def test_readme_links_the_features_and_keeps_the_two_commands():
     for command in TWO_COMMANDS:
         assert any(line.split("#")[0].strip() == command for line in lines), command
     assert HEADER not in text, "the feature table lives in docs/features.md"
+
+
+SECURITY = ROOT / "SECURITY.md"
+CODE_SPEC = re.compile(r'"module:(function|Class)"')
+"""How a config field's docstring says its value names code to import."""
+
+
+def code_spec_fields(root: Path = ROOT) -> set[str]:
+    """Every config field (of a dataclass under packages/*/src) whose value names code to
+    import: its attribute docstring says "module:function" or "module:Class"."""
+    fields = set()
+    for path in root.glob("packages/*/src/**/*.py"):
+        for cls in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            body = cls.body
+            for field, doc in zip(body, body[1:], strict=False):
+                if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                        and CODE_SPEC.search(str(doc.value.value))):  # fmt: skip
+                    fields.add(field.target.id)
+    return fields
+
+
+def test_security_lists_every_option_that_imports_code():
+    """SECURITY.md's "Inputs that run code by design" names every config field whose value
+    is a "module:..." spec (grpo.rewards, grpo.env, ...)."""
+    text = SECURITY.read_text()
+    section = text.split("## Inputs that run code by design", 1)[1].split("\n## ", 1)[0]
+    fields = code_spec_fields()
+    assert {"rewards", "env"} <= fields, fields
+    for field in sorted(fields):
+        assert f"`grpo.{field}`" in section, f"SECURITY.md does not list grpo.{field}"

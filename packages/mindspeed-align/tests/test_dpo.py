@@ -237,7 +237,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     folder, data = make_inputs(tmp_path, n=2)
     same = tmp_path / "same.jsonl"
     same.write_text(json.dumps({"prompt": "q", "chosen": "a", "rejected": "a"}) + "\n")
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"PK\x03\x04\x14\x00\x00\x00\x08\x00\xb0")  # a zip, say
     cases = [
+        ([], binary, r"binary.jsonl:1: not UTF-8 text \(byte 0xb0 at column 11\)"),
         ([], tmp_path / "missing.jsonl", r"does not exist: .*missing.jsonl"),
         ([], same, r"same.jsonl:1: chosen and rejected are the same reply"),
         (["--dpo.ref=none"], data, r"dpo.ref=none: dpo.loss=sigmoid needs a reference model"),

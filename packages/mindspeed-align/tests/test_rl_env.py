@@ -247,13 +247,13 @@ def test_calculator_demo_learns_to_call_the_tool(tmp_path, async_rollout):
     """`mindspeed grpo --env calculator` (about a minute): greedy, the SFT'd model answers
     directly and is mostly wrong; after GRPO it calls the tool and is right; and so with
     one-step off-policy rollouts."""
-    from mindspeed_align.rl.cli import _calculator_defaults, grpo
+    from mindspeed_align.rl.cli import _demo_defaults, grpo
     from mindspeed_align.rl.config import GRPOConfig, GRPOLoggingSection, GRPOSection
     from mindspeed_core.training import read_metrics
 
     cfg = GRPOConfig(grpo=GRPOSection(env="calculator", async_rollout=async_rollout),
                      logging=GRPOLoggingSection(run_dir=tmp_path / "grpo", progress=False))  # fmt: skip
-    _calculator_defaults(cfg)
+    _demo_defaults(cfg, "grpo")
     summary = grpo(cfg)
     assert summary["reward_before"] < 0.3 and summary["tool_calls_before"] < 0.2, summary
     assert summary["reward_after"] > 0.8 and summary["tool_calls_after"] > 0.9, summary

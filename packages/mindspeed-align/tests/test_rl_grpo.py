@@ -79,7 +79,10 @@ def test_bad_inputs_are_one_line(task, capsys):
     broken.write_text('{"prompt": "a", "answer": 1}\n{"answer": 2}\n')
     no_answer = folder / "no_answer.jsonl"  # exact_match would score every completion 0
     no_answer.write_text('{"prompt": "a", "answer": 1}\n{"prompt": "b", "label": 2}\n')
+    latin1 = folder / "latin1.jsonl"
+    latin1.write_bytes('{"prompt": "a", "answer": 1}\n{"prompt": "\u00e9", "answer": 2}\n'.encode("latin-1"))
     cases = {
+        f"--data.prompts={latin1}": "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 13)",
         "--grpo.n=1": "grpo.n=1",
         "--parallel.pp=2": "parallel.pp=2",
         "--grpo.loss_agg=sum": "grpo.loss_agg='sum'",
@@ -99,15 +102,21 @@ def test_bad_inputs_are_one_line(task, capsys):
 
 @pytest.mark.slow
 def test_demo_reward_rises(tmp_path):
-    """The embedded demo (a few minutes): the sampled reward on held-out prompts rises."""
+    """The embedded demo (a few minutes): the held-out greedy reward ends above 0.8 and the
+    sampled one rises. The demo's LR schedule (warm-up, cosine decay) ends the policy
+    settled, so this holds on every CPU measured (greedy 0.86-0.98 over seeds, thread counts
+    and MKL's AVX2 and AVX-512 kernels; a constant LR ended at 0.70 on an Intel Xeon)."""
     from mindspeed_align.rl.cli import grpo
     from mindspeed_align.rl.config import GRPOConfig, GRPOLoggingSection
 
     cfg = GRPOConfig(logging=GRPOLoggingSection(run_dir=tmp_path / "grpo", progress=False))
     summary = grpo(cfg)
     (greedy0, sampled0), (greedy1, sampled1) = summary["reward_before"], summary["reward_after"]
+    print(f"grpo demo, held-out reward: greedy {greedy0:.3f} -> {greedy1:.3f}, sampled "
+          f"{sampled0:.3f} -> {sampled1:.3f}")  # fmt: skip
+    assert greedy1 > 0.8, summary
     assert sampled1 > sampled0 + 0.3 and sampled1 > 0.6, summary
-    assert greedy1 >= greedy0 - 0.05, summary
+    assert (cfg.optim.warmup_steps, cfg.optim.decay_style) == (20, "cosine")  # the demo's schedule
     metrics = read_metrics(tmp_path / "grpo" / "metrics.jsonl")
     assert metrics[-1]["reward/mean"] > metrics[0]["reward/mean"]
 
@@ -123,8 +132,11 @@ def test_dapo_demo_reward_rises(tmp_path):
     g = cfg.grpo
     assert (g.clip_high, g.dynamic_sampling, g.loss_agg, g.kl_coef) == (0.28, True, "token-mean", 0.0)
     summary = grpo(cfg)
-    (_, sampled0), (greedy1, sampled1) = summary["reward_before"], summary["reward_after"]
-    assert sampled1 > 0.7 and sampled1 > sampled0 + 0.3 and greedy1 > 0.8, summary
+    (greedy0, sampled0), (greedy1, sampled1) = summary["reward_before"], summary["reward_after"]
+    print(f"dapo demo, held-out reward: greedy {greedy0:.3f} -> {greedy1:.3f}, sampled "
+          f"{sampled0:.3f} -> {sampled1:.3f}")  # fmt: skip
+    assert greedy1 > 0.8, summary
+    assert sampled1 > 0.7 and sampled1 > sampled0 + 0.3, summary
     metrics = read_metrics(tmp_path / "dapo" / "metrics.jsonl")
     assert any(m["groups/kept_fraction"] < 1 for m in metrics)  # dynamic sampling dropped groups
 

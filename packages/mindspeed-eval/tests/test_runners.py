@@ -138,6 +138,9 @@ def test_bad_input_is_one_line_and_exit_2(model_dir, tmp_path, capsys):
     argv = ["eval", "--model", str(model_dir), "--task", "mmlu", "--data", str(data)]
     err = _one_line_error(capsys, argv)
     assert str(broken) in err and "expected 6 columns" in err
+    broken.write_bytes(broken.read_bytes()[:-23] + "caf\u00e9,b,c,d,e,A\n".encode("latin-1"))
+    err = _one_line_error(capsys, argv)
+    assert f"{broken}:" in err and "not UTF-8 text (byte 0xe9 at column 4)" in err, err
     err = _one_line_error(
         capsys, [*argv[:3], "--task", "mmlu", "--data", str(tmp_path / "boolq_like")]
     )

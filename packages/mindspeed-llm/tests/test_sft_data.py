@@ -289,3 +289,47 @@ def test_preprocess_prefix_and_parquet_give_the_raw_samples(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
     assert [r for _, r in read_records(tmp_path / "a.parquet")] == rows
     assert [w for w, _ in read_records(jsonl)][1].endswith("a.jsonl:2")
+
+
+TOOL_CALL = [
+    {"role": "user", "content": "what is 6 times 7?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "multiply", "arguments": "{\"a\": 6, \"b\": 7}"}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    {"role": "assistant", "content": "6 times 7 is 42."},
+]  # fmt: skip
+"""OpenAI's standard tool-call record: the calling turn has content null."""
+
+
+def test_openai_tool_call_records_train_through_the_templates_tool_format(tmp_path):
+    """A template that renders tool calls (Qwen2.5's) trains the call as Hugging Face renders
+    it; one that does not (our ChatML) refuses the record by name, and the summary says
+    the template refused it (not "without an assistant reply")."""
+    from pathlib import Path
+
+    qwen = (Path(__file__).parent / "fixtures" / "chat_templates" / "qwen.jinja").read_text()
+    folder = make_folder(tmp_path / "qwen", qwen)
+    tok, template = load_tokenizer(folder), load_chat_template(folder)
+    path = tmp_path / "calls.jsonl"
+    path.write_text(json.dumps({"messages": TOOL_CALL}) + "\n")
+    samples, stats = tokenize_file(path, "auto", template, tok, cache_dir=tmp_path / "c")
+    assert (stats.samples, stats.refused, stats.bad) == (1, 0, 0), stats
+    supervised = tok.decode([int(t) for t in samples[0][1] if t != IGNORE_INDEX])
+    assert '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>' in supervised
+    assert "6 times 7 is 42." in supervised and "42\n</tool_response>" not in supervised
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    as_hf = json.loads(json.dumps(TOOL_CALL))  # transformers wants arguments as an object
+    as_hf[1]["tool_calls"][0]["function"]["arguments"] = {"a": 6, "b": 7}
+    ours = template.render(record_messages({"messages": TOOL_CALL}, "messages"))
+    assert ours == hf.apply_chat_template(as_hf, tokenize=False)
+
+    chatml = make_folder(tmp_path / "chatml", TEMPLATES["chatml"])
+    tok, template = load_tokenizer(chatml), load_chat_template(chatml)
+    with pytest.raises(DataError, match=r"calls.jsonl:1: chat template .* \(on a conversation with "
+                                        r"tool calls: does the template render them\?\)"):  # fmt: skip
+        tokenize_file(path, "auto", template, tok, cache_dir=tmp_path / "c", strict=True)
+    _, stats = tokenize_file(path, "auto", template, tok, cache_dir=tmp_path / "c")
+    assert (stats.samples, stats.refused, stats.no_reply) == (0, 1, 0)
+    assert "skipped 1 refused by the chat template (" in stats.line() and "calls.jsonl:1" in stats.line()

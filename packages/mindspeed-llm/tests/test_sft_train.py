@@ -112,7 +112,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     folder, data = make_run_inputs(tmp_path, n=2)
     no_reply = tmp_path / "bad.jsonl"
     no_reply.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\x1f\x8b\x08\x00" + bytes(range(256)))  # a gzip stream, say
+    latin1 = tmp_path / "latin1.jsonl"  # one Latin-1 line among UTF-8 ones
+    latin1.write_bytes(data.read_bytes() + json.dumps({"messages": [
+        {"role": "user", "content": "caf\u00e9?"}, {"role": "assistant", "content": "yes"}]},
+        ensure_ascii=False).encode("latin-1") + b"\n")  # fmt: skip
     cases = [
+        ([], binary, r"binary.jsonl:1: not UTF-8 text \(byte 0x8b at column 2\)"),
+        ([], latin1, r"latin1.jsonl:3: not UTF-8 text \(byte 0xe9 at column 47\)"),
         (["--data.chat_template=qwen4"], data, r"data.chat_template='qwen4' is not a template"),
         (["--data.strict=true"], no_reply, r"bad.jsonl:1: .*no assistant reply.*strict"),
         ([], no_reply, r"no sample to train on .*1 without an assistant reply"),

@@ -81,3 +81,17 @@ def test_next_token_units_weights_and_sums():
     torch.testing.assert_close(got, torch.stack(means).sum())
     with pytest.raises(ValueError, match="normalization='tokens'"):
         NextToken("tokens")
+
+
+def test_throughput_windows_are_before_and_after_the_first_checkpoint():
+    """The pretrain demo's final line: tokens/s over steps 30-90 and 110-300 (checkpoint
+    interval 100), from the logged intervals that ran only training steps."""
+    from mindspeed_llm.train.loop import throughput_windows
+
+    # 10-step intervals of 1000 tokens; 1 s each before step 100, 2 s after
+    paced = [(s - 9, s, 1000, 1.0 if s <= 100 else 2.0) for s in range(10, 301, 10)]
+    paced = [p for p in paced if p[1] not in (100, 110, 200, 210, 300)]  # validation, saves
+    assert throughput_windows(paced, 100, 300) == {"30-90": 1000.0, "110-300": 500.0}
+    assert throughput_windows(paced[:3], 100, 30) == {"0-30": 1000.0}  # stopped early
+    assert throughput_windows(paced, 0, 300) == {"0-300": 25_000 / 41}  # no interval
+    assert throughput_windows([], 100, 300) == {}

@@ -329,6 +329,46 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys):
         _assert_no_output(tmp_path)
 
 
+def test_an_empty_mount_point_is_written_inside_and_a_read_only_folder_is_one_line(
+    tmp_path, capsys, monkeypatch
+):
+    """A container volume: an empty folder that cannot be renamed over or removed (EBUSY)
+    under a read-only parent (EROFS): the output is written inside it. A new folder under
+    the read-only parent is one line, and nothing is left."""
+    import errno
+    import os
+    import tempfile
+
+    _, src = _hf_dir(tmp_path, "llama")
+    root = tmp_path / "root"
+    volumes = [root / "volume", root / "volume2"]  # mindspeed, then back to hf
+    for volume in volumes:
+        volume.mkdir(parents=True)
+    real_rename, real_rmdir, real_mkdtemp = os.rename, os.rmdir, tempfile.mkdtemp
+
+    def busy(*paths):  # test doubles of the kernel's answers, not product code
+        if set(volumes) & set(map(Path, paths)):
+            raise OSError(errno.EBUSY, "Device or resource busy", str(paths[0]))
+
+    def mkdtemp(prefix=None, dir=None, **kwargs):
+        if Path(dir) == root:
+            raise OSError(errno.EROFS, "Read-only file system", str(dir))
+        return real_mkdtemp(prefix=prefix, dir=dir, **kwargs)
+
+    monkeypatch.setattr(os, "rename", lambda a, b: busy(a, b) or real_rename(a, b))
+    monkeypatch.setattr(os, "rmdir", lambda p: busy(p) or real_rmdir(p))
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    for source, target, to, marker in ((src, volumes[0], "mindspeed", "latest"),
+                                       (volumes[0], volumes[1], "hf", "config.json")):  # fmt: skip
+        code, err = _cli(capsys, "--input", source, "--output", target, "--to", to)
+        assert code == 0, err
+        assert (target / marker).is_file() and not [p for p in target.iterdir() if ".tmp-" in p.name]
+    out = root / "new"
+    code, err = _cli(capsys, "--input", src, "--output", out, "--to", "mindspeed")
+    assert code == 2 and err == f"error: --output {out}: cannot write in {root}: Read-only file system"
+    assert sorted(p.name for p in root.iterdir()) == ["volume", "volume2"]
+
+
 def test_failure_midway_removes_the_partial_output(tmp_path, capsys, monkeypatch):
     _, src = _hf_dir(tmp_path, "llama")
     calls = []

@@ -638,3 +638,41 @@ def test_truncated_or_missing_files_are_one_line_and_nothing_is_written(
         code, err = _cli(capsys, "--input", root, "--output", tmp_path / "out", "--to", to)
         assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron"]
+
+
+def test_a_rank_file_copied_over_another_and_a_shape_error_name_the_input(tmp_path, capsys):
+    """Rank 0's file copied over rank 1's (tp=2, pp=2) would convert into a wrong model: it
+    is refused naming both files. Args that do not fit the tensors name the input folder,
+    not the converter's staging folder. Nothing is written either time."""
+    import shutil
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    mega, out = tmp_path / "megatron", tmp_path / "out"
+    assert _cli(capsys, "--input", tmp_path / "hf", "--output", mega, "--to", "megatron",
+                "--tp", 2, "--pp", 2)[0] == 0  # fmt: skip
+    iteration = mega / "iter_0000001"
+    for copied in ("mp_rank_01_000", "mp_rank_00_001"):  # another tp rank, another stage
+        broken = tmp_path / f"copied-{copied}"
+        shutil.copytree(mega, broken)
+        shutil.copy(iteration / "mp_rank_00_000" / "model_optim_rng.pt",
+                    broken / "iter_0000001" / copied / "model_optim_rng.pt")  # fmt: skip
+        code, err = _cli(capsys, "--input", broken, "--output", out, "--to", "hf")
+        assert code == 2 and len(err.splitlines()) == 1, err
+        assert f"{copied}/model_optim_rng.pt holds the same tensors as " in err, err
+        assert "mp_rank_00_000/model_optim_rng.pt" in err and "copied over another" in err, err
+        assert not out.exists()
+    for rank in iteration.iterdir():  # every rank's args: a wider MLP than its tensors
+        file = rank / "model_optim_rng.pt"
+        state = torch.load(file, weights_only=False)
+        state["args"].ffn_hidden_size = 2 * FFN
+        torch.save(state, file)
+    code, err = _cli(capsys, "--input", mega, "--output", out, "--to", "hf")
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"error: {iteration}: tensor " in err and ".tmp-" not in err, err
+    assert f"expects ({2 * FFN}, {HIDDEN})" in err, err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]

@@ -183,6 +183,8 @@ def test_chat_system_message_and_end_of_input(model_dir, monkeypatch, capsys):
         (["generate", "--model", "{model}"], "no prompts"),
         (["generate", "--model", "{model}", "--input", "{missing}"], "does not exist"),
         (["generate", "--model", "{model}", "--input", "{bad_jsonl}"], "bad.jsonl:2: expected"),
+        (["generate", "--model", "{model}", "--input", "{latin1}"],
+         "latin1.txt:2: not UTF-8 text (byte 0xe9 at column 4)"),
         (["generate", "--model", "{model}", "hi", "--temperature", "-1"], "temperature"),
         (["generate", "--model", "{model}", "hi", "--top-k", "many"], "invalid int value"),
         (["generate", "--model", "{model}", "hi", "--quantize", "int4"], "invalid choice: 'int4'"),
@@ -196,7 +198,9 @@ def test_chat_system_message_and_end_of_input(model_dir, monkeypatch, capsys):
 def test_bad_input_is_one_line(argv, message, model_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad.jsonl").write_text('{"prompt": "w7"}\n{"text": "w8"}\n')
+    (tmp_path / "latin1.txt").write_bytes("w7\ncaf\u00e9\n".encode("latin-1"))
     paths = {
+        "latin1": tmp_path / "latin1.txt",
         "model": model_dir,
         "empty": tmp_path / "empty",
         "missing": tmp_path / "missing.txt",

@@ -101,6 +101,37 @@ def test_preflight_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert not list(tmp_path.glob("mindspeed-preflight-*"))
 
 
+def test_a_config_that_is_not_utf8_is_one_line_naming_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("# recipe: latin1\ntrain:\n  steps: 10 # caf\u00e9\n".encode("latin-1"))
+    for argv in (["plan", "--config", str(bad)], ["preflight", str(bad), "--devices", "8",
+                                                  "--memory-gb", "80"]):  # fmt: skip
+        assert cli(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err == f"error: {bad}:3: not UTF-8 text (byte 0xe9 at column 18); save the file as UTF-8\n"
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    assert cli(["preflight", str(binary)]) == 2
+    assert f"{binary}:1: not UTF-8 text (byte 0x89 at column 1)" in capsys.readouterr().err
+    assert not list(tmp_path.glob("mindspeed-preflight-*"))
+
+
+def test_preflight_caps_nproc_by_the_machine_unless_told(monkeypatch, capsys):
+    monkeypatch.setattr(preflight, "process_room", lambda: (8, 2, 17.5))
+    assert cli(["preflight", "--nproc", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--nproc 1000: this machine (2 cores, 17.5 GiB available) " \
+        "holds at most 8 rehearsal processes" in err and "--oversubscribe" in err, err
+    launched = []
+    monkeypatch.setattr(preflight, "rehearse", lambda cfg, cmd, real, devices, nproc, work:
+                        launched.append(nproc) or [])  # fmt: skip
+    assert cli(["preflight", "qwen3-8b-pretrain", "--nproc", "1000", "--oversubscribe"]) == 0
+    assert launched == [1000]
+    monkeypatch.undo()
+    room, cores, available = preflight.process_room()
+    assert 1 <= room <= 4 * cores and available > 0
+
+
 def test_preflight_fails_a_memory_estimate_over_the_device(monkeypatch, capsys):
     monkeypatch.setattr(preflight, "rehearse", lambda *a, **k: [])  # the memory check alone
     status, lines = _run(capsys, "qwen3-8b-pretrain", "--memory-gb", "16")

@@ -1,15 +1,17 @@
 """`mindspeed serve` on 127.0.0.1, spoken to by OpenAI's own Python client: greedy chat
 completions equal `mindspeed generate --chat` token for token; streamed chunks concatenate
 to the whole text; 32 concurrent clients each get their single-client answer (continuous
-batching, 8 rows at a time); seeded sampling repeats; malformed requests get a 400 JSON
-error naming the field; a request past the queue gets 429; SIGTERM lets the requests in
-flight finish and exits 0."""
+batching, 8 rows at a time); seeded sampling repeats; malformed and hostile requests get a
+4xx JSON error naming the field, log no traceback, and the next good request is answered;
+a request past the queue gets 429; SIGTERM lets the requests in flight finish, refuses a
+body still arriving, and exits 0; a port in use is one line."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -74,7 +76,20 @@ class Served:
     def close(self) -> int:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=60)
+        _, err = self.process.communicate(timeout=60)
+        assert "Traceback" not in err, err[-3000:]  # bad requests log no traceback
+        return self.process.returncode
+
+    def answers(self) -> bool:
+        """A good request still gets its answer."""
+        return bool(self.chat(PROMPTS[0], temperature=0, max_tokens=1).choices)
+
+    def half_body(self, sent: bytes = b'{"messag') -> socket.socket:
+        """A connection that declares a 500-byte body and sends only its first bytes."""
+        conn = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                     b"content-type: application/json\r\ncontent-length: 500\r\n\r\n" + sent)  # fmt: skip
+        return conn
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +177,46 @@ def test_malformed_requests_get_a_json_error(served):
         assert code == status, (body[:60], reply)
         error = reply["error"]
         assert error["message"] and error["param"] == param, error
+    assert served.answers()
+
+
+def test_hostile_requests_get_a_4xx_naming_the_field_and_the_next_is_answered(served):
+    """Each gets its 4xx JSON error (no 500, no traceback in the server's log: the fixture
+    checks at exit), and a good request is answered after each."""
+    url = f"{served.url}/v1/chat/completions"
+    user = [{"role": "user", "content": "w7"}]
+    cases = [
+        ({"messages": user, "seed": 1208925819614629174706176}, "seed", "seed must be an integer"),
+        (b'{"messages":' + b"[" * 30_000 + b"1" + b"]" * 30_000 + b"}", None, "nests too deep"),
+        ({"messages": [{"role": "user"}]}, "messages", "messages[0].content is missing"),
+        ({"messages": [{"role": "wizard", "content": "w7"}]}, "messages", "'wizard' is not one of"),
+        ({"messages": user, "stream": "yes"}, "stream", "stream must be true or false"),
+        ({"messages": user, "stream": True, "stream_options": {"include_usage": "y"}},
+         "stream_options", "include_usage must be true or false"),
+        ({"messages": user, "logprobs": "yes"}, "logprobs", "logprobs must be true or false"),
+    ]  # fmt: skip
+    for body, param, message in cases:
+        code, reply = _http(url, body if isinstance(body, bytes) else json.dumps(body).encode())
+        assert code == 400 and reply["error"]["param"] == param, (param, reply)
+        assert message in reply["error"]["message"], reply
+        assert served.answers(), param
+    # an assistant turn that calls a tool may go without content
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    history = [*user, {"role": "assistant", "content": None, "tool_calls": calls},
+               {"role": "tool", "tool_call_id": "c1", "content": "w3"}]  # fmt: skip
+    assert _http(url, json.dumps({"messages": history, "max_tokens": 1}).encode())[0] == 200
+    # a client that leaves mid-body: nothing to answer, nothing logged, the next one answered
+    served.half_body().close()
+    assert served.answers()
     with pytest.raises(openai.BadRequestError, match="temperature must be a number"):
         served.chat("w7", temperature=-1)
 
 
 def test_queue_limit_and_sigterm_finish_what_is_in_flight(model_dir):
-    server = Served(model_dir, "--max-batch", "1", "--max-queue", "1")
+    """SIGTERM: the stream in flight and the request queued behind it finish; a body still
+    arriving gets 503; an idle keep-alive connection cannot hold the server past
+    --drain-timeout; exit 0."""
+    server = Served(model_dir, "--max-batch", "1", "--max-queue", "1", "--drain-timeout", "1")
     try:
         running = server.chat(PROMPTS[1], temperature=0, max_tokens=200, stream=True)
         first = next(iter(running))  # decoding: it holds the one row
@@ -181,17 +230,87 @@ def test_queue_limit_and_sigterm_finish_what_is_in_flight(model_dir):
             time.sleep(0.01)
         with pytest.raises(openai.RateLimitError, match="1 requests are already waiting"):
             server.chat(PROMPTS[3], temperature=0, max_tokens=5)
+        stalled = server.half_body()  # a client that never finishes its body
+        idle = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        idle.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")  # keep-alive, then quiet
+        assert idle.recv(4096).startswith(b"HTTP/1.1 200")
         server.process.send_signal(signal.SIGTERM)  # both requests are in flight
         rest = list(running)
         waiter.join(timeout=60)
+        drained = time.monotonic()
         assert first.choices[0].delta.role == "assistant"
         assert rest[-1].choices[0].finish_reason in ("stop", "length")
         assert queued["reply"].choices[0].message.content
-        assert server.process.wait(timeout=60) == 0
+        assert stalled.recv(4096).startswith(b"HTTP/1.1 503")  # refused, not waited for
+        assert server.process.wait(timeout=30) == 0
+        assert time.monotonic() - drained < 10  # the drain timeout (1 s) past the last request
         with pytest.raises(OSError):  # no longer listening
             _http(f"{server.url}/v1/models", timeout=2)
     finally:
         server.process.kill()
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(model_dir, capfd):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert cli(["serve", "--model", str(model_dir), "--port", str(port)]) == 2
+    out, err = capfd.readouterr()
+    assert "serving" not in out and err.count("\n") == 1, (out, err)
+    assert f"--port {port}: cannot listen there: Address already in use" in err
+
+
+def test_a_slow_template_renders_off_the_event_loop(model_dir, monkeypatch):
+    """A conversation that makes the chat template run into its time limit is a 400 naming
+    messages, and /health answers at once meanwhile (the render runs in a thread, where
+    the limit holds too)."""
+    import uvicorn
+
+    from mindspeed_llm import chat_template
+    from mindspeed_llm.generation import GenerationConfig, Generator
+    from mindspeed_llm.generation.batching import DecodeBatch
+    from mindspeed_llm.loading import load_model, resolve_model_source
+    from mindspeed_llm.tokenizer import load_tokenizer
+    from mindspeed_tools.serve.api import Server
+    from mindspeed_tools.serve.engine import Engine, LocalBatch
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 2.0)
+    slow = chat_template.ChatTemplate(
+        "{% for m in messages %}{% if m.content == 'slow' %}{% for i in range(100000) %}"
+        "{% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}{{ m.content }}"
+        "{% endfor %}"
+    )  # fmt: skip
+    source = resolve_model_source(str(model_dir))
+    model, _ = load_model(source)
+    generator = Generator(model, load_tokenizer(source.tokenizer), GenerationConfig(max_new_tokens=2))
+    engine = Engine(generator, LocalBatch(DecodeBatch(model)), max_batch=4, max_queue=4)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(Server(engine, generator, slow, "m", 1 << 16).app(),
+                                       host="127.0.0.1", port=port, log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=uv.run, daemon=True)
+    engine.start()
+    thread.start()
+    try:
+        while not uv.started:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
+        body = json.dumps({"messages": [{"role": "user", "content": "slow"}]}).encode()
+        with ThreadPoolExecutor(1) as pool:
+            refused = pool.submit(_http, f"{url}/v1/chat/completions", body)
+            time.sleep(0.3)
+            waits = []
+            while not refused.done():
+                start = time.monotonic()
+                assert _http(f"{url}/health")[0] == 200
+                waits.append(time.monotonic() - start)
+                time.sleep(0.1)
+            code, reply = refused.result()
+        assert code == 400 and reply["error"]["param"] == "messages", reply
+        assert "ran for more than 2 s" in reply["error"]["message"], reply
+        assert len(waits) > 5 and max(waits) < 1.0, waits
+    finally:
+        uv.should_exit = True
+        thread.join()
+        engine.stop()
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import yaml
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.files import read_text
 
 T = TypeVar("T")
 _TRUE = {"true", "yes", "on", "1"}
@@ -330,12 +331,9 @@ def read_yaml(path: str | Path) -> tuple[dict[str, Any], dict[str, int]]:
         ConfigError: the file is missing, malformed, not a mapping, or repeats a key.
     """
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file {path}: {e.__class__.__name__}") from None
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    text = read_text(path, "config file", error=ConfigError)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)

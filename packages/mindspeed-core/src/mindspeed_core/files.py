@@ -9,6 +9,9 @@
   temporary file's name, so a later run can tell the temporaries of a process that died
   (SIGKILL, power loss) from those of one still running, and `remove_stale_temps`
   deletes only the former.
+- `read_text` / `text_lines`: a user's text file (config, data, prompts, template) as
+  UTF-8, a file that is not (binary, Latin-1) refused on one line naming the file, the
+  line and the byte.
 """
 
 from __future__ import annotations
@@ -21,9 +24,61 @@ import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from mindspeed_core.errors import ConfigError
+from mindspeed_core.errors import ConfigError, DataError, MindSpeedError
 
 _OWNED = re.compile(r"\.tmp-(?P<host>[^.]+)\.(?P<pid>\d+)\.")
+
+
+def read_text(path: str | os.PathLike, what: str = "file", *,
+              error: type[MindSpeedError] = DataError) -> str:  # fmt: skip
+    """The text of the UTF-8 file `path` (a leading byte-order mark dropped).
+
+    Raises:
+        `error` (DataError by default): the file is missing or unreadable (naming `what`,
+            e.g. "data file"), or not UTF-8 text (naming its line, column and byte).
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise error(f"{what} does not exist: {path}") from None
+    except OSError as err:
+        raise error(f"cannot read {what} {path}: {err.strerror or err}") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        raise error(_not_utf8(path, line, column, raw[err.start])) from None
+
+
+def text_lines(path: str | os.PathLike, what: str = "file", *,
+               error: type[MindSpeedError] = DataError) -> Iterator[tuple[int, str]]:  # fmt: skip
+    """(line number from 1, text without its line break) of every line of the UTF-8 file
+    `path`, read a line at a time (a leading byte-order mark dropped).
+
+    Raises:
+        `error`: as `read_text`, when the file is missing or a line is not UTF-8.
+    """
+    try:
+        f = open(path, "rb")  # noqa: SIM115 - closed below, the generator may stop early
+    except FileNotFoundError:
+        raise error(f"{what} does not exist: {path}") from None
+    except OSError as err:
+        raise error(f"cannot read {what} {path}: {err.strerror or err}") from None
+    with f:
+        for number, raw in enumerate(f, 1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise error(_not_utf8(path, number, err.start + 1, raw[err.start])) from None
+            yield number, text.rstrip("\r\n")
+
+
+def _not_utf8(path, line: int, column: int, byte: int) -> str:
+    return (f"{path}:{line}: not UTF-8 text (byte 0x{byte:02x} at column {column}); "
+            "save the file as UTF-8")  # fmt: skip
 
 
 def check_folder(path: str | os.PathLike, what: str) -> Path:

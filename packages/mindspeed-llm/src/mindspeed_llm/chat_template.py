@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.errors import DataError
+from mindspeed_core.files import read_text
 
 __all__ = [
     "FALLBACK_TEMPLATE",
@@ -137,14 +138,19 @@ class ChatTemplate:
         except jinja2.sandbox.SecurityError as err:
             raise TemplateDefect(f"chat template {self.origin} is unsafe to run: {err}") from None
         except jinja2.TemplateError as err:
-            raise DataError(f"chat template {self.origin}: {err}") from None
+            raise TemplateRefusal(f"chat template {self.origin}: {err}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as err:
-            raise DataError(f"chat template {self.origin} failed: {err!r}") from None
+            raise TemplateRefusal(f"chat template {self.origin} failed: {err!r}") from None
 
 
 class TemplateDefect(DataError):
     """The template itself cannot run (too big a range or product, too long, too deep),
     whatever the conversation: unlike a template's own `raise_exception`, not a turn to skip."""
+
+
+class TemplateRefusal(DataError):
+    """The template raised on this conversation (its `raise_exception`, or a field it reads
+    that the conversation lacks): the conversation is skipped, named by the template's error."""
 
 
 RENDER_SECONDS = 10.0
@@ -167,9 +173,15 @@ def _why(err: BaseException) -> str:
 
 @contextlib.contextmanager
 def _time_limit(seconds: float):
-    """Raise `_Expired` in this (main) thread after `seconds`; elsewhere, no limit (signals
-    reach only the main thread)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+    """Raise `_Expired` in this thread after `seconds`: by SIGALRM in the main thread, and
+    in any other (a server renders off its event loop) by an asynchronous exception that a
+    timer thread sets for it, which Python raises at the thread's next bytecode (a template
+    is Python code compiled by Jinja)."""
+    if threading.current_thread() is not threading.main_thread():
+        with _thread_time_limit(seconds):
+            yield
+        return
+    if not hasattr(signal, "setitimer"):
         yield
         return
 
@@ -183,6 +195,34 @@ def _time_limit(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def _thread_time_limit(seconds: float):
+    import ctypes
+
+    ident, lock, state = threading.get_ident(), threading.Lock(), {"open": True, "fired": False}
+
+    def raise_in(exc) -> None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), exc)
+
+    def expire() -> None:
+        with lock:
+            if state["open"]:
+                state["fired"] = True
+                raise_in(ctypes.py_object(_Expired))
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        with lock:
+            state["open"] = False
+            if state["fired"]:  # set but perhaps not raised yet: it must not escape later
+                raise_in(None)
+        timer.cancel()
 
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -349,10 +389,7 @@ def _special_tokens(folder: Path) -> dict[str, str]:
 
 
 def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"cannot read {path}: {err}") from None
+    return read_text(path)
 
 
 def _read_json(path: Path) -> dict:

@@ -38,12 +38,18 @@ def pretrain(cfg: PretrainConfig) -> dict[str, float]:
                 cfg.train.steps,
             )
         else:
+            speed = ", ".join(
+                f"{rate:,.0f} over steps {window}"
+                for window, rate in summary.get("tokens_per_s", {}).items()
+            )
             logger.info(
-                "trained to step %d: loss %.3f -> %.3f; start-up peak per rank %s GiB; peak "
-                "memory per rank %s GiB; optimizer state per rank %s MiB; run directory %s",
+                "trained to step %d: loss %.3f -> %.3f; tokens/s %s; start-up peak per rank "
+                "%s GiB; peak memory per rank %s GiB; optimizer state per rank %s MiB; run "
+                "directory %s",
                 summary["steps"],
                 summary["first_loss"],
                 summary["final_loss"],
+                speed or "not measured",
                 ", ".join(f"{peak:.2f}" for peak in summary["startup_peak_gb_per_rank"]),
                 ", ".join(f"{peak:.2f}" for peak in summary["peak_gb_per_rank"]),
                 ", ".join(f"{gb * 1024:.2f}" for gb in summary["optimizer_state_gb_per_rank"]),

@@ -19,6 +19,7 @@ from functools import cached_property
 from pathlib import Path
 
 from mindspeed_core.errors import DataError
+from mindspeed_core.files import read_text
 
 __all__ = [
     "HFTokenizer",
@@ -202,9 +203,9 @@ def _configured_special_tokens(folder: Path) -> dict[str, str | None]:
         if not path.is_file():
             continue
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise DataError(f"cannot read {path}: {err}") from None
+            config = json.loads(read_text(path))
+        except ValueError as err:
+            raise DataError(f"{path} is not valid JSON: {err}") from None
         for role in _FALLBACK_PIECES:
             if f"{role}_token" in config:
                 value = config[f"{role}_token"]

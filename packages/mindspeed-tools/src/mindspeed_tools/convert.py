@@ -41,8 +41,14 @@ from tqdm import tqdm
 from mindspeed_core.checkpoint import LATEST
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.distributed import setup_logging
-from mindspeed_core.errors import CheckpointError, ConfigError, disk_full_error, is_disk_full
-from mindspeed_core.files import check_folder, owned_temp_prefix, remove_stale_temps
+from mindspeed_core.errors import (
+    CheckpointError,
+    ConfigError,
+    MindSpeedError,
+    disk_full_error,
+    is_disk_full,
+)
+from mindspeed_core.files import check_folder, fsync_dir, owned_temp_prefix, remove_stale_temps
 from mindspeed_core.parallel import ParallelConfig
 from mindspeed_llm.loading import ModelSource, checkpoint_source
 from mindspeed_llm.models import checkpoint_io as ckpt
@@ -329,9 +335,12 @@ def megatron_to_hf(
         megatron.write_config(tmp, config)
         generation = {"_from_model_config": True}
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        checked = hf_io.read_hf_config(tmp)
-        weights = hf_io.HFWeights(tmp, checked)
-        check_weights(tmp, weights.shapes, model_shapes(checked), weights.renamed)
+        try:
+            checked = hf_io.read_hf_config(tmp)
+            weights = hf_io.HFWeights(tmp, checked)
+            check_weights(folder, weights.shapes, model_shapes(checked), weights.renamed)
+        except MindSpeedError as err:  # the input is at fault: name it, not the staging folder
+            raise type(err)(str(err).replace(str(tmp), f"{folder} (converted)")) from None
         if tokenizer is not None:
             _copy_tokenizer(Path(tokenizer), tmp)
         else:
@@ -503,29 +512,62 @@ def _copy_hf_files(source: Path, dest: Path) -> list[str]:
 def _staging(output: str | Path, needed_bytes: int) -> Iterator[Path]:
     """A fresh `OUT.tmp-HOST.PID.*` folder, renamed to `output` on success and removed on
     failure (a full disk becomes one line). Temporaries a killed convert left next to
-    `output` are removed first."""
+    `output` are removed first. An `output` that is an existing empty folder (a container's
+    volume: a mount point, which cannot be renamed over, under a parent that may be
+    read-only) gets the folder inside it, and its entries are moved up at the end."""
     out = Path(output)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    inside = out.is_dir()
+    if inside:
+        remove_stale_temps(out, out.name)
+    if out.exists() and (not inside or any(out.iterdir())):
         raise ConfigError(f"output {out} already exists; remove it or choose another path")
     check_folder(out.parent, "--output's folder")
-    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for stale in remove_stale_temps(out.parent, out.name):
-        logger.debug("removed %s, left by a convert that was killed", stale)
-    tmp = Path(tempfile.mkdtemp(prefix=owned_temp_prefix(out.name), dir=out.parent))
+    home = out if inside else out.parent
+    made = [] if inside else [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        for stale in remove_stale_temps(home, out.name):
+            logger.debug("removed %s, left by a convert that was killed", stale)
+        tmp = Path(tempfile.mkdtemp(prefix=owned_temp_prefix(out.name), dir=home))
+    except OSError as err:
+        _remove_made(made)
+        raise ConfigError(f"--output {out}: cannot write in {home}: {err.strerror or err}") from None
+    moved: list[Path] = []
     try:
         yield tmp
-        if out.is_dir():
-            out.rmdir()  # an empty folder the user made
-        os.rename(tmp, out)
+        if inside:
+            _move_entries(tmp, out, moved)
+        else:
+            os.rename(tmp, out)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        for parent in made:  # innermost first: the folders this call created
-            with contextlib.suppress(OSError):
-                parent.rmdir()
+        for entry in moved:  # moved up before the failure
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        _remove_made(made)
         if is_disk_full(err):
             raise disk_full_error(out, needed_bytes) from None
         raise
+
+
+_WRITTEN_LAST = (hf_io.CONFIG_FILE, "model.safetensors.index.json", LATEST, ".metadata")
+"""What readers look for first: moved into an output folder after the rest."""
+
+
+def _move_entries(staging: Path, out: Path, moved: list[Path]) -> None:
+    """Move `staging`'s entries into `out` (same file system: renames; each one `moved`),
+    those that make a folder look complete last, and remove `staging`."""
+    entries = sorted(staging.iterdir(), key=lambda p: (p.name in _WRITTEN_LAST, p.name))
+    for entry in entries:
+        os.rename(entry, out / entry.name)
+        moved.append(out / entry.name)
+    staging.rmdir()
+    fsync_dir(out)
+
+
+def _remove_made(made: list[Path]) -> None:
+    for parent in made:  # innermost first: the folders this call created
+        with contextlib.suppress(OSError):
+            parent.rmdir()
 
 
 def parse_size(text: str) -> int:

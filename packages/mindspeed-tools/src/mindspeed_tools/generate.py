@@ -25,7 +25,7 @@ from typing import TextIO
 
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.errors import ConfigError, DataError
-from mindspeed_core.files import owned_temp_prefix, remove_stale_temps
+from mindspeed_core.files import owned_temp_prefix, read_text, remove_stale_temps
 
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 
@@ -210,12 +210,7 @@ def _file_records(path: str) -> Iterator[dict]:
                 f"stdin line {line} is not valid UTF-8 (byte 0x{raw[err.start]:02x})"
             ) from None
     else:
-        try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            raise DataError(f"input file does not exist: {path}") from None
-        except (OSError, UnicodeDecodeError) as err:
-            raise DataError(f"cannot read input file {path}: {err}") from None
+        lines = read_text(path, "input file").splitlines()
     jsonl = path.endswith(".jsonl")
     for number, line in enumerate(lines, 1):
         if not line.strip():

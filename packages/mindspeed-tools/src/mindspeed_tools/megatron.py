@@ -441,6 +441,23 @@ class _RankFile:
             self._span(tensor, name)
         return tensor
 
+    def sample(self, tensor: torch.Tensor, name: str, count: int = 4096) -> bytes:
+        """The bytes of the first and last `count` elements `tensor` spans (a fingerprint)."""
+        if self.mapped:
+            flat = tensor.detach().reshape(-1)
+            return b"".join(
+                p.contiguous().view(torch.uint8).numpy().tobytes()
+                for p in (flat[:count], flat[-count:])
+            )
+        start, total = self._span(tensor, name)
+        size = tensor.element_size()
+        with open(self.file, "rb") as f:
+            f.seek(start)
+            head = f.read(min(count, total) * size)
+            f.seek(start + max(total - count, 0) * size)
+            tail = f.read(min(count, total) * size)
+        return head + tail
+
     def read(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The values of the meta `tensor` of this file (called `name` in errors)."""
         if self.mapped:
@@ -488,10 +505,13 @@ def _read_legacy(folder: Path) -> MegatronTensors:
     local_experts = num_experts // ep_size
     sources: dict[str, list[tuple[_RankFile, torch.Tensor]]] = {}
     meta: dict[str, torch.Tensor] = {}
+    seen: dict[str, Path] = {}  # fingerprint of a rank's tensors -> its file
     for pp in range(pp_size):
         for ep in range(ep_size):
             rank_files = [files[(tp, pp, ep)] for tp in range(tp_size)]
             shards = [_model_chunks(f, chunks) for f in rank_files]
+            for tp in range(tp_size):
+                _check_distinct(rank_files[tp], shards[tp], seen)
             for chunk in range(chunks):
                 offset = (chunk * pp_size + pp) * per_chunk  # Megatron's layer offset
                 parts = [s[chunk] for s in shards]
@@ -544,6 +564,31 @@ def _model_chunks(file: _RankFile, chunks: int) -> list[dict[str, torch.Tensor]]
             if isinstance(v, torch.Tensor) and not k.endswith(_SKIPPED)
         })
     return out
+
+
+def _check_distinct(
+    file: _RankFile, chunks: list[dict[str, torch.Tensor]], seen: dict[str, Path]
+) -> None:
+    """Refuse a rank file whose tensors another rank file holds too: every (tp, pp, ep) rank
+    saves different shards, layers or experts, so a repeat is a file copied over another
+    (which would convert silently into a wrong model). Each tensor is fingerprinted by its
+    name, shape, dtype and the bytes of its first and last 4096 values (read from the file,
+    not the whole tensor)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        for name in sorted(chunk):
+            tensor = chunk[name]
+            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            digest.update(file.sample(tensor, name))
+    key = digest.hexdigest()
+    if key in seen:
+        raise CheckpointError(
+            f"{file.file} holds the same tensors as {seen[key]}: each tensor/pipeline/expert "
+            "rank saves its own shards, so one file was copied over another"
+        )
+    seen[key] = file.file
 
 
 def _is_expert(name: str) -> bool:

@@ -22,7 +22,8 @@ check holds (1 when one fails, 2 for bad input):
    remaining steps give the one-process run's losses.
 
 Options the CPU cannot rehearse (activation/optimizer offload, `layers_per_stage`) are named
-in the output, and the checks run without them.
+in the output, and the checks run without them. `--nproc` is capped by the machine (4
+processes a core, ~1 GiB of available memory each) unless `--oversubscribe` says otherwise.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ DEFAULT_RECIPE = "qwen3-30b-a3b-pretrain"
 """What `mindspeed preflight` with no arguments rehearses (about a minute on 2 cores)."""
 STEPS = 4
 RTOL = 1e-4
+PROCESSES_PER_CORE = 4
+"""Rehearsal processes (one thread each, mostly waiting on each other) a core may take."""
+PROCESS_GIB = 1.0
+"""Memory one rehearsal process takes at most (a debug-size model: ~0.5 GiB)."""
 SIZE_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
     "head_dim", "max_position_embeddings", "rope_scaling", "sliding_window", "num_experts",
@@ -78,11 +83,50 @@ def _parser() -> ArgumentParser:
     p.add_argument("config", nargs="?", default=DEFAULT_RECIPE,
                    help=f"a config file, or the name of a shipped recipe (default: {DEFAULT_RECIPE})")
     p.add_argument("--command", choices=COMMANDS, help="its command (default: the recipe header's)")
-    p.add_argument("--nproc", type=int, default=4, help="CPU processes for the shrunken layout")
+    p.add_argument("--nproc", type=int, default=4,
+                   help="CPU processes for the shrunken layout (default 4; at most 4 a core and "
+                   "one per GiB of available memory)")  # fmt: skip
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="start --nproc processes even beyond what this machine holds")
     p.add_argument("--devices", type=int, help="devices of the real job (default: the header's)")
     p.add_argument("--memory-gb", type=float, help="memory per device (default: the header's)")
     p.add_argument("--keep", type=Path, help="keep the rehearsal's run folders here")
     return p
+
+
+def process_room() -> tuple[int, int, float]:
+    """(rehearsal processes this machine holds, its cores, its available memory in GiB)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    available = _available_bytes() / 2**30
+    return max(1, min(cores * PROCESSES_PER_CORE, int(available / PROCESS_GIB))), cores, available
+
+
+def _available_bytes() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def check_nproc(nproc: int, oversubscribe: bool) -> None:
+    """Refuse more rehearsal processes than the machine holds, unless told to oversubscribe.
+
+    Raises:
+        ConfigError: naming --nproc, the machine's cores and memory, and --oversubscribe.
+    """
+    if nproc < 1:
+        raise ConfigError(f"--nproc={nproc} must be positive")
+    room, cores, available = process_room()
+    if nproc > room and not oversubscribe:
+        raise ConfigError(
+            f"--nproc {nproc}: this machine ({cores} cores, {available:.1f} GiB available) holds "
+            f"at most {room} rehearsal processes ({PROCESSES_PER_CORE} a core, ~{PROCESS_GIB:g} "
+            f"GiB each); add --oversubscribe to start {nproc} anyway"
+        )
 
 
 def load_job(spec: str, command: str | None = None):
@@ -330,13 +374,14 @@ def preflight(cfg, command: str, devices: int, memory_gb: float, nproc: int, wor
 
 def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    check_nproc(args.nproc, args.oversubscribe)
     cfg, command, header, path = load_job(args.config, args.command)
     devices = args.devices or header.get("devices")
     memory_gb = args.memory_gb or header.get("memory_gb")
     if not devices or not memory_gb:
         raise ConfigError(f"{path}: say --devices and --memory-gb (the file has no recipe header)")
-    if args.nproc < 1 or devices < 1 or memory_gb <= 0:
-        raise ConfigError(f"--nproc={args.nproc}, --devices={devices} and --memory-gb={memory_gb} must be positive")
+    if devices < 1 or memory_gb <= 0:
+        raise ConfigError(f"--devices={devices} and --memory-gb={memory_gb} must be positive")
     print(f"preflight of {path} ({command}) for {devices} devices of {memory_gb:g} GiB, "
           f"rehearsed on up to {args.nproc} CPU processes", flush=True)
     if args.keep is not None:

@@ -384,7 +384,8 @@ class DAPOConfig(GRPOConfig):
     """The method (DAPO's defaults; the section keeps its `mindspeed grpo` name)."""
     train: GRPOTrainSection = field(default_factory=lambda: GRPOTrainSection(steps=450))
     """450 demo steps: without a KL anchor and with dynamic sampling DAPO's demo rises more
-    slowly than GRPO's (at 300 steps: sampled 0.27 -> 0.69; at 450: -> 0.93)."""
+    slowly than GRPO's (with the demo's LR schedule, one thread: held-out greedy 0.92 at 300
+    steps, 0.98 at 450)."""
 
 
 @dataclass(kw_only=True)

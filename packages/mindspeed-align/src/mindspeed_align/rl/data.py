@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.errors import DataError
+from mindspeed_core.files import text_lines
 from mindspeed_llm.chat_template import encode_text
 from mindspeed_llm.demo import COLORS, NAMES, NUMBER_WORDS, PLACES, THINGS
 
@@ -47,27 +48,24 @@ def read_prompts(path: Path, required: dict[str, str] | None = None, *,
     if not Path(path).is_file():
         raise DataError(f"data.prompts: no file {path}")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{number}: not JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{path}:{number}: a record must be a JSON object")
-            if "messages" in record:
-                _check_messages(record["messages"], f"{path}:{number}")
-            elif not any_record and not isinstance(record.get("prompt"), str):
-                raise DataError(
-                    f'{path}:{number}: a record needs a "prompt" string or a "messages" list'
-                )
-            for column, spec in (required or {}).items():
-                if column not in record:
-                    raise DataError(f'{path}:{number}: no "{column}" field, which the reward '
-                                    f"{spec} needs")  # fmt: skip
-            records.append(record)
+    for number, line in text_lines(path, "data.prompts file"):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{number}: not JSON ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{number}: a record must be a JSON object")
+        if "messages" in record:
+            _check_messages(record["messages"], f"{path}:{number}")
+        elif not any_record and not isinstance(record.get("prompt"), str):
+            raise DataError(f'{path}:{number}: a record needs a "prompt" string or a "messages" list')
+        for column, spec in (required or {}).items():
+            if column not in record:
+                raise DataError(f'{path}:{number}: no "{column}" field, which the reward '
+                                f"{spec} needs")  # fmt: skip
+        records.append(record)
     if not records:
         raise DataError(f"{path}: no prompts")
     return records

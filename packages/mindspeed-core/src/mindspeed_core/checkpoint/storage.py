@@ -141,7 +141,8 @@ def load_dcp(
     itself, not wrapped in DCP's multi-rank `CheckpointException`.
     """
     read_safe_metadata(path)  # its errors as ours, before DCP retries and logs them
-    no_dist = not dist.is_initialized()
+    # no collectives in a world of one (see `CheckpointManager._write`)
+    no_dist = not dist.is_initialized() or dist.get_world_size(process_group) == 1
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming a single process"

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from mindspeed_core.errors import DataError
+from mindspeed_core.files import read_text
 
 MODES = ("ppl", "direct", "chat")
 LETTERS = "ABCDEFGHIJ"
@@ -139,12 +140,7 @@ def read_csv(path: Path, columns: tuple[str, ...], *, header: bool) -> list[dict
 
 
 def _lines(path: Path) -> list[str]:
-    try:
-        return path.read_text(encoding="utf-8-sig").splitlines()
-    except FileNotFoundError:
-        raise DataError(f"file does not exist: {path}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"cannot read {path}: {err}") from None
+    return read_text(path).splitlines()
 
 
 def _require(row: Any, keys: tuple[str, ...], where: str) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from mindspeed_core.errors import DataError
-from mindspeed_llm.chat_template import ChatTemplate, TemplateDefect, encode_chat
+from mindspeed_llm.chat_template import ChatTemplate, TemplateDefect, TemplateRefusal, encode_chat
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 from mindspeed_llm.data.sft_records import (
     KIND_COMMANDS,
@@ -69,6 +69,10 @@ class SFTStats:
     samples: int = 0
     no_reply: int = 0
     """Records without an assistant reply to learn from (skipped)."""
+    refused: int = 0
+    """Records the chat template raised on (skipped)."""
+    refusal: str = ""
+    """The template's first error."""
     bad: int = 0
     """Records with a missing or mistyped field (skipped)."""
     truncated: int = 0
@@ -77,11 +81,15 @@ class SFTStats:
 
     def add(self, other: SFTStats) -> None:
         for key, value in asdict(other).items():
-            setattr(self, key, getattr(self, key) + value)
+            if key == "refusal":
+                self.refusal = self.refusal or value
+            else:
+                setattr(self, key, getattr(self, key) + value)
 
     def line(self) -> str:
+        refused = f" {self.refused} refused by the chat template ({self.refusal})," if self.refused else ""
         return (
-            f"{self.samples} samples from {self.records} records; skipped {self.no_reply} "
+            f"{self.samples} samples from {self.records} records; skipped{refused} {self.no_reply} "
             f"without an assistant reply and {self.bad} bad; {self.truncated} truncated and "
             f"{self.dropped} dropped as longer than seq_len"
         )
@@ -99,9 +107,30 @@ def encode_sample(
     Raises:
         DataError: no assistant reply to learn from.
     """
+    if any(m.get("tool_calls") for m in messages):
+        _check_tool_calls(template, messages, tools)
     ids, aligned = encode_chat(template, tokenizer, messages, tools=tools)
     labels = aligned[1:] + [IGNORE_INDEX]
     return np.asarray(ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+
+
+def _check_tool_calls(template: ChatTemplate, messages, tools) -> None:
+    """Every tool call of the conversation shows in its rendering: a template that knows no
+    tool calls would drop them and train on an empty reply."""
+    try:
+        text = template.render(messages, tools=tools)
+    except TemplateRefusal as err:
+        raise TemplateRefusal(f"{err} (on a conversation with tool calls: does the template "
+                              "render them?)") from None  # fmt: skip
+    for i, message in enumerate(messages):
+        for call in message.get("tool_calls") or []:
+            name = call["function"]["name"]
+            if name not in text:
+                raise TemplateRefusal(
+                    f"chat template {template.origin} does not render tool calls: the call of "
+                    f"{name!r} in message {i} would be lost (give a template that does, e.g. the "
+                    "model folder's own)"
+                )
 
 
 def encode_steps(tokenizer, prompt: str, steps: Sequence[str], labels: Sequence[bool],
@@ -148,9 +177,12 @@ def _tokenize_records(path, handler, template, tokenizer, strict) -> tuple[list[
                 raise DataError(f"{where}: {err} (data.strict=true)") from None
             if isinstance(err, RecordError):
                 stats.bad += 1
+            elif isinstance(err, TemplateRefusal):
+                stats.refused += 1
+                stats.refusal = stats.refusal or f"{where}: {err}"
             else:
                 stats.no_reply += 1
-            if stats.bad + stats.no_reply <= 3:
+            if stats.bad + stats.no_reply + stats.refused <= 3:
                 logger.warning("%s: skipped: %s", where, err)
     stats.samples = len(samples)
     return samples, stats

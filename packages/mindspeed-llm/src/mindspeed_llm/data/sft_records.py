@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.errors import DataError
+from mindspeed_core.files import read_text
 
 __all__ = [
     "DEFAULT_MAP_KEYS",
@@ -195,10 +196,43 @@ def _conversation(record: Mapping, keys: Mapping[str, Any]) -> list[dict[str, st
                 f"{where}.{tags['role_tag']} is {role!r}; expected one of {sorted(roles)}"
             )
         content = turn.get(tags["content_tag"])
+        calls = turn.get("tool_calls")
+        if content is None and calls is not None and roles[role] == "assistant":
+            messages.append({"role": "assistant", "content": None,
+                             "tool_calls": _tool_calls(calls, f"{where}.tool_calls")})  # fmt: skip
+            continue
         if not isinstance(content, str):
             raise RecordError(f"{where}.{tags['content_tag']} must be a string")
-        messages.append(_msg(roles[role], content))
+        message = _msg(roles[role], content)
+        for key in ("tool_calls", "tool_call_id", "name"):  # OpenAI's tool fields, for the template
+            if turn.get(key) is not None and key != tags["role_tag"] and key != tags["content_tag"]:
+                message[key] = _tool_calls(turn[key], f"{where}.{key}") if key == "tool_calls" else turn[key]
+        messages.append(message)
     return messages
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """OpenAI's `tool_calls`: a non-empty list of {"type": "function", "function": {"name",
+    "arguments"}}. Arguments come as a JSON string from OpenAI and as an object in the
+    templates' eyes (transformers' convention; vLLM parses them too): a string is parsed."""
+    if not isinstance(calls, list) or not calls:
+        raise RecordError(f"{where} must be a non-empty list of tool calls")
+    out = []
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise RecordError(f'{where}[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                              '"arguments": ...}}')  # fmt: skip
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                raise RecordError(f"{where}[{i}].function.arguments is a string that is not JSON") from None
+        if not isinstance(arguments, Mapping):
+            raise RecordError(f"{where}[{i}].function.arguments must be a JSON object")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
 
 
 def record_tools(record: Mapping, keys: Mapping[str, Any]) -> list | None:
@@ -365,7 +399,7 @@ def _read_records(path: str | Path) -> Iterator[tuple[str, Any]]:
     if suffix == ".parquet":
         yield from _parquet(path)
         return
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "data file")
     if suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.files import read_text
 
 __all__ = ["RECIPES_DIR", "Recipe", "find_recipe", "read_header", "recipes"]
 
@@ -49,7 +50,7 @@ def read_header(path: Path) -> dict:
     """The YAML of the file's leading `# key: value` comment lines, up to the first line
     that is not a comment or is a bare `#` ({} when none)."""
     lines = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in read_text(path, "config file", error=ConfigError).splitlines():
         if not line.startswith("#") or line.strip() == "#":
             break
         lines.append(line[1:].strip())

@@ -142,6 +142,9 @@ class TrainLoop:
         first = last = None
         unread: list = []  # results not read yet: their tokens are not counted yet
         tokens_since_log = 0
+        busy = False  # the interval since the last log held a validation or a checkpoint
+        paced: list[tuple[int, int, int, float]] = []  # training-only logged intervals
+        logged = self.state.step
         stop = min(self.train.steps, self.train.exit_at_step or self.train.steps)
         while self.state.step < stop:
             result = self.step(self.data.next_step())
@@ -165,12 +168,16 @@ class TrainLoop:
                 if validation is not None:
                     record["valid_loss"] = self.step.evaluate(validation)
                 self._log(metrics, meter, bar, record, tokens_since_log)
-                tokens_since_log = 0
-            self.checkpoints.save(self.state.step)
+                if not (busy or "valid_loss" in record):
+                    seconds = tokens_since_log / max(record["tokens_per_s"], 1e-9)
+                    paced.append((logged + 1, self.state.step, tokens_since_log, seconds))
+                tokens_since_log, busy, logged = 0, False, self.state.step
+            busy |= self.checkpoints.save(self.state.step)
             self._export_hf()
         bar.close()
+        windows = throughput_windows(paced, self.checkpoints.interval, self.state.step)
         return {"first_loss": first and first.loss, "final_loss": last and last.loss,
-                "steps": self.state.step}  # fmt: skip
+                "steps": self.state.step, "tokens_per_s": windows}  # fmt: skip
 
     def _log(self, metrics, meter, bar, record: dict, tokens: int) -> None:
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -223,6 +230,27 @@ class TrainLoop:
             self.checkpoints.save(self.state.step, force=True)
         self.checkpoints.close()
         self.run_dir.finish()
+
+
+def throughput_windows(
+    paced: list[tuple[int, int, int, float]], interval: int, last_step: int
+) -> dict[str, float]:
+    """Tokens/s before and after the first checkpoint, "30-90" and "110-300" for the demo:
+    over steps 0.3-0.9 and 1.1 of the checkpoint `interval` to the last step (the whole run
+    without an interval, or when it stopped before 1.1 of it). `paced` holds the logged
+    intervals (first step, last step, tokens, seconds) that ran only training steps (no
+    validation, no checkpoint); a window counts those that lie inside it."""
+    if interval and last_step > interval * 11 // 10:
+        spans = [(interval * 3 // 10, interval * 9 // 10), (interval * 11 // 10, last_step)]
+    else:
+        spans = [(0, last_step)]
+    out = {}
+    for low, high in spans:
+        inside = [(tokens, seconds) for first, last, tokens, seconds in paced
+                  if low < first and last <= high]  # fmt: skip
+        if inside:
+            out[f"{low}-{high}"] = sum(t for t, _ in inside) / sum(s for _, s in inside)
+    return out
 
 
 def export_hf(step_dir: Path, out: Path, *, merge_lora: bool = False) -> None:

@@ -22,6 +22,10 @@ from mindspeed_tools.serve.engine import Engine, Job, QueueFull, Sample
 MAX_N = 16
 MAX_STOPS = 4
 MAX_TOP_LOGPROBS = 20
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The chat roles a request may use (OpenAI's; the template decides what it renders)."""
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+"""The seeds a torch generator takes."""
 
 
 class BadRequest(Exception):
@@ -55,6 +59,16 @@ class Server:
         ))  # fmt: skip
         self.default_max_tokens = base.max_new_tokens
         self.counter = itertools.count()
+        self.draining = asyncio.Event()  # set when shutdown begins: bodies still arriving get 503
+        self.preparing = 0  # requests whose body is read, not yet submitted (rendering)
+
+    async def drain(self, poll_s: float = 0.05) -> None:
+        """Refuse the bodies still arriving and wait until no request is left: those being
+        prepared are submitted, the streams in flight and the requests queued behind them
+        finish."""
+        self.draining.set()
+        while self.preparing or any(self.engine.load().values()):
+            await asyncio.sleep(poll_s)
 
     def app(self):
         from starlette.applications import Starlette
@@ -94,35 +108,49 @@ class Server:
         return await self._handle(request, chat=False)
 
     async def _handle(self, request, *, chat: bool):
+        from starlette.requests import ClientDisconnect
+
         try:
             body = await self._body(request)
-            prompt = self._chat_prompt(body) if chat else self._text_prompt(body)
-            job = self._job(body, prompt, chat)
+            self.preparing += 1
             try:
-                self.engine.submit(job)
-            except QueueFull:
-                raise BadRequest(
-                    f"the server is busy: {self.engine.max_queue} requests are already waiting",
-                    status=429, kind="rate_limit_error",
-                ) from None  # fmt: skip
+                job, stream, include_usage = await self._prepare(body, chat)
+            finally:
+                self.preparing -= 1
         except BadRequest as err:
             return err.response()
+        except ClientDisconnect:  # the client left mid-body: no one to answer
+            return BadRequest("the client disconnected before its body was complete").response()
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job.id}", "created": int(time.time()),
                 "model": self.model_name}  # fmt: skip
-        if body.get("stream"):
+        if stream:
             from starlette.responses import StreamingResponse
 
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             events = self._stream(job, meta, chat, include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         return await self._whole(job, meta, chat)
+
+    async def _prepare(self, body: dict, chat: bool) -> tuple[Job, bool, bool]:
+        """The request's job, submitted to the engine, and its stream options."""
+        stream, include_usage = _stream_options(body)
+        prompt = await self._chat_prompt(body) if chat else self._text_prompt(body)
+        job = self._job(body, prompt, chat)
+        try:
+            self.engine.submit(job)
+        except QueueFull:
+            raise BadRequest(
+                f"the server is busy: {self.engine.max_queue} requests are already waiting",
+                status=429, kind="rate_limit_error",
+            ) from None  # fmt: skip
+        return job, stream, include_usage
 
     async def _body(self, request) -> dict:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             raise BadRequest(f"request body of {declared} bytes exceeds {self.max_body}", status=413)
         raw = b""
-        async for chunk in request.stream():
+        chunks = aiter(request.stream())
+        while (chunk := await self._unless_draining(anext(chunks, None))) is not None:
             raw += chunk
             if len(raw) > self.max_body:
                 raise BadRequest(f"request body exceeds {self.max_body} bytes", status=413)
@@ -130,6 +158,8 @@ class Server:
             body = json.loads(raw)
         except ValueError as err:
             raise BadRequest(f"the body is not valid JSON: {err}") from None
+        except RecursionError:  # Python's decoder recurses once per level
+            raise BadRequest("the body is not valid JSON: it nests too deep") from None
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         model = body.get("model")
@@ -139,28 +169,31 @@ class Server:
                              kind="not_found_error")  # fmt: skip
         return body
 
-    def _chat_prompt(self, body: dict) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages must be a non-empty list", "messages")
-        clean = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
-            content = message.get("content")
-            if isinstance(content, list):  # text parts
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise BadRequest(f"messages[{i}].content: only text parts are supported",
-                                     "messages")  # fmt: skip
-                content = "".join(str(p.get("text", "")) for p in content)
-            if content is not None and not isinstance(content, str):
-                raise BadRequest(f"messages[{i}].content must be a string", "messages")
-            clean.append({**message, "content": content or ""})
+    async def _unless_draining(self, pending):
+        """`await pending`, unless shutdown begins first: then 503 (a client that never
+        finishes its body must not hold the server up)."""
+        task = asyncio.ensure_future(pending)
+        draining = asyncio.ensure_future(self.draining.wait())
         try:
+            await asyncio.wait((task, draining), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            draining.cancel()
+        if not task.done():
+            task.cancel()
+            raise BadRequest("the server is shutting down", status=503, kind="server_error")
+        return task.result()
+
+    async def _chat_prompt(self, body: dict) -> list[int]:
+        clean = _chat_messages(body.get("messages"))
+
+        def render() -> list[int]:  # off the event loop: a slow template stalls no one else
             text = self.template.render(clean, add_generation_prompt=True)
+            return self.generator.encode(text, add_bos=False)
+
+        try:
+            return await asyncio.to_thread(render)
         except MindSpeedError as err:
             raise BadRequest(f"messages: the chat template refused them: {err}", "messages") from None
-        return self.generator.encode(text, add_bos=False)
 
     def _text_prompt(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -196,10 +229,10 @@ class Server:
         if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
             raise BadRequest(f"stop must be a non-empty string or a list of up to {MAX_STOPS}",
                              "stop")  # fmt: skip
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise BadRequest("seed must be an integer", "seed")
+        seed = _int(body, "seed", None, *SEED_RANGE)
         top_logprobs = None
+        if chat and not isinstance(body.get("logprobs", False), bool | None):
+            raise BadRequest(f"logprobs must be true or false, got {body['logprobs']!r:.40}", "logprobs")
         if chat and body.get("logprobs"):
             top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
         elif not chat and body.get("logprobs") is not None:
@@ -285,6 +318,48 @@ class Server:
         yield "data: [DONE]\n\n"
 
 
+def _chat_messages(messages) -> list[dict]:
+    """The request's messages, checked: each a known role with string (or text-part)
+    content; only an assistant turn that calls tools may go without content."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    clean = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
+        role = message["role"]
+        if role not in ROLES:
+            raise BadRequest(f"messages[{i}].role {role[:40]!r} is not one of {', '.join(ROLES)}",
+                             "messages")  # fmt: skip
+        content = message.get("content")
+        if isinstance(content, list):  # text parts
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise BadRequest(f"messages[{i}].content: only text parts are supported",
+                                 "messages")  # fmt: skip
+            content = "".join(str(p.get("text", "")) for p in content)
+        if content is None and not (role == "assistant" and message.get("tool_calls")):
+            raise BadRequest(f"messages[{i}].content is missing ({role} turns need one)", "messages")
+        if content is not None and not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string", "messages")
+        clean.append({**message, "content": content or ""})
+    return clean
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage), each a JSON boolean or absent."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(f"stream must be true or false, got {stream!r:.40}", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object", "stream_options")
+    usage = (options or {}).get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise BadRequest(f"stream_options.include_usage must be true or false, got {usage!r:.40}",
+                         "stream_options")  # fmt: skip
+    return bool(stream), bool(usage)
+
+
 def _usage(job: Job) -> dict:
     completion = sum(len(s.tokens) for s in job.samples)
     return {"prompt_tokens": len(job.prompt), "completion_tokens": completion,
@@ -306,7 +381,7 @@ def _logprobs(entries: list[dict], chat: bool) -> dict:
     }
 
 
-def _int(body: dict, name: str, default: int, low: int, high: int | None) -> int:
+def _int(body: dict, name: str, default: int | None, low: int, high: int | None) -> int | None:
     value = body.get(name)
     if value is None:
         return default

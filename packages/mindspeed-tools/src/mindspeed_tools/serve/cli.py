@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -34,6 +35,9 @@ def _parser() -> ArgumentParser:
                    help="requests waiting beyond the batch before 429 (default 64)")  # fmt: skip
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body (default 1 MiB)")  # fmt: skip
+    p.add_argument("--drain-timeout", type=float, default=5.0,
+                   help="on SIGTERM, the requests in flight finish; connections still open "
+                   "after that are closed this many seconds later (default 5)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int,
                    help="a request's max_tokens when it names none (default: the model's "
                    "generation_config.json, else 256)")  # fmt: skip
@@ -120,6 +124,41 @@ def demo(stdout=None) -> dict:
     return {"speedup": speedup, "same_answers": same, **results}
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port, bound before the model loads (a port in use is one
+    line at once, not after minutes of loading).
+
+    Raises:
+        ConfigError: the address cannot be bound (in use, not this machine's, no permission).
+    """
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as err:
+        why = err.strerror or str(err)
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there: {why}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def draining_server(config, server: Server, drain_s: float):
+    """uvicorn's server, whose shutdown (SIGTERM, Ctrl-C) stops accepting, refuses the
+    bodies still arriving (503), lets the requests in flight finish, and only then gives
+    the connections left `drain_s` seconds before closing them (uvicorn's graceful-shutdown
+    timeout, which would otherwise also cut the streams in flight)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            for listener in self.servers:  # no new connections while the rest drains
+                listener.close()
+            await server.drain()
+            self.config.timeout_graceful_shutdown = drain_s
+            await super().shutdown(sockets)
+
+    return DrainingServer(config)
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         _parser().print_help()
@@ -130,6 +169,8 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    if not 0 <= args.drain_timeout < float("inf"):
+        raise ConfigError(f"--drain-timeout must be a number of seconds >= 0, got {args.drain_timeout}")
     try:
         import uvicorn
     except ImportError:
@@ -140,6 +181,8 @@ def main(argv: list[str]) -> int:
     from mindspeed_llm.chat_template import load_chat_template
 
     with closing_process_group():
+        # rank 0 (torchrun's RANK: the process group starts with the model) listens
+        sock = listen(args.host, args.port) if os.environ.get("RANK", "0") == "0" else None
         generator = load_generator(args)
         batch = DecodeBatch(generator.model)
         if args.tp > 1 and not _is_rank0():
@@ -154,21 +197,20 @@ def main(argv: list[str]) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1"):
             logger.warning("serving on %s: reachable from other machines", args.host)
         engine.start()
-        config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=None)  # fmt: skip
-        uv_server = uvicorn.Server(config)
+        config = uvicorn.Config(server.app(), log_level="warning")
+        uv_server = draining_server(config, server, args.drain_timeout)
         # uvicorn re-raises the signal that stopped it once it has shut down; after a
         # graceful SIGTERM shutdown this handler makes that a no-op, so the command exits 0
         signal.signal(signal.SIGTERM, lambda *_: None)
-        print(f"serving {name} on http://{args.host}:{args.port}/v1 (Ctrl-C or SIGTERM stops)",
+        port = sock.getsockname()[1]
+        print(f"serving {name} on http://{args.host}:{port}/v1 (Ctrl-C or SIGTERM stops)",
               flush=True)  # fmt: skip
         try:
-            uv_server.run()
+            uv_server.run(sockets=[sock])
         finally:
+            sock.close()
             if engine.thread.is_alive():
                 engine.stop()
-        if not uv_server.started:
-            raise ConfigError(f"could not listen on {args.host}:{args.port} (in use?)")
     return 0
 
 
