@@ -6,6 +6,7 @@ import torch
 import transformers
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.models import Transformer, TransformerConfig, build_model_config, get_model_spec
 from mindspeed_llm.models.common.moe import (
     LoadTracker,
@@ -142,7 +143,7 @@ def _moe(**changes):
     config = build_model_config("mixtral", flavor="debug", **changes)
     torch.manual_seed(0)
     block = MoE(config)
-    block.init_weights(0.1, 0.1)
+    block.init_weights(ParamInit(block, 0), 0.1, 0.1)
     return block
 
 

@@ -86,7 +86,7 @@ def test_accumulation_gives_the_global_token_mean():
     assert one.loss == pytest.approx((nll.sum() / one.num_units).item(), abs=1e-6)
     nll, supervised = nll.view(4, -1), batch["labels"].view(4, -1) != -100
     old = torch.stack([nll[i][supervised[i]].mean() for i in range(4)]).mean()
-    assert abs(old.item() - one.loss) > 1e-2  # the old per-micro-batch weighting differs
+    assert abs(old.item() - one.loss) > 1e-3  # the old per-micro-batch weighting differs
 
 
 def test_sample_normalization_is_the_mean_of_document_means():

@@ -8,7 +8,7 @@ The start-up path of every command (torchtitan's, with one property kept from ou
     parallelize(model, dims)             # TP / EP / FSDP make DTensor parameters, still meta
     model.to_empty(device=device)        # this rank's shards, uninitialised
     init = ParamInit(model, seed)        # then fill them:
-    init.normal(model.wq.weight, std=0.02)
+    init.normal(model.proj.weight, std=0.02)
 
 `ParamInit` draws each parameter from a generator seeded by the run's seed and the
 parameter's name, whole (or one expert at a time), on the device, and keeps the block this
