@@ -185,7 +185,7 @@ def _args(task, run, *extra):
         f"--data.prompts={prompts}", f"--data.tokenizer={tokenizer}", "--data.eval_prompts=8",
         "--data.seq_len=48", "--ppo.n=2", "--ppo.max_new_tokens=3", "--ppo.reward_workers=0",
         "--train.global_batch=16", "--train.micro_batch=8", "--train.steps=4",
-        "--model.ops_impl=reference", f"--logging.run_dir={folder / run}",
+        "--critic.lr=3e-4", "--model.ops_impl=reference", f"--logging.run_dir={folder / run}",
         "--logging.log_interval=1", "--logging.progress=false", "--logging.tensorboard=false",
         *extra,
     ]  # fmt: skip

@@ -59,10 +59,10 @@ def _args(folder, run, section, *extra):
 
 KEYS = ("loss", "grad_norm", "kl", "reward/mean", "reward/model", "entropy")
 CRITIC_KEYS = ("critic/loss", "critic/grad_norm", "critic/values", "critic/returns")
-LOSS_ABS = 1e-7
+LOSS_ABS = 3e-7
 """An actor runs one thread (Ray's one CPU), so its matmuls sum in another order than the
 trainer's two threads: the critic's values then differ in the 7th digit, and PPO's policy
-loss (whitened advantages: about 0, here 5e-8) by that much absolutely."""
+loss (whitened advantages: about 0, here 1e-7) by about that much absolutely."""
 
 
 def _same_runs(tmp_path, capsys, command, section, *extra):
