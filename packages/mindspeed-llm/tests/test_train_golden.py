@@ -8,6 +8,10 @@ commit c10afab (the single `Trainer` class), fp32 on CPU with one thread:
   and dp_shard=2 (2 processes each).
 Re-recorded once since, when packed attention moved to the C++ flash kernel (F2): every loss,
 grad norm and validation loss within 1.03e-7 relative of the c10afab values.
+Re-recorded again for S2 (2026-11-28): each parameter is now drawn from a generator seeded
+by the run seed and its name (the same values in every layout, drawn on the meta-built
+model), so the initial weights, and with them every loss, changed by design; the layouts
+still give one process's values.
 Floats are stored with `float.hex`. Bit identity holds on the machine, torch and thread
 count the fixture was recorded with; elsewhere matmul kernels may round differently, so
 the comparison falls back to rtol 1e-5 there and says so.
