@@ -1,6 +1,6 @@
-"""The worked method of DESIGN.md and the llm README (`examples/kl_sft.py`, KL-regularised
-SFT written on public names only) trains through `Objective.setup`, checkpoints and resumes
-exactly, and its loss is nll + beta * KL as its metrics report them."""
+"""The worked method of docs/architecture.md and the llm README (`examples/kl_sft.py`,
+KL-regularised SFT written on public names only) trains through `Objective.setup`,
+checkpoints and resumes exactly, and its loss is nll + beta * KL as its metrics report them."""
 
 from __future__ import annotations
 
