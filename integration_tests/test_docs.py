@@ -1,6 +1,7 @@
 """The docs keep their promises: every feature row in docs/features.md names files (and
 `file.py::test_name` functions) that exist and says its status first; the README links the
-feature list and keeps CI's two commands word for word.
+feature list and keeps CI's two commands word for word; it links docs/architecture.md,
+and every path that page writes in backticks exists.
 
 A bare `test_b.py` after `packages/x/tests/test_a.py` in the same cell lives in the same
 folder, as a reader would assume.
@@ -120,6 +121,31 @@ def test_readme_links_the_features_and_keeps_the_two_commands():
     for command in TWO_COMMANDS:
         assert any(line.split("#")[0].strip() == command for line in lines), command
     assert HEADER not in text, "the feature table lives in docs/features.md"
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+# a backticked word with a slash, made of path characters only: a path from the repository
+# root (`packages/x/`, `examples/kl_sft.py`); `step_<N>` or `--from`/`--to` are not paths
+_REPO_PATH = re.compile(r"^[\w.-]+(?:/[\w.-]+)*/?$")
+
+
+def backticked_paths(text: str) -> list[str]:
+    """Every path written in backticks outside fenced code blocks."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    words = [code.split()[0] for code in re.findall(r"`([^`\n]+)`", prose) if code.strip()]
+    return [w for w in words if "/" in w and _REPO_PATH.match(w)]
+
+
+def test_readme_links_the_architecture_and_its_paths_exist():
+    assert "(docs/architecture.md)" in README.read_text()
+    paths = backticked_paths(ARCHITECTURE.read_text())
+    assert len(paths) >= 30
+    assert [p for p in paths if not (ROOT / p).exists()] == []
+
+
+def test_the_path_walk_finds_paths_and_skips_the_rest():
+    planted = "`a/b.py` and `docs/`, `step_<N>/`, `--from`/`--to`, `x`\n```\n`in/code.py`\n```\n"
+    assert backticked_paths(planted) == ["a/b.py", "docs/"]
 
 
 SECURITY = ROOT / "SECURITY.md"
