@@ -76,7 +76,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("--log-interval N", "pretrain:logging.log_interval", ""),
     ("--eval-interval N / --eval-iters N", "pretrain:train.eval_interval", "and train.eval_batches"),
     ("--tensorboard-dir DIR", "pretrain:logging.tensorboard", "written to logging.run_dir/tb"),
-    ("--wandb-project", "not built", "TensorBoard and metrics.jsonl only"),
+    ("--wandb-project", "pretrain:logging.wandb_project",
+     "with logging.wandb true (pip install 'mindspeed-core[wandb]'); logging.wandb_mode offline (default) or online"),
     ("--profile --profile-step-start/end", "pretrain:profile.steps", "START:END; `mindspeed profile RUN_DIR` reads it"),
     # fine-tuning and alignment
     ("--stage sft / --finetune --is-instruction-dataset", "mindspeed sft", ""),
