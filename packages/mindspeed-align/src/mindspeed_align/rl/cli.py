@@ -304,7 +304,8 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
 
             objective = method(cfg, tokenizer, rewards, init_from, roles=roles, env=env,
                                template=template)  # fmt: skip
-            trainer = Trainer(cfg, info, data=data, objective=objective, command=command)
+            trainer = Trainer(cfg, info, data=data, objective=objective, command=command,
+                              init_from=init_from, init_from_key=f"{g.section}.init_from")  # fmt: skip
             step = trainer.step
             if env is not None:
                 return _run_episodes(cfg, trainer, held_out, tokenizer)

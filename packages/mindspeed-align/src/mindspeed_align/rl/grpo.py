@@ -34,7 +34,6 @@ from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, 
 from mindspeed_align.rl.placement import LocalReference
 from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
-from mindspeed_align.rl.weights import load_weights
 from mindspeed_core.errors import ConfigError
 from mindspeed_llm.chat_template import encode_text
 from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS
@@ -481,17 +480,13 @@ class GRPOMethod(GRPOObjective):
         self.env, self.template = env, template
 
     def setup(self, run: RunContext) -> None:
-        cfg, what = self.cfg, f"{self.cfg.rl.section}.init_from"
-        if self.init_from is not None:
-            load_weights(run.policy, self.init_from, what=what)
+        cfg = self.cfg  # the policy got `init_from` from the trainer (its warm start)
         if cfg.rl.kl_coef and self.roles is not None:
             self.reference = self.roles.reference(run.model_config, seed=cfg.train.seed,
                                                   seq_len=cfg.data.seq_len, precision=cfg.train.precision,
                                                   hf_path=cfg.model.hf_path, init_from=self.init_from)  # fmt: skip
         elif cfg.rl.kl_coef:  # the run's model as it starts
-            reference = run.build_model(frozen=True)
-            if self.init_from is not None:
-                load_weights(reference, self.init_from, what=what)
+            reference = run.starting_policy()
             self.reference = LocalReference(
                 reference, supervised_only=supervised_positions_layout(reference, run.dims)
             )

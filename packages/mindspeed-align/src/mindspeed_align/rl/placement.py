@@ -27,6 +27,7 @@ seed=)`, `submit(batches, T)()`, `rewards(prompts, completions, columns)`, and t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -86,20 +87,20 @@ class LocalReference:
 class _ReferenceWorker:
     """A Ray actor: the starting model, whole and frozen, on its own process."""
 
-    def __init__(self, config, *, seed: int, seq_len: int, precision: str, hf_path, init_from):
+    def __init__(self, config, *, seed: int, seq_len: int, precision: str, hf_path, init_from,
+                 init_key: str = "init_from"):  # fmt: skip
         import torch
 
-        from mindspeed_align.rl.weights import load_weights
         from mindspeed_core.parallel import ParallelConfig
         from mindspeed_llm.train.build import build_model
+        from mindspeed_llm.train.start import StartingWeights, starting_model
 
         parallel = ParallelConfig()
         dims = parallel.dims(1).build("cpu")
-        self.model = build_model(config, dims, torch.device("cpu"), parallel=parallel, seed=seed,
-                                 seq_len=seq_len, precision=precision, hf_path=hf_path,
-                                 frozen=True)  # fmt: skip
-        if init_from is not None:
-            load_weights(self.model, init_from)
+        build = functools.partial(build_model, config, dims, torch.device("cpu"), parallel=parallel,
+                                  seed=seed, seq_len=seq_len, precision=precision, hf_path=hf_path)  # fmt: skip
+        start = None if init_from is None else StartingWeights(path=init_from, key=init_key)
+        self.model = starting_model(build, start)  # the policy as it started, frozen
 
     def logps(self, batches: list[Batch], temperature: float) -> list[Tensor]:
         # one whole process: the output layer runs on the response positions alone
@@ -252,7 +253,7 @@ class RayRoles:
                   hf_path: Path | None, init_from: Path | None) -> _RayReference:  # fmt: skip
         actor = self.ray.remote(num_cpus=1)(_ReferenceWorker).remote(
             config, seed=seed, seq_len=seq_len, precision=precision, hf_path=hf_path,
-            init_from=init_from,
+            init_from=init_from, init_key=f"{self.section}.init_from",
         )  # fmt: skip
         self.actors.append(actor)
         self._ready(actor, "reference")

@@ -41,12 +41,13 @@ from mindspeed_align.reward import add_score_head
 from mindspeed_align.rl import advantages as adv_fns
 from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep, combine_results
 from mindspeed_align.rl.losses import kl_estimate, value_loss
-from mindspeed_align.rl.weights import load_value_model, load_weights
+from mindspeed_align.rl.weights import load_value_model
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch, forward_packed
 from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, RunContext
+from mindspeed_llm.train.start import StartingWeights, starting_model
 from mindspeed_llm.train.step import StepResult, TrainStep
 
 __all__ = ["LocalCritic", "PPOStep", "ValueObjective", "PPOMethod", "build_critic", "packed_gae",
@@ -238,13 +239,14 @@ def _critic(cfg, dims, device, build: Callable[..., BuiltModel], init_from) -> L
     """The critic's model (the policy's body and a value head, built by `build` on the run's
     layout), optimizer and step."""
     parallel = dataclasses.replace(cfg.parallel, loss_parallel=False)  # one output: no vocab
-    model = build(parallel=parallel, ac=cfg.train.ac, before_tp=add_score_head,
-                  compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
-                  fp8=cfg.train.fp8)  # fmt: skip
-    if cfg.critic.init_from is not None:  # a trained reward model: body and value head
+    # the policy's starting body and a new value head, or a trained reward model's both
+    start = None if cfg.critic.init_from is not None or init_from is None else (
+        StartingWeights(path=init_from, key=f"{cfg.rl.section}.init_from"))  # fmt: skip
+    model = starting_model(build, start, frozen=False, head=False, parallel=parallel,
+                           ac=cfg.train.ac, before_tp=add_score_head, compile=cfg.train.compile,
+                           cuda_graphs=cfg.train.cuda_graphs, fp8=cfg.train.fp8)  # fmt: skip
+    if cfg.critic.init_from is not None:
         load_value_model(model, cfg.critic.init_from)
-    elif init_from is not None:  # the policy's starting body, a new value head
-        load_weights(model, init_from, what=f"{cfg.rl.section}.init_from", head=False)
     parts = build_train_parts(model, cfg.critic, total_steps=cfg.train.steps,
                               precision=cfg.train.precision)  # fmt: skip
     states = {k: v for k, v in parts.states(None, device).items() if k != "rng"}
