@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from mindspeed_align.rl.advantages import ESTIMATORS
 from mindspeed_align.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mindspeed_core.checkpoint import CheckpointConfig
 from mindspeed_core.errors import ConfigError
@@ -16,9 +17,6 @@ from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
 from mindspeed_core.profiling import ProfileConfig
 from mindspeed_llm.train.config import LoggingSection, ModelSection, TrainSection
-
-GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
-ADVANTAGES = (*GROUP_ADVANTAGES, "reinforce_pp", "gae")
 
 
 @dataclass(kw_only=True)
@@ -56,10 +54,11 @@ class GRPOSection:
     rollout_kv_mb: float = 0.0
     """KV cache memory of one decoding batch at most (MiB, per rank): the rollout decodes
     its prompts in chunks that fit (0: all at once)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    advantage: str = "grpo"
     """grpo: (r - mean) / (std + eps) per group; dr_grpo: r - mean; rloo: r - mean of
     the others; reinforce_pp: r whitened over the batch's tokens; gae: GAE with a critic
-    (`mindspeed ppo` only)."""
+    (`mindspeed ppo` only); or any estimator registered with
+    `mindspeed_align.rl.advantages.register_advantage`."""
     std_eps: float = 1e-6
     """eps of grpo's std (verl 1e-6, TRL 1e-4)."""
     clip_low: float = 0.2
@@ -154,11 +153,12 @@ class GRPOSection:
 
     def __post_init__(self):
         name = self.section
-        if self.advantage not in ADVANTAGES:
-            raise ConfigError(f"{name}.advantage={self.advantage!r} is not one of {ADVANTAGES}")
-        if self.advantage == "gae" and name == "grpo":
-            raise ConfigError("grpo.advantage='gae' needs a critic: use `mindspeed ppo`")
-        if self.n < 2 and self.advantage in GROUP_ADVANTAGES:
+        estimator = ESTIMATORS.get(self.advantage)
+        if estimator is None:
+            raise ConfigError(f"{name}.advantage={self.advantage!r} is not one of {tuple(ESTIMATORS)}")
+        if estimator.critic and name == "grpo":
+            raise ConfigError(f"grpo.advantage={self.advantage!r} needs a critic: use `mindspeed ppo`")
+        if self.n < 2 and estimator.group:
             raise ConfigError(f"{name}.n={self.n}: group advantages "
                               f"({name}.advantage={self.advantage}) need at least 2 samples "
                               "per prompt")  # fmt: skip
@@ -237,9 +237,10 @@ class PPOSection(GRPOSection):
 
     n: int = 4
     """Samples per prompt (1 is classic PPO; more share a prompt's prefill)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "gae"
-    """gae: GAE over the critic's values (the other estimators ignore the critic's values
-    but still train it)."""
+    advantage: str = "gae"
+    """gae: GAE over the critic's values; another registered estimator (grpo, rloo, ...)
+    gives the policy its advantages from the outcome rewards (the reward's KL term then
+    reaches only the critic's returns) while the critic still trains on GAE's returns."""
     gamma: float = 1.0
     """GAE's discount per token (verl and TRL: 1.0)."""
     lam: float = 0.95

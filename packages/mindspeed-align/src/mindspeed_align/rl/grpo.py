@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from mindspeed_align.common import shares_prompts
 from mindspeed_align.rl import advantages as adv_fns
-from mindspeed_align.rl.config import GROUP_ADVANTAGES, GRPOConfig
+from mindspeed_align.rl.config import GRPOConfig
 from mindspeed_align.rl.env import run_episodes
 from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, recompute_logps
 from mindspeed_align.rl.placement import LocalReference
@@ -50,22 +50,9 @@ ENV_COUNTS = ("env/errors", "env/over_budget")
 
 def compute_advantages(kind: str, rewards: list[float], group: list[int], lengths: list[int],
                        *, eps: float = 1e-6) -> list[list[float]]:  # fmt: skip
-    """Per response token advantages of outcome rewards (see `advantages`)."""
-    r, g = torch.tensor(rewards, dtype=torch.float64), torch.tensor(group)
-    if kind == "reinforce_pp":
-        width = max(lengths)
-        mask = torch.tensor([[float(t < n) for t in range(width)] for n in lengths])
-        token_rewards = torch.zeros(len(lengths), width, dtype=torch.float64)
-        token_rewards[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = r
-        per_token = adv_fns.reinforce_pp(token_rewards, mask.double())
-        return [per_token[i, :n].tolist() for i, n in enumerate(lengths)]
-    if kind == "grpo":
-        per_sample = adv_fns.group_normalized(r, g, eps=eps)
-    elif kind == "dr_grpo":
-        per_sample = adv_fns.dr_grpo(r, g)
-    else:
-        per_sample = adv_fns.rloo(r, g)
-    return [[float(a)] * n for a, n in zip(per_sample.tolist(), lengths, strict=True)]
+    """Per response token advantages of outcome rewards (the estimator registered as `kind`:
+    `advantages.register_advantage`)."""
+    return adv_fns.token_advantages(kind, rewards, group, lengths, eps=eps)
 
 
 class GRPOStep(TrainStep):
@@ -256,7 +243,7 @@ class GRPOStep(TrainStep):
             sync_bytes=getattr(self.rollout, "last_bytes", 0),
         )  # fmt: skip
         stats.add_max(diff_max=mismatch.max, sync_s=rollout.sync_s)
-        return stats.metrics(reward_metrics, warn_flat=self.rl.advantage in GROUP_ADVANTAGES)
+        return stats.metrics(reward_metrics, warn_flat=adv_fns.ESTIMATORS[self.rl.advantage].group)
 
     def _rewards(self, records, batch: RolloutBatch):
         stops = set(self.sampling.stop_token_ids)

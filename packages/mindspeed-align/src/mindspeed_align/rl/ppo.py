@@ -39,7 +39,7 @@ from torch import Tensor
 
 from mindspeed_align.reward import add_score_head
 from mindspeed_align.rl import advantages as adv_fns
-from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep, combine_results
+from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep, combine_results, compute_advantages
 from mindspeed_align.rl.losses import kl_estimate, value_loss
 from mindspeed_align.rl.weights import load_value_model
 from mindspeed_core.parallel import loss_parallel_context
@@ -173,9 +173,11 @@ def ppo_advantages(micro: list[Batch], values: Callable[[list[Batch]], list[Tens
             kl = kl_estimate(b["old_logps"], b["ref_logps"], rl.kl_estimator) * supervised
             rewards = rewards - rl.kl_coef * kl
             kl_sum, kl_count = kl_sum + kl.sum().item(), kl_count + supervised.sum().item()
-        b["advantages"], b["returns"] = packed_gae(rewards, b["old_values"], b,
-                                                   gamma=rl.gamma, lam=rl.lam)  # fmt: skip
-    if rl.whiten_advantages:
+        advantages, b["returns"] = packed_gae(rewards, b["old_values"], b,
+                                              gamma=rl.gamma, lam=rl.lam)  # fmt: skip
+        if rl.advantage == "gae":  # else the outcome estimator's, packed in already
+            b["advantages"] = advantages
+    if rl.whiten_advantages and rl.advantage == "gae":
         whiten_over_ranks(micro, "advantages", dp_mesh)
     return kl_sum, kl_count
 
@@ -192,9 +194,12 @@ class PPOStep(GRPOStep):
     def __call__(self, records: list[dict[str, Any]]) -> StepResult:
         rollout = self._sample(records)
         scores = [[0.0] * (n - 1) + [r] for r, n in zip(rollout.rewards, rollout.lengths, strict=True)]
-        zeros = [[0.0] * n for n in rollout.lengths]
+        # GAE fills the advantages in below; another estimator's come from the outcomes
+        advantages = [[0.0] * n for n in rollout.lengths] if self.rl.advantage == "gae" else (
+            compute_advantages(self.rl.advantage, rollout.rewards, rollout.batch.group,
+                               rollout.lengths, eps=self.rl.std_eps))  # fmt: skip
         keep = list(range(len(scores)))
-        micro, mismatch = self._micro_batches(rollout.batch, {"scores": scores, "advantages": zeros},
+        micro, mismatch = self._micro_batches(rollout.batch, {"scores": scores, "advantages": advantages},
                                               keep)  # fmt: skip
         kl_sum, kl_count = ppo_advantages(micro, self.critic.values, self.rl, self.dims.mesh("dp"))
         critics = []
