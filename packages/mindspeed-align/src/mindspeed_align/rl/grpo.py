@@ -55,13 +55,17 @@ def compute_advantages(kind: str, rewards: list[float], group: list[int], length
     return adv_fns.token_advantages(kind, rewards, group, lengths, eps=eps)
 
 
-class GRPOStep(TrainStep):
-    """A `TrainStep` that takes this rank's prompt records, rolls out and trains."""
+class GRPOStep:
+    """The run's step: takes this rank's prompt records, rolls out, and trains with the
+    engine's `TrainStep` (held as `train`, not subclassed: every update is one call of it).
+    `parts`, `model`, `objective`, `dims`, `state` and `evaluate` are the held step's, for
+    the loop."""
 
     def __init__(self, parts, objective, dims, *, cfg: GRPOConfig, tokenizer, rewards: Rewards,
                  reference=None, accum: int = 1, env=None, template=None, source=None,
                  rollout=None, **kwargs):  # fmt: skip
-        super().__init__(parts, objective, dims, **kwargs)
+        self.train = TrainStep(parts, objective, dims, **kwargs)
+        self.parts, self.model, self.objective, self.dims = parts, parts.model, objective, dims
         self.cfg, self.rl, self.tokenizer, self.rewards = cfg, cfg.rl, tokenizer, rewards
         self.env, self.template = env, template  # multi-turn episodes (`env.run_episodes`)
         self.reference, self.accum = reference, accum
@@ -91,10 +95,16 @@ class GRPOStep(TrainStep):
         if self.rl.dynamic_sampling and not all(rollout.flat):
             keep = [i for i in keep if not rollout.flat[batch.group[i]]]
         micro, mismatch = self._micro_batches(batch, {"advantages": advantages}, keep)
-        result = self.updates(batch, micro, keep, lambda mb, last: TrainStep.__call__(
-            self, mb, schedule=last))  # fmt: skip
+        result = self.updates(batch, micro, keep, lambda mb, last: self.train(mb, schedule=last))
         result.metrics.update(self._rollout_metrics(rollout, len(keep), mismatch))
         return result
+
+    @property
+    def state(self):
+        return self.train.state
+
+    def evaluate(self, steps) -> float:
+        return self.train.evaluate(steps)
 
     def _next_rollout(self, records: list[dict[str, Any]]) -> _Rollout:
         """One-step off-policy: this step's rollout (sampled while the step before trained,

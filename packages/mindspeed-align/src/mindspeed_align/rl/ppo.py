@@ -206,7 +206,7 @@ class PPOStep(GRPOStep):
 
         def update(mini: list[Batch], last: bool) -> StepResult:
             critics.append(self.critic(mini, schedule=last))
-            return TrainStep.__call__(self, mini, schedule=last)
+            return self.train(mini, schedule=last)
 
         result = self.updates(rollout.batch, micro, keep, update)
         critic = critics[0] if len(critics) == 1 else combine_results(critics, [0] * len(critics))
