@@ -290,7 +290,7 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
             if g.placement == "ray":
                 from mindspeed_align.rl.placement import RayRoles
 
-                roles = RayRoles(g.section, info.world_size)
+                roles = RayRoles(g.section, info.world_size, resources=g.ray_resources)
                 rewards = None if env else roles.rewards(g, tokenizer_path)
             elif env is None:  # an environment scores its own episodes
                 from mindspeed_align.rl.reward_model import section_rewards

@@ -111,6 +111,11 @@ class GRPOSection:
     group of their own (the launching process only starts them and waits; each actor
     places its own rollout, reference and reward actors). 0: the launching process (or
     torchrun job) trains."""
+    ray_resources: dict[str, float] = field(default_factory=dict)
+    """With placement ray: what each actor holding a model (rollout, reference, PPO's
+    critic, the trainer actors) asks the cluster for besides its CPU: `{GPU: 1}` (Ray's
+    num_gpus) on a GPU cluster, `{NPU: 1}` (a custom resource the nodes declare) on
+    Ascend. {}: CPU only. The reward actor asks for one CPU."""
     reward_workers: int = 2
     """Worker processes for the rewards (0: in this process, no timeout)."""
     reward_timeout_s: float = 10.0
@@ -190,6 +195,11 @@ class GRPOSection:
             raise ConfigError(f"{name}.shared_prompts={self.shared_prompts!r} is not auto, on or off")
         if self.async_rollout not in ("off", "one_step"):
             raise ConfigError(f"{name}.async_rollout={self.async_rollout!r} is not off or one_step")
+        for key, amount in self.ray_resources.items():
+            if not amount > 0:
+                raise ConfigError(f"{name}.ray_resources.{key}={amount} must be > 0")
+        if self.ray_resources and self.placement != "ray":
+            raise ConfigError(f"{name}.ray_resources needs {name}.placement=ray")
         if self.trainer_actors < 0 or (self.trainer_actors and self.placement != "ray"):
             raise ConfigError(f"{name}.trainer_actors={self.trainer_actors}: a count >= 0, "
                               f"above 0 only with {name}.placement=ray")  # fmt: skip
