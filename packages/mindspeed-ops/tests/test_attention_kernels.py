@@ -260,7 +260,7 @@ def test_the_backward_takes_sinks_and_keys_of_their_own_documents(impl):
     grads = mo.attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(),
                                   lse.detach(), impl=impl, **kwargs)  # fmt: skip
     assert len(grads) == 4
-    for got, want, name in zip(grads, (q.grad, k.grad, v.grad, sinks.grad), "qkvs", strict=True):
+    for got, want in zip(grads, (q.grad, k.grad, v.grad, sinks.grad), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 inside the kernels
     assert sinks.grad.abs().min() > 0  # the sinks' gradient is live
 
