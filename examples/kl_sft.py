@@ -7,7 +7,9 @@ began; InstructGPT's "SFT + KL", TRL's `beta` in its online trainers).
 k3 is the unbiased, always non-negative KL estimate exp(r) - r - 1 with r = ref - policy
 log-prob of the label (as GRPO uses it). `Objective.setup` builds the reference: the run's
 model config, layout, seed and starting weights, frozen. The trainer does the rest (packing,
-accumulation, every parallel layout, checkpoints, exact resume).
+accumulation, every parallel layout but pipeline parallel, checkpoints, exact resume; under
+`--parallel.pp` the reference is refused in one line: it runs inside each step, and a
+pipeline stage holds only its own layers).
 
     python examples/kl_sft.py --train.steps 40    # any `mindspeed sft` option; no data: the demo
 """
@@ -36,9 +38,7 @@ class KLRegularisedSFT(NextToken):
         self.beta, self.reference = beta, None
 
     def setup(self, run: RunContext) -> None:  # once, when the trainer is built
-        self.reference = run.build_model(frozen=True)  # the policy as it starts, frozen
-        if run.init_state is not None:
-            self.reference.model.load_state_dict(run.init_state)
+        self.reference = run.starting_policy()  # the policy as it starts, frozen
 
     def targets(self, batch):  # per token (sharded with the inputs under context parallel)
         with torch.no_grad():

@@ -36,6 +36,33 @@ def _args(task, run, *extra):
     ]  # fmt: skip
 
 
+def test_an_estimator_registered_with_one_decorated_function_trains(task):
+    """A new advantage estimator (sign of the reward against the group's mean) joins with
+    `register_advantage` and `--grpo.advantage` trains the first step with it."""
+    import math
+
+    import torch
+
+    from mindspeed_align.rl.advantages import ESTIMATORS, group_stats, register_advantage
+
+    calls = []
+
+    @register_advantage("test_sign", group=True)
+    def sign(rewards, group, lengths, *, eps):
+        calls.append(len(lengths))
+        mean, _, _ = group_stats(rewards, group)
+        return [[float(a)] * n for a, n in zip(torch.sign(rewards - mean).tolist(), lengths, strict=True)]
+
+    try:
+        assert guarded(main, _args(task, "sign", "--grpo.advantage=test_sign", "--train.steps=1")) == 0
+    finally:
+        ESTIMATORS.pop("test_sign")
+    metrics = read_metrics(task[0] / "sign" / "metrics.jsonl")
+    assert calls == [16]  # the step's 4 prompts x 4 samples went through it
+    assert [m["step"] for m in metrics] == [1] and math.isfinite(metrics[0]["loss"])
+    assert guarded(main, _args(task, "gone", "--grpo.advantage=test_sign")) == 2  # unregistered
+
+
 def test_grpo_metrics_and_exact_resume(task):
     folder = task[0]
     assert guarded(main, _args(task, "whole")) == 0

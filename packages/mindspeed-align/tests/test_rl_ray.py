@@ -27,7 +27,9 @@ ray = pytest.importorskip("ray")
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     # logical CPUs: each actor takes one (two PPO trainer actors and their roles: 10)
-    ray.init(num_cpus=10, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # and a made-up accelerator, as a GPU or NPU cluster's nodes declare theirs
+    ray.init(num_cpus=10, resources={"fake_accel": 4}, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)  # fmt: skip
     yield
     ray.shutdown()
 
@@ -157,6 +159,25 @@ def test_ppo_critic_actors_form_their_own_group_and_resume_exactly(tmp_path):
     assert whole[1]["critic/loss"] != whole[0]["critic/loss"]  # the critic trained
     for key in KEYS + CRITIC_KEYS:
         assert split[1][key] == pytest.approx(whole[1][key], rel=1e-6, abs=LOSS_ABS), key
+
+
+def test_every_role_holding_a_model_gets_the_configured_accelerator(tmp_path, capsys):
+    """`ray_resources` reaches every role placed (the one `RayRoles.place`): the rollout and
+    the reference actors were given one unit of a custom accelerator resource each, the
+    reward actor (no model) none; Ray's own record of each actor says so."""
+    import re
+
+    args = _args(tmp_path, "accel", "grpo", "--grpo.placement=ray", "--train.steps=1",
+                 "--grpo.reward_model=null", "--grpo.rewards=[final_number]",
+                 "--grpo.reward_weights=[1.0]", "--grpo.ray_resources={fake_accel: 1}")  # fmt: skip
+    assert guarded(main, args) == 0
+    err = capsys.readouterr().err
+    given = dict(re.findall(r"grpo: the (\w+) runs? on Ray actor \w+ \(([^)]*)\)", err))
+    assert set(given) == {"rollout", "reference", "rewards"}, err
+    assert "fake_accel 1" in given["rollout"] and "fake_accel 1" in given["reference"], given
+    assert "fake_accel" not in given["rewards"] and "CPU 1" in given["rewards"], given
+    assert guarded(main, [*args[:-1], "--grpo.ray_resources={fake_accel: 0}"]) == 2
+    assert "grpo.ray_resources.fake_accel=0" in capsys.readouterr().err
 
 
 def test_ray_reward_that_cannot_load_is_one_line(tmp_path, capsys):

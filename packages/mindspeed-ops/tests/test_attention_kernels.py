@@ -203,6 +203,68 @@ def test_kernel_choice_per_device_and_case():
     assert kernels.choose("npu", half, half, 8, 30.0, None) == "composed"
 
 
+def test_each_refused_kernel_says_why():
+    """Cases a CUDA or NPU kernel cannot take, asked on CPU: each refusal names its reason,
+    `dispatch` lists the refusals of the kernels faster than the one it picks."""
+    case = kernels.Case("cuda", torch.float32, 64, 64, NO_WINDOW, 0.0, False)
+    assert "fp16 or bf16, not float32" in kernels.SUPPORTS["cuda_flash"](case)
+    assert "at most 256 channels" in kernels.SUPPORTS["cuda_flash"](case._replace(dtype=torch.bfloat16, head_dim=320))
+    assert "soft cap" in kernels.SUPPORTS["cuda_flash"](case._replace(softcap=30.0))
+    assert "multiple of 16" in kernels.SUPPORTS["flex"](case._replace(head_dim=8, v_dim=8))
+    npu = case._replace(device="npu", dtype=torch.bfloat16)
+    assert kernels.SUPPORTS["npu_fusion"](npu) is None
+    assert "soft cap" in kernels.SUPPORTS["npu_fusion"](npu._replace(softcap=30.0))
+    assert "as wide as the keys" in kernels.SUPPORTS["npu_fusion"](npu._replace(v_dim=32))
+    assert kernels.SUPPORTS["cpu_flash"](npu) == "runs on CPU only"
+    kernel, refused = kernels.dispatch(npu._replace(softcap=30.0))
+    assert kernel == "composed" and list(refused) == ["npu_fusion"]
+    kernel, refused = kernels.dispatch(case._replace(dtype=torch.float16, head_dim=8, v_dim=8, softcap=5.0))
+    assert kernel == "composed" and set(refused) == {"cuda_flash", "flex"}
+    assert "fp64" in kernels.SUPPORTS["cpu_flash"](case._replace(device="cpu", dtype=torch.float64))
+
+
+def test_the_choice_is_logged_once_per_case_and_every_call_when_asked(caplog, monkeypatch):
+    q = torch.zeros(4, 2, 16, dtype=torch.float64)
+    monkeypatch.setattr(kernels, "_explained", set())
+    monkeypatch.delenv("MINDSPEED_ATTENTION_DEBUG", raising=False)
+    with caplog.at_level("INFO", logger="mindspeed.ops.attention"):
+        for _ in range(3):
+            kernels.choose("cpu", q, q, 8, 0.0, None)  # fp64 with a window: composed
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(lines) == 1 and "composed" in lines[0], lines
+    assert "cpu_flash: takes fp32, bf16 or fp16, not fp64" in lines[0], lines
+    assert "torch_flash: takes no sliding window" in lines[0], lines
+    caplog.clear()
+    monkeypatch.setenv("MINDSPEED_ATTENTION_DEBUG", "1")
+    with caplog.at_level("INFO", logger="mindspeed.ops.attention"):
+        for _ in range(3):
+            kernels.choose("cpu", q, q, 8, 0.0, None)
+    assert len([r for r in caplog.records if r.levelname == "INFO"]) == 3
+
+
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+def test_the_backward_takes_sinks_and_keys_of_their_own_documents(impl):
+    """`attention_backward` from `attention`'s own out and lse, with sinks and cu_seqlens_k
+    (replies over a shared prompt): autograd's gradients of q, k, v and the sinks."""
+    gen = torch.Generator().manual_seed(4)
+    cu_q, cu_k = torch.tensor([0, 5, 12]), torch.tensor([0, 9, 20])
+    offsets = torch.tensor([4, 4])
+    q = torch.randn(12, 4, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(20, 2, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(20, 2, 16, generator=gen, dtype=torch.float64, requires_grad=True)
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(12, 4, 16, generator=gen, dtype=torch.float64)
+    kwargs = dict(cu_seqlens=cu_q, cu_seqlens_k=cu_k, offsets=offsets, sinks=sinks, window=6)
+    out, lse = mo.attention(q, k, v, return_lse=True, impl="reference", **kwargs)
+    (out * dout).sum().backward()
+    grads = mo.attention_backward(dout, q.detach(), k.detach(), v.detach(), out.detach(),
+                                  lse.detach(), impl=impl, **kwargs)  # fmt: skip
+    assert len(grads) == 4
+    for got, want in zip(grads, (q.grad, k.grad, v.grad, sinks.grad), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 inside the kernels
+    assert sinks.grad.abs().min() > 0  # the sinks' gradient is live
+
+
 def test_flex_mask_is_the_documents_masks():
     # FlexAttention (the CUDA kernel for soft caps and ring offsets) sees this mask: block
     # diagonal over the documents, each block the reference's mask with its offset.

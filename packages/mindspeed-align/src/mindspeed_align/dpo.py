@@ -105,9 +105,7 @@ class PreferenceObjective(Objective):
         elif self.lora and self.section.ref in ("auto", "precompute"):
             self.reference, self.reference_ctx = AdaptersOff(run.policy.model), run.policy.loss
         else:
-            reference = run.build_model(after_tp=self.reference_after_tp, frozen=True)
-            if run.init_state is not None:
-                reference.model.load_state_dict(run.init_state)
+            reference = run.starting_policy(after_tp=self.reference_after_tp)
             self.reference, self.reference_ctx = reference.model, reference.loss
         if precompute:
             precompute_reference(run.data, self.reference, self.reference_ctx, device=run.device,
@@ -237,16 +235,11 @@ def _reads_every_pair(run) -> bool:
 
 
 def _whole_reference(run: RunContext):
-    """The starting model whole and unsplit in this process (pipeline parallel runs precompute
-    the reference log-probs with it; a pipeline stage cannot score a pair alone), drawn with
-    the run's seed as `build_model` draws it, then the Hugging Face or starting weights."""
-    from mindspeed_llm.models.startup import build_whole
-
-    config, cfg = run.model_config, run.cfg
-    model = build_whole(config, run.device, seed=cfg.train.seed, hf_path=cfg.model.hf_path)
-    if run.init_state is not None:
-        model.load_state_dict(run.init_state)
-    return model.requires_grad_(False).eval(), LossContext(ops_impl=config.ops_impl)
+    """The starting model whole and unsplit in this process (pipeline and context parallel
+    runs precompute the reference log-probs with it; a pipeline stage cannot score a pair
+    alone)."""
+    model = run.starting_policy(whole=True)
+    return model, LossContext(ops_impl=run.model_config.ops_impl)
 
 
 def _demo_accuracy(trainer, objective, cfg) -> dict[str, float] | None:

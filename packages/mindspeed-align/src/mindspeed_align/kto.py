@@ -110,9 +110,7 @@ class KTOObjective(PreferenceObjective):
         """The frozen reference (the run's starting model, adapters by `reference_after_tp`)
         and the data-parallel group the KL estimate is averaged over."""
         if self.reference is None:
-            reference = run.build_model(after_tp=self.reference_after_tp, frozen=True)
-            if run.init_state is not None:
-                reference.model.load_state_dict(run.init_state)
+            reference = run.starting_policy(after_tp=self.reference_after_tp)
             self.reference, self.reference_ctx = reference.model, reference.loss
         mesh = run.dims.mesh("dp")
         self.kl_group = None if mesh is None else mesh.get_group()

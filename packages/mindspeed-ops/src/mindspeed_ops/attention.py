@@ -355,15 +355,21 @@ def attention_backward(
     scale: float | None = None,
     softcap: float | None = None,
     offsets: Tensor | None = None,
+    sinks: Tensor | None = None,
     impl: str = "auto",
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of packed attention from given `out` and `lse` (no autograd).
+    cu_seqlens_k: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of packed attention from given `out` and `lse` (no autograd); with
+    `sinks`, (dq, dk, dv, dsinks). Takes every argument `attention` takes.
 
     Context parallel's ring uses it with the *merged* out and lse of all key blocks: then each
     block's gradients are exact parts of the whole (flash-attention's backward), with no
-    recompute of the block's forward and no gradient through the block's own lse.
+    recompute of the block's forward and no gradient through the block's own lse. With
+    `sinks`, `out` and `lse` are those with the sinks in the softmax (as `attention` returns
+    them): a sink is a key whose value is zero, so q, k and v get the kernel's gradients of
+    that softmax, and each sink -sum over its head's rows of p_sink * rowsum(dout * out).
     """
-    _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets)
+    _validate(q, k, v, cu_seqlens, causal, window, softcap, offsets, sinks, cu_seqlens_k)
     backend = resolve_impl(impl, q)
     scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     window_arg = NO_WINDOW if window is None else window
@@ -371,8 +377,14 @@ def attention_backward(
     kernel = "composed" if backend == "reference" else (
         kernels.from_statistics(kernels.choose(backend, q, v, window_arg, cap, offsets))
     )
-    return kernels.backward(
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    grads = kernels.backward(
         kernel, dout.contiguous(), None, q.contiguous(), k.contiguous(), v.contiguous(),
-        out.contiguous(), lse.contiguous(), cu_seqlens, cu_seqlens, offsets, causal,
+        out.contiguous(), lse.contiguous(), cu_seqlens, cu_k, offsets, causal,
         window_arg, cap, scale,
     )  # fmt: skip
+    if sinks is None:
+        return grads
+    rows = (dout.float() * out.float()).sum(-1).transpose(0, 1)  # (heads, tokens)
+    p_sink = torch.exp(sinks.float()[:, None] - lse.float())
+    return (*grads, -(p_sink * rows).sum(-1).to(sinks.dtype))

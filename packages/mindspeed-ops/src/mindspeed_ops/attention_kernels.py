@@ -21,8 +21,12 @@ Kernels, by name:
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+from collections.abc import Callable
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -31,33 +35,141 @@ from torch import Tensor
 from mindspeed_ops import cpu_ext
 from mindspeed_ops.validate import host_values
 
+logger = logging.getLogger("mindspeed.ops.attention")
+
 NO_WINDOW = -1
 KERNELS = ("cpu_flash", "torch_flash", "cuda_flash", "flex", "npu_fusion", "composed")
 
 
+class Case(NamedTuple):
+    """What decides which kernel can run a call (a named tuple: torch.compile traces it)."""
+
+    device: str
+    """"cpu", "cuda" or "npu"."""
+    dtype: torch.dtype
+    head_dim: int
+    """Of the queries and keys."""
+    v_dim: int
+    """Of the values."""
+    window: int
+    """NO_WINDOW or the sliding window's length."""
+    softcap: float
+    """0.0: none."""
+    offsets: bool
+    """Per-document query offsets are given (context parallel's ring chunks)."""
+
+    @classmethod
+    def of(cls, device: str, q: Tensor, v: Tensor, window: int, softcap: float, offsets) -> Case:
+        return cls(device, q.dtype, q.shape[-1], v.shape[-1], window, softcap, offsets is not None)
+
+
+def _on(case: Case, device: str) -> str | None:
+    return None if case.device == device else f"runs on {device.upper()} only"
+
+
+def _supports_cpu_flash(case: Case) -> str | None:
+    if (why := _on(case, "cpu")) is not None:
+        return why
+    if case.dtype == torch.float64:
+        return "takes fp32, bf16 or fp16, not fp64"
+    return None if cpu_ext.available() else "our C++ kernels are not built on this machine"
+
+
+def _supports_torch_flash(case: Case) -> str | None:
+    if (why := _on(case, "cpu")) is not None:
+        return why
+    if case.softcap or case.offsets:
+        return "takes no soft cap and no query offsets"
+    if case.window != NO_WINDOW:
+        return "takes no sliding window"
+    return None if case.v_dim == case.head_dim else "takes values only as wide as the keys"
+
+
+def _supports_cuda_flash(case: Case) -> str | None:
+    if (why := _on(case, "cuda")) is not None:
+        return why
+    if case.softcap or case.offsets:
+        return "takes no soft cap and no query offsets"
+    if case.dtype not in (torch.float16, torch.bfloat16):
+        return f"takes fp16 or bf16, not {str(case.dtype).removeprefix('torch.')}"
+    if case.head_dim > 256 or case.head_dim % 8:
+        return f"takes heads of at most 256 channels, a multiple of 8 (not {case.head_dim})"
+    if case.v_dim > case.head_dim:
+        return "takes values at most as wide as the keys"
+    if "window_size" not in _varlen_arguments():
+        return "needs torch >= 2.11 (varlen attention with a window)"
+    return None
+
+
+def _supports_flex(case: Case) -> str | None:
+    # torch's flex_attention lowers only heads of at least 16 channels (seen on an H200,
+    # torch 2.11: "NYI: embedding dimension ... must be at least 16"), and its decoding
+    # kernel found no config for 20 channels with 8 query heads on one kv head and 17
+    # queries: multiples of 16 only.
+    if (why := _on(case, "cuda")) is not None:
+        return why
+    if not all(d >= 16 and d % 16 == 0 for d in (case.head_dim, case.v_dim)):
+        return f"takes heads of a multiple of 16 channels (not {case.head_dim}/{case.v_dim})"
+    return None if _flex() is not None else "FlexAttention is not available in this torch"
+
+
+def _supports_npu_fusion(case: Case) -> str | None:
+    if (why := _on(case, "npu")) is not None:
+        return why
+    if case.softcap or case.offsets:
+        return "takes no soft cap and no query offsets"
+    return None if case.v_dim == case.head_dim else "takes values only as wide as the keys"
+
+
+SUPPORTS: dict[str, Callable[[Case], str | None]] = {
+    "cpu_flash": _supports_cpu_flash,
+    "torch_flash": _supports_torch_flash,
+    "cuda_flash": _supports_cuda_flash,
+    "flex": _supports_flex,
+    "npu_fusion": _supports_npu_fusion,
+    "composed": lambda case: None,
+}
+"""Per kernel: `supports(case)` -> None (it runs the case) or why it cannot."""
+
+PREFERENCE = {
+    "cpu": ("cpu_flash", "torch_flash", "composed"),
+    "cuda": ("cuda_flash", "flex", "composed"),
+    "npu": ("npu_fusion", "composed"),
+}
+"""Per device, the kernels fastest first; the first that supports a case runs it."""
+
+_explained: set[tuple[Case, str]] = set()
+
+
+def dispatch(case: Case) -> tuple[str, dict[str, str]]:
+    """The kernel for `case` and why each faster one was refused."""
+    refused: dict[str, str] = {}
+    for name in PREFERENCE.get(case.device, ("composed",)):
+        why = SUPPORTS[name](case)
+        if why is None:
+            return name, refused
+        refused[name] = why
+    return "composed", refused
+
+
 def choose(device: str, q: Tensor, v: Tensor, window: int, softcap: float, offsets) -> str:
-    """The kernel for a call on `device` ("cpu", "cuda" or "npu")."""
-    plain = softcap == 0.0 and offsets is None
-    if device == "cpu":
-        if q.dtype != torch.float64 and cpu_ext.available():
-            return "cpu_flash"
-        return "torch_flash" if plain and window == NO_WINDOW and v.shape[-1] == q.shape[-1] else (
-            "composed"
-        )
-    if device == "cuda":
-        flash_shape = q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and v.shape[-1] <= q.shape[-1]
-        flash_shape = flash_shape and "window_size" in _varlen_arguments()  # torch >= 2.11
-        if plain and flash_shape and q.dtype in (torch.float16, torch.bfloat16):
-            return "cuda_flash"
-        # torch's flex_attention lowers only heads of at least 16 channels (seen on an H200,
-        # torch 2.11: "NYI: embedding dimension ... must be at least 16"), and its decoding
-        # kernel found no config for 20 channels with 8 query heads on one kv head and 17
-        # queries: multiples of 16 only.
-        flex_shape = all(d >= 16 and d % 16 == 0 for d in (q.shape[-1], v.shape[-1]))
-        return "flex" if flex_shape and _flex() is not None else "composed"
-    if device == "npu" and plain and v.shape[-1] == q.shape[-1]:
-        return "npu_fusion"
-    return "composed"
+    """The kernel for a call on `device` ("cpu", "cuda" or "npu"), logged once per case with
+    the reason each faster kernel was refused (info when one was, else debug; every call at
+    info with MINDSPEED_ATTENTION_DEBUG=1)."""
+    case = Case.of(device, q, v, window, softcap, offsets)
+    kernel, refused = dispatch(case)
+    if not torch.compiler.is_compiling():
+        every = os.environ.get("MINDSPEED_ATTENTION_DEBUG", "") not in ("", "0")
+        if every or (case, kernel) not in _explained:
+            _explained.add((case, kernel))
+            why = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
+            # a fall-back is worth a line; the fastest kernel running says so at debug level
+            logger.log(logging.INFO if every or refused else logging.DEBUG,
+                       "attention %s %s, heads %d/%d, window %d, softcap %g, offsets %s: %s%s",
+                       case.device, str(case.dtype).removeprefix("torch."), case.head_dim, case.v_dim,
+                       case.window, case.softcap, case.offsets, kernel,
+                       f" (refused: {why})" if why else "")  # fmt: skip
+    return kernel
 
 
 RECOMPUTING = ("flex", "npu_fusion")

@@ -8,19 +8,75 @@ TRL's `GRPOTrainer`/`RLOOTrainer`; each docstring states its formula.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 __all__ = [
+    "ESTIMATORS",
+    "Estimator",
     "overlong_penalty",
     "dr_grpo",
     "gae",
     "group_normalized",
     "group_stats",
     "masked_whiten",
+    "register_advantage",
     "reinforce_pp",
     "rloo",
+    "token_advantages",
 ]
+
+PerToken = Callable[..., list[list[float]]]
+"""An estimator: (rewards, group, lengths, *, eps) -> each response's per-token advantages;
+rewards: (samples,) float64 outcome rewards, group: (samples,) the prompt index of each,
+lengths: each response's token count."""
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator (`grpo.advantage` names it)."""
+
+    fn: PerToken | None
+    """None: computed by the method's own step (PPO's GAE, which needs the critic)."""
+    group: bool = False
+    """It compares the samples of one prompt: the config needs n >= 2 of them."""
+    critic: bool = False
+    """It needs a value model: `mindspeed ppo` only."""
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+"""Every advantage estimator by its config name; `register_advantage` adds one."""
+
+
+def register_advantage(name: str, *, group: bool = False, critic: bool = False):
+    """Register `fn(rewards, group, lengths, *, eps)` as the estimator `name`: one decorated
+    function makes `--grpo.advantage NAME` train with it (verl's `register_adv_est`)."""
+
+    def add(fn: PerToken | None) -> PerToken | None:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered already")
+        ESTIMATORS[name] = Estimator(fn, group=group, critic=critic)
+        return fn
+
+    return add
+
+
+def token_advantages(kind: str, rewards: list[float], group: list[int], lengths: list[int],
+                     *, eps: float = 1e-6) -> list[list[float]]:  # fmt: skip
+    """Per response token advantages of outcome rewards by the registered estimator `kind`."""
+    estimator = ESTIMATORS[kind]
+    if estimator.fn is None:
+        raise ValueError(f"advantage {kind!r} is computed by its method's step (a critic)")
+    r, g = torch.tensor(rewards, dtype=torch.float64), torch.tensor(group)
+    return estimator.fn(r, g, lengths, eps=eps)
+
+
+def _each_token(per_sample: Tensor, lengths: list[int]) -> list[list[float]]:
+    """One advantage per response, repeated over its tokens."""
+    return [[float(a)] * n for a, n in zip(per_sample.tolist(), lengths, strict=True)]
 
 
 def group_stats(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -133,3 +189,35 @@ def overlong_penalty(lengths: list[int], max_len: int, buffer: int, factor: floa
     to `factor` at max_len; shorter ones lose nothing. Added to the outcome reward."""
     expected = max_len - buffer
     return [min(-(n - expected) / buffer * factor, 0.0) for n in lengths]
+
+
+# -- the registered estimators --------------------------------------------------------------
+
+
+@register_advantage("grpo", group=True)
+def _grpo(rewards: Tensor, group: Tensor, lengths: list[int], *, eps: float) -> list[list[float]]:
+    return _each_token(group_normalized(rewards, group, eps=eps), lengths)
+
+
+@register_advantage("dr_grpo", group=True)
+def _dr_grpo(rewards: Tensor, group: Tensor, lengths: list[int], *, eps: float) -> list[list[float]]:
+    return _each_token(dr_grpo(rewards, group), lengths)
+
+
+@register_advantage("rloo", group=True)
+def _rloo(rewards: Tensor, group: Tensor, lengths: list[int], *, eps: float) -> list[list[float]]:
+    return _each_token(rloo(rewards, group), lengths)
+
+
+@register_advantage("reinforce_pp")
+def _reinforce_pp(rewards: Tensor, group: Tensor, lengths: list[int], *, eps: float) -> list[list[float]]:
+    """The outcome reward on each response's last token, REINFORCE++ over the batch."""
+    width = max(lengths)
+    mask = torch.tensor([[float(t < n) for t in range(width)] for n in lengths])
+    token_rewards = torch.zeros(len(lengths), width, dtype=torch.float64)
+    token_rewards[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = rewards
+    per_token = reinforce_pp(token_rewards, mask.double())
+    return [per_token[i, :n].tolist() for i, n in enumerate(lengths)]
+
+
+register_advantage("gae", critic=True)(None)  # PPO's step: GAE over the critic's values

@@ -290,7 +290,7 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
             if g.placement == "ray":
                 from mindspeed_align.rl.placement import RayRoles
 
-                roles = RayRoles(g.section, info.world_size)
+                roles = RayRoles(g.section, info.world_size, resources=g.ray_resources)
                 rewards = None if env else roles.rewards(g, tokenizer_path)
             elif env is None:  # an environment scores its own episodes
                 from mindspeed_align.rl.reward_model import section_rewards
@@ -304,7 +304,8 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
 
             objective = method(cfg, tokenizer, rewards, init_from, roles=roles, env=env,
                                template=template)  # fmt: skip
-            trainer = Trainer(cfg, info, data=data, objective=objective, command=command)
+            trainer = Trainer(cfg, info, data=data, objective=objective, command=command,
+                              init_from=init_from, init_from_key=f"{g.section}.init_from")  # fmt: skip
             step = trainer.step
             if env is not None:
                 return _run_episodes(cfg, trainer, held_out, tokenizer)

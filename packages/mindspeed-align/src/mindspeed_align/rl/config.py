@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from mindspeed_align.rl.advantages import ESTIMATORS
 from mindspeed_align.rl.losses import AGGREGATIONS, KL_ESTIMATORS
 from mindspeed_core.checkpoint import CheckpointConfig
 from mindspeed_core.errors import ConfigError
@@ -16,9 +17,6 @@ from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
 from mindspeed_core.profiling import ProfileConfig
 from mindspeed_llm.train.config import LoggingSection, ModelSection, TrainSection
-
-GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")
-ADVANTAGES = (*GROUP_ADVANTAGES, "reinforce_pp", "gae")
 
 
 @dataclass(kw_only=True)
@@ -56,10 +54,11 @@ class GRPOSection:
     rollout_kv_mb: float = 0.0
     """KV cache memory of one decoding batch at most (MiB, per rank): the rollout decodes
     its prompts in chunks that fit (0: all at once)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    advantage: str = "grpo"
     """grpo: (r - mean) / (std + eps) per group; dr_grpo: r - mean; rloo: r - mean of
     the others; reinforce_pp: r whitened over the batch's tokens; gae: GAE with a critic
-    (`mindspeed ppo` only)."""
+    (`mindspeed ppo` only); or any estimator registered with
+    `mindspeed_align.rl.advantages.register_advantage`."""
     std_eps: float = 1e-6
     """eps of grpo's std (verl 1e-6, TRL 1e-4)."""
     clip_low: float = 0.2
@@ -112,6 +111,11 @@ class GRPOSection:
     group of their own (the launching process only starts them and waits; each actor
     places its own rollout, reference and reward actors). 0: the launching process (or
     torchrun job) trains."""
+    ray_resources: dict[str, float] = field(default_factory=dict)
+    """With placement ray: what each actor holding a model (rollout, reference, PPO's
+    critic, the trainer actors) asks the cluster for besides its CPU: `{GPU: 1}` (Ray's
+    num_gpus) on a GPU cluster, `{NPU: 1}` (a custom resource the nodes declare) on
+    Ascend. {}: CPU only. The reward actor asks for one CPU."""
     reward_workers: int = 2
     """Worker processes for the rewards (0: in this process, no timeout)."""
     reward_timeout_s: float = 10.0
@@ -154,11 +158,12 @@ class GRPOSection:
 
     def __post_init__(self):
         name = self.section
-        if self.advantage not in ADVANTAGES:
-            raise ConfigError(f"{name}.advantage={self.advantage!r} is not one of {ADVANTAGES}")
-        if self.advantage == "gae" and name == "grpo":
-            raise ConfigError("grpo.advantage='gae' needs a critic: use `mindspeed ppo`")
-        if self.n < 2 and self.advantage in GROUP_ADVANTAGES:
+        estimator = ESTIMATORS.get(self.advantage)
+        if estimator is None:
+            raise ConfigError(f"{name}.advantage={self.advantage!r} is not one of {tuple(ESTIMATORS)}")
+        if estimator.critic and name == "grpo":
+            raise ConfigError(f"grpo.advantage={self.advantage!r} needs a critic: use `mindspeed ppo`")
+        if self.n < 2 and estimator.group:
             raise ConfigError(f"{name}.n={self.n}: group advantages "
                               f"({name}.advantage={self.advantage}) need at least 2 samples "
                               "per prompt")  # fmt: skip
@@ -190,6 +195,11 @@ class GRPOSection:
             raise ConfigError(f"{name}.shared_prompts={self.shared_prompts!r} is not auto, on or off")
         if self.async_rollout not in ("off", "one_step"):
             raise ConfigError(f"{name}.async_rollout={self.async_rollout!r} is not off or one_step")
+        for key, amount in self.ray_resources.items():
+            if not amount > 0:
+                raise ConfigError(f"{name}.ray_resources.{key}={amount} must be > 0")
+        if self.ray_resources and self.placement != "ray":
+            raise ConfigError(f"{name}.ray_resources needs {name}.placement=ray")
         if self.trainer_actors < 0 or (self.trainer_actors and self.placement != "ray"):
             raise ConfigError(f"{name}.trainer_actors={self.trainer_actors}: a count >= 0, "
                               f"above 0 only with {name}.placement=ray")  # fmt: skip
@@ -237,9 +247,10 @@ class PPOSection(GRPOSection):
 
     n: int = 4
     """Samples per prompt (1 is classic PPO; more share a prompt's prefill)."""
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "gae"
-    """gae: GAE over the critic's values (the other estimators ignore the critic's values
-    but still train it)."""
+    advantage: str = "gae"
+    """gae: GAE over the critic's values; another registered estimator (grpo, rloo, ...)
+    gives the policy its advantages from the outcome rewards (the reward's KL term then
+    reaches only the critic's returns) while the critic still trains on GAE's returns."""
     gamma: float = 1.0
     """GAE's discount per token (verl and TRL: 1.0)."""
     lam: float = 0.95

@@ -28,13 +28,12 @@ import torch.distributed as dist
 
 from mindspeed_align.common import shares_prompts
 from mindspeed_align.rl import advantages as adv_fns
-from mindspeed_align.rl.config import GROUP_ADVANTAGES, GRPOConfig
+from mindspeed_align.rl.config import GRPOConfig
 from mindspeed_align.rl.env import run_episodes
 from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, recompute_logps
 from mindspeed_align.rl.placement import LocalReference
 from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
-from mindspeed_align.rl.weights import load_weights
 from mindspeed_core.errors import ConfigError
 from mindspeed_llm.chat_template import encode_text
 from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS
@@ -51,31 +50,22 @@ ENV_COUNTS = ("env/errors", "env/over_budget")
 
 def compute_advantages(kind: str, rewards: list[float], group: list[int], lengths: list[int],
                        *, eps: float = 1e-6) -> list[list[float]]:  # fmt: skip
-    """Per response token advantages of outcome rewards (see `advantages`)."""
-    r, g = torch.tensor(rewards, dtype=torch.float64), torch.tensor(group)
-    if kind == "reinforce_pp":
-        width = max(lengths)
-        mask = torch.tensor([[float(t < n) for t in range(width)] for n in lengths])
-        token_rewards = torch.zeros(len(lengths), width, dtype=torch.float64)
-        token_rewards[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = r
-        per_token = adv_fns.reinforce_pp(token_rewards, mask.double())
-        return [per_token[i, :n].tolist() for i, n in enumerate(lengths)]
-    if kind == "grpo":
-        per_sample = adv_fns.group_normalized(r, g, eps=eps)
-    elif kind == "dr_grpo":
-        per_sample = adv_fns.dr_grpo(r, g)
-    else:
-        per_sample = adv_fns.rloo(r, g)
-    return [[float(a)] * n for a, n in zip(per_sample.tolist(), lengths, strict=True)]
+    """Per response token advantages of outcome rewards (the estimator registered as `kind`:
+    `advantages.register_advantage`)."""
+    return adv_fns.token_advantages(kind, rewards, group, lengths, eps=eps)
 
 
-class GRPOStep(TrainStep):
-    """A `TrainStep` that takes this rank's prompt records, rolls out and trains."""
+class GRPOStep:
+    """The run's step: takes this rank's prompt records, rolls out, and trains with the
+    engine's `TrainStep` (held as `train`, not subclassed: every update is one call of it).
+    `parts`, `model`, `objective`, `dims`, `state` and `evaluate` are the held step's, for
+    the loop."""
 
     def __init__(self, parts, objective, dims, *, cfg: GRPOConfig, tokenizer, rewards: Rewards,
                  reference=None, accum: int = 1, env=None, template=None, source=None,
                  rollout=None, **kwargs):  # fmt: skip
-        super().__init__(parts, objective, dims, **kwargs)
+        self.train = TrainStep(parts, objective, dims, **kwargs)
+        self.parts, self.model, self.objective, self.dims = parts, parts.model, objective, dims
         self.cfg, self.rl, self.tokenizer, self.rewards = cfg, cfg.rl, tokenizer, rewards
         self.env, self.template = env, template  # multi-turn episodes (`env.run_episodes`)
         self.reference, self.accum = reference, accum
@@ -105,10 +95,16 @@ class GRPOStep(TrainStep):
         if self.rl.dynamic_sampling and not all(rollout.flat):
             keep = [i for i in keep if not rollout.flat[batch.group[i]]]
         micro, mismatch = self._micro_batches(batch, {"advantages": advantages}, keep)
-        result = self.updates(batch, micro, keep, lambda mb, last: TrainStep.__call__(
-            self, mb, schedule=last))  # fmt: skip
+        result = self.updates(batch, micro, keep, lambda mb, last: self.train(mb, schedule=last))
         result.metrics.update(self._rollout_metrics(rollout, len(keep), mismatch))
         return result
+
+    @property
+    def state(self):
+        return self.train.state
+
+    def evaluate(self, steps) -> float:
+        return self.train.evaluate(steps)
 
     def _next_rollout(self, records: list[dict[str, Any]]) -> _Rollout:
         """One-step off-policy: this step's rollout (sampled while the step before trained,
@@ -257,7 +253,7 @@ class GRPOStep(TrainStep):
             sync_bytes=getattr(self.rollout, "last_bytes", 0),
         )  # fmt: skip
         stats.add_max(diff_max=mismatch.max, sync_s=rollout.sync_s)
-        return stats.metrics(reward_metrics, warn_flat=self.rl.advantage in GROUP_ADVANTAGES)
+        return stats.metrics(reward_metrics, warn_flat=adv_fns.ESTIMATORS[self.rl.advantage].group)
 
     def _rewards(self, records, batch: RolloutBatch):
         stops = set(self.sampling.stop_token_ids)
@@ -481,17 +477,13 @@ class GRPOMethod(GRPOObjective):
         self.env, self.template = env, template
 
     def setup(self, run: RunContext) -> None:
-        cfg, what = self.cfg, f"{self.cfg.rl.section}.init_from"
-        if self.init_from is not None:
-            load_weights(run.policy, self.init_from, what=what)
+        cfg = self.cfg  # the policy got `init_from` from the trainer (its warm start)
         if cfg.rl.kl_coef and self.roles is not None:
             self.reference = self.roles.reference(run.model_config, seed=cfg.train.seed,
                                                   seq_len=cfg.data.seq_len, precision=cfg.train.precision,
                                                   hf_path=cfg.model.hf_path, init_from=self.init_from)  # fmt: skip
         elif cfg.rl.kl_coef:  # the run's model as it starts
-            reference = run.build_model(frozen=True)
-            if self.init_from is not None:
-                load_weights(reference, self.init_from, what=what)
+            reference = run.starting_policy()
             self.reference = LocalReference(
                 reference, supervised_only=supervised_positions_layout(reference, run.dims)
             )

@@ -19,6 +19,11 @@ The policy trains in the training processes (one process, a torchrun job, or Ray
   so the two overlap. An actor that dies ends the run with one line naming its role
   (`RoleDied`), not a hang.
 
+Every actor is started by one method, `RayRoles.place`: one CPU, and for a role that holds a
+model (rollout, reference, critic, trainer) the run's `ray_resources` (`{GPU: 1}` as Ray's
+num_gpus, `{NPU: 1}` or any other key as a custom resource), so a GPU or NPU cluster gives
+each role its device; each role's log line says what Ray assigned it.
+
 Both kinds of role answer the same calls (`sync_weights()`, `generate(prompts, cfg,
 seed=)`, `submit(batches, T)()`, `rewards(prompts, completions, columns)`, and the critic's
 `values(batches)` and `critic(mini, schedule=)`), so the step does not know where they run.
@@ -27,6 +32,7 @@ seed=)`, `submit(batches, T)()`, `rewards(prompts, completions, columns)`, and t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -83,30 +89,41 @@ class LocalReference:
                         for b in batches]  # fmt: skip
 
 
-class _ReferenceWorker:
+class _Worker:
+    """What every role's actor answers besides its role's calls."""
+
+    def resources(self) -> dict[str, float]:
+        """What Ray assigned to this actor (CPU, GPU, custom accelerators)."""
+        import ray
+
+        return {k: v for k, v in ray.get_runtime_context().get_assigned_resources().items()
+                if not k.startswith("node:")}  # fmt: skip
+
+
+class _ReferenceWorker(_Worker):
     """A Ray actor: the starting model, whole and frozen, on its own process."""
 
-    def __init__(self, config, *, seed: int, seq_len: int, precision: str, hf_path, init_from):
+    def __init__(self, config, *, seed: int, seq_len: int, precision: str, hf_path, init_from,
+                 init_key: str = "init_from"):  # fmt: skip
         import torch
 
-        from mindspeed_align.rl.weights import load_weights
         from mindspeed_core.parallel import ParallelConfig
         from mindspeed_llm.train.build import build_model
+        from mindspeed_llm.train.start import StartingWeights, starting_model
 
         parallel = ParallelConfig()
         dims = parallel.dims(1).build("cpu")
-        self.model = build_model(config, dims, torch.device("cpu"), parallel=parallel, seed=seed,
-                                 seq_len=seq_len, precision=precision, hf_path=hf_path,
-                                 frozen=True)  # fmt: skip
-        if init_from is not None:
-            load_weights(self.model, init_from)
+        build = functools.partial(build_model, config, dims, torch.device("cpu"), parallel=parallel,
+                                  seed=seed, seq_len=seq_len, precision=precision, hf_path=hf_path)  # fmt: skip
+        start = None if init_from is None else StartingWeights(path=init_from, key=init_key)
+        self.model = starting_model(build, start)  # the policy as it started, frozen
 
     def logps(self, batches: list[Batch], temperature: float) -> list[Tensor]:
         # one whole process: the output layer runs on the response positions alone
         return [recompute_logps(self.model, b, temperature, supervised_only=True) for b in batches]
 
 
-class _RewardWorker:
+class _RewardWorker(_Worker):
     """A Ray actor: the rule rewards (in its own worker pool) and the reward model."""
 
     def __init__(self, rl, tokenizer_path):
@@ -122,7 +139,7 @@ class _RewardWorker:
         self.rewards.close()
 
 
-class _RolloutWorker:
+class _RolloutWorker(_Worker):
     """A Ray actor: a whole copy of the policy that samples; the trainer sends its weights."""
 
     def __init__(self, config, *, seq_len: int, precision: str):
@@ -219,7 +236,7 @@ class RayRoles:
     """
 
     def __init__(self, section: str, world_size: int, *, cpus: int = ROLE_ACTORS,
-                 show_logs: bool = False):  # fmt: skip
+                 show_logs: bool = False, resources: dict[str, float] | None = None):  # fmt: skip
         # The actors run this interpreter's environment as it is: no `uv run` runtime
         # environment packaged from the working directory (Ray's default under uv; read
         # when ray is first imported).
@@ -247,37 +264,57 @@ class RayRoles:
             if self.started:  # a killed trainer takes the local cluster's agents with it
                 self.reaper = Reaper()
         self.section = section
+        self.resources = dict(resources or {})
+
+    def place(self, role: str, worker: type, *args, name: str | None = None, **kwargs):
+        """Start `worker(*args, **kwargs)` as the `role` actor: one CPU, and for a role that
+        holds a model the run's `ray_resources` (GPU as Ray's num_gpus, any other key a
+        custom resource); wait until it is up. Every role is placed here."""
+        options: dict = {"num_cpus": 1}
+        if role != "reward":
+            extra = dict(self.resources)
+            if "GPU" in extra:
+                options["num_gpus"] = extra.pop("GPU")
+            if extra:
+                options["resources"] = extra
+        if name is not None:
+            options["name"] = name
+        actor = self.ray.remote(worker).options(**options).remote(*args, **kwargs)
+        self.actors.append(actor)
+        return actor
+
+    def _started(self, actor, role: str) -> None:
+        """Log where `role` runs and what Ray gave it."""
+        got = _get(actor.resources.remote(), role, self.section)
+        runs = "rewards run" if role == "reward" else f"{role} runs"
+        logger.info("%s: the %s on Ray actor %s (%s)", self.section, runs, actor._actor_id.hex(),
+                    ", ".join(f"{k} {v:g}" for k, v in sorted(got.items())))  # fmt: skip
 
     def reference(self, config, *, seed: int, seq_len: int, precision: str,
                   hf_path: Path | None, init_from: Path | None) -> _RayReference:  # fmt: skip
-        actor = self.ray.remote(num_cpus=1)(_ReferenceWorker).remote(
-            config, seed=seed, seq_len=seq_len, precision=precision, hf_path=hf_path,
-            init_from=init_from,
-        )  # fmt: skip
-        self.actors.append(actor)
+        actor = self.place("reference", _ReferenceWorker, config, seed=seed, seq_len=seq_len,
+                           precision=precision, hf_path=hf_path, init_from=init_from,
+                           init_key=f"{self.section}.init_from")  # fmt: skip
         self._ready(actor, "reference")
-        logger.info("%s: the reference runs on Ray actor %s", self.section, actor._actor_id.hex())
+        self._started(actor, "reference")
         return _RayReference(actor, self.section)
 
     def rollout(self, policy, *, seq_len: int, precision: str) -> _RayRollout:
         """The rollout of `policy` (this rank's `BuiltModel`) on its own actor."""
-        actor = self.ray.remote(num_cpus=1)(_RolloutWorker).remote(
-            policy.config, seq_len=seq_len, precision=precision
-        )
-        self.actors.append(actor)
+        actor = self.place("rollout", _RolloutWorker, policy.config, seq_len=seq_len,
+                           precision=precision)  # fmt: skip
         self._ready(actor, "rollout")
-        logger.info("%s: the rollout runs on Ray actor %s", self.section, actor._actor_id.hex())
+        self._started(actor, "rollout")
         return _RayRollout(actor, policy, self.section)
 
     def rewards(self, rl, tokenizer_path: Path) -> _RayRewards:
-        actor = self.ray.remote(num_cpus=1)(_RewardWorker).remote(rl, tokenizer_path)
-        self.actors.append(actor)
+        actor = self.place("reward", _RewardWorker, rl, tokenizer_path)
         try:
             self._ready(actor, "reward", constructor_errors=True)
         except self.ray.exceptions.RayActorError as err:  # its constructor refused the config
             cause = err.cause if isinstance(getattr(err, "cause", None), Exception) else err
             raise ConfigError(str(cause).strip().splitlines()[-1]) from None
-        logger.info("%s: the rewards run on Ray actor %s", self.section, actor._actor_id.hex())
+        self._started(actor, "reward")
         return _RayRewards(actor, self.section)
 
     def critic(self, cfg, build) -> _RayCritic:
@@ -286,15 +323,14 @@ class RayRoles:
         builds a rank's critic there (`ppo.critic_on_actor`). Every training rank calls this."""
         import torch.distributed as dist
 
-        actor = self.ray.remote(num_cpus=1)(_CriticWorker).remote()
-        self.actors.append(actor)
+        actor = self.place("critic", _CriticWorker)
         self._ready(actor, "critic")
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         master = [_get(actor.endpoint.remote(), "critic", self.section) if rank == 0 else None]
         if world > 1:  # rank 0's actor hosts the critic group's rendezvous
             dist.broadcast_object_list(master, src=0)
         names = _get(actor.setup.remote(cfg, build, rank, world, master[0]), "critic", self.section)
-        logger.info("%s: the critic runs on Ray actor %s", self.section, actor._actor_id.hex())
+        self._started(actor, "critic")
         return _RayCritic(actor, names, self.section)
 
     def _ready(self, actor, role: str, *, constructor_errors: bool = False) -> None:
@@ -368,7 +404,7 @@ def _shaped_like(template, tree):
     return tree
 
 
-class _CriticWorker:
+class _CriticWorker(_Worker):
     """A Ray actor: one rank of PPO's critic (model, optimizer, schedule), in a process group
     of the critic actors alone. Its training rank sends the micro-batches to value and the
     mini-batches to train on; checkpoints move its states as whole tensors."""
@@ -426,7 +462,7 @@ class _RayCritic:
         return _get(self.actor.update.remote(mini, schedule), "critic", self.section)
 
 
-class _TrainerWorker:
+class _TrainerWorker(_Worker):
     """A Ray actor: one rank of the policy's trainer. It joins its own torch.distributed
     group with the other trainer actors (gloo/NCCL/HCCL as the run's device says) and runs
     the command there, creating its rank's rollout, reference and reward actors itself."""
@@ -452,13 +488,13 @@ def run_on_trainer_actors(cfg, entry: Callable[[object], dict]) -> dict:
     `MindSpeedError` as itself, one line), the others killed."""
     section, count = cfg.rl.section, cfg.rl.trainer_actors
     # the trainers' logs shown here; a trainer and its role actors take one logical CPU each
-    roles = RayRoles(section, 1, cpus=(1 + ROLE_ACTORS) * count, show_logs=True)
+    roles = RayRoles(section, 1, cpus=(1 + ROLE_ACTORS) * count, show_logs=True,
+                     resources=cfg.rl.ray_resources)  # fmt: skip
     ray = roles.ray
     try:
         # named, so `ray list actors` (and a test) tells which is which
-        actors = [ray.remote(num_cpus=1)(_TrainerWorker).options(
-            name=f"mindspeed-{section}-trainer-{rank}-{os.getpid()}").remote() for rank in range(count)]  # fmt: skip
-        roles.actors += actors
+        actors = [roles.place("trainer", _TrainerWorker, name=f"mindspeed-{section}-trainer-{rank}-{os.getpid()}")
+                  for rank in range(count)]  # fmt: skip
         master = _get(actors[0].endpoint.remote(), "trainer", section, timeout=READY_S)
         refs = [actor.run.remote(cfg, entry, rank, count, master) for rank, actor in enumerate(actors)]
         logger.info("%s: the policy trains on %d Ray actors (%s)", section, count,

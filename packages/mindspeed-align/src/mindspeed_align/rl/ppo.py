@@ -39,14 +39,15 @@ from torch import Tensor
 
 from mindspeed_align.reward import add_score_head
 from mindspeed_align.rl import advantages as adv_fns
-from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep, combine_results
+from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep, combine_results, compute_advantages
 from mindspeed_align.rl.losses import kl_estimate, value_loss
-from mindspeed_align.rl.weights import load_value_model, load_weights
+from mindspeed_align.rl.weights import load_value_model
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch, forward_packed
 from mindspeed_llm.train.build import BuiltModel, build_model, build_train_parts
 from mindspeed_llm.train.objectives import LossContext, LossOutput, Objective, RunContext
+from mindspeed_llm.train.start import StartingWeights, starting_model
 from mindspeed_llm.train.step import StepResult, TrainStep
 
 __all__ = ["LocalCritic", "PPOStep", "ValueObjective", "PPOMethod", "build_critic", "packed_gae",
@@ -172,9 +173,11 @@ def ppo_advantages(micro: list[Batch], values: Callable[[list[Batch]], list[Tens
             kl = kl_estimate(b["old_logps"], b["ref_logps"], rl.kl_estimator) * supervised
             rewards = rewards - rl.kl_coef * kl
             kl_sum, kl_count = kl_sum + kl.sum().item(), kl_count + supervised.sum().item()
-        b["advantages"], b["returns"] = packed_gae(rewards, b["old_values"], b,
-                                                   gamma=rl.gamma, lam=rl.lam)  # fmt: skip
-    if rl.whiten_advantages:
+        advantages, b["returns"] = packed_gae(rewards, b["old_values"], b,
+                                              gamma=rl.gamma, lam=rl.lam)  # fmt: skip
+        if rl.advantage == "gae":  # else the outcome estimator's, packed in already
+            b["advantages"] = advantages
+    if rl.whiten_advantages and rl.advantage == "gae":
         whiten_over_ranks(micro, "advantages", dp_mesh)
     return kl_sum, kl_count
 
@@ -191,16 +194,19 @@ class PPOStep(GRPOStep):
     def __call__(self, records: list[dict[str, Any]]) -> StepResult:
         rollout = self._sample(records)
         scores = [[0.0] * (n - 1) + [r] for r, n in zip(rollout.rewards, rollout.lengths, strict=True)]
-        zeros = [[0.0] * n for n in rollout.lengths]
+        # GAE fills the advantages in below; another estimator's come from the outcomes
+        advantages = [[0.0] * n for n in rollout.lengths] if self.rl.advantage == "gae" else (
+            compute_advantages(self.rl.advantage, rollout.rewards, rollout.batch.group,
+                               rollout.lengths, eps=self.rl.std_eps))  # fmt: skip
         keep = list(range(len(scores)))
-        micro, mismatch = self._micro_batches(rollout.batch, {"scores": scores, "advantages": zeros},
+        micro, mismatch = self._micro_batches(rollout.batch, {"scores": scores, "advantages": advantages},
                                               keep)  # fmt: skip
         kl_sum, kl_count = ppo_advantages(micro, self.critic.values, self.rl, self.dims.mesh("dp"))
         critics = []
 
         def update(mini: list[Batch], last: bool) -> StepResult:
             critics.append(self.critic(mini, schedule=last))
-            return TrainStep.__call__(self, mini, schedule=last)
+            return self.train(mini, schedule=last)
 
         result = self.updates(rollout.batch, micro, keep, update)
         critic = critics[0] if len(critics) == 1 else combine_results(critics, [0] * len(critics))
@@ -238,13 +244,14 @@ def _critic(cfg, dims, device, build: Callable[..., BuiltModel], init_from) -> L
     """The critic's model (the policy's body and a value head, built by `build` on the run's
     layout), optimizer and step."""
     parallel = dataclasses.replace(cfg.parallel, loss_parallel=False)  # one output: no vocab
-    model = build(parallel=parallel, ac=cfg.train.ac, before_tp=add_score_head,
-                  compile=cfg.train.compile, cuda_graphs=cfg.train.cuda_graphs,
-                  fp8=cfg.train.fp8)  # fmt: skip
-    if cfg.critic.init_from is not None:  # a trained reward model: body and value head
+    # the policy's starting body and a new value head, or a trained reward model's both
+    start = None if cfg.critic.init_from is not None or init_from is None else (
+        StartingWeights(path=init_from, key=f"{cfg.rl.section}.init_from"))  # fmt: skip
+    model = starting_model(build, start, frozen=False, head=False, parallel=parallel,
+                           ac=cfg.train.ac, before_tp=add_score_head, compile=cfg.train.compile,
+                           cuda_graphs=cfg.train.cuda_graphs, fp8=cfg.train.fp8)  # fmt: skip
+    if cfg.critic.init_from is not None:
         load_value_model(model, cfg.critic.init_from)
-    elif init_from is not None:  # the policy's starting body, a new value head
-        load_weights(model, init_from, what=f"{cfg.rl.section}.init_from", head=False)
     parts = build_train_parts(model, cfg.critic, total_steps=cfg.train.steps,
                               precision=cfg.train.precision)  # fmt: skip
     states = {k: v for k, v in parts.states(None, device).items() if k != "rng"}

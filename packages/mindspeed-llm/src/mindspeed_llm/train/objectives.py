@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from mindspeed_core.parallel import ParallelDims
     from mindspeed_llm.models import TransformerConfig
     from mindspeed_llm.train.build import BuiltModel, TrainParts
+    from mindspeed_llm.train.start import StartingWeights
 
 __all__ = ["LossContext", "LossOutput", "NextToken", "Objective", "RunContext", "segment_ids",
            "token_nll"]  # fmt: skip
@@ -60,8 +61,8 @@ class RunContext:
     policy: BuiltModel
     """The model being trained."""
     build_model: Callable[..., BuiltModel]
-    """Another model of this run (`Trainer.build_model`): `build_model(frozen=True)` is a
-    reference with the policy's config, layout, seed and starting weights."""
+    """Another model of this run (`Trainer.build_model`): the policy's config, layout,
+    precision and seed; `starting_policy` adds the warm start (use it for a reference)."""
     add_states: Callable[[dict[str, Any]], None]
     """More `Stateful`s for the run's checkpoints (`Trainer.add_states`)."""
     parts: TrainParts | None = None
@@ -70,8 +71,46 @@ class RunContext:
     """Micro-batches per step on each data-parallel rank."""
     step_options: dict[str, Any] = field(default_factory=dict)
     """`TrainStep`'s keyword options for this run (clip_grad, n_microbatches, ...)."""
-    init_state: dict[str, Any] | None = None
-    """The starting weights the policy was given (`Trainer(init_state=...)`), if any."""
+    start: StartingWeights | None = None
+    """The warm start the policy was given (`Trainer(init_state=..., init_from=...)`), if
+    any; `starting_policy` gives it to every model built as the policy started."""
+
+    def starting_policy(
+        self, *, frozen: bool = True, whole: bool = False, head: bool = True, **options: Any
+    ) -> Any:
+        """The policy as this run started it, built again: the run's model config, layout,
+        precision, seed or Hugging Face weights, then its warm start. For a reference, a KL
+        anchor (`frozen`, the default) or a critic's trunk (`frozen=False, head=False,
+        before_tp=add_score_head`: a new output layer kept). `options` are
+        `build.build_model`'s (`after_tp=` adapters, `parallel=` ...). A `BuiltModel`;
+        with `whole`, one plain module holding the whole model in this process (in eval
+        mode when frozen), whatever the layout (a pipeline run precomputes a reference
+        with it).
+
+        Raises:
+            ConfigError: a frozen copy under pipeline parallel (it runs inside each
+                training step, and a pipeline stage holds only its own layers).
+        """
+        from mindspeed_core.errors import ConfigError
+        from mindspeed_llm.train.start import starting_model
+
+        if whole:
+            from mindspeed_llm.models.startup import build_whole
+
+            cfg = self.cfg
+            model = build_whole(self.model_config, self.device, seed=cfg.train.seed,
+                                hf_path=cfg.model.hf_path)  # fmt: skip
+            if self.start is not None:
+                self.start.give(model, head=head)
+            return model.requires_grad_(False).eval() if frozen else model
+        if frozen and self.dims.pp > 1:
+            raise ConfigError(
+                f"parallel.pp={self.dims.pp}: a frozen copy of the starting policy runs inside "
+                "each training step, and a pipeline stage holds only its own layers; train "
+                "with parallel.pp=1 (tp, cp, ep and FSDP hold it), or precompute what the "
+                "copy scores (`mindspeed dpo` does under pp)"
+            )
+        return starting_model(self.build_model, self.start, frozen=frozen, head=head, **options)
 
 
 @dataclass(frozen=True)

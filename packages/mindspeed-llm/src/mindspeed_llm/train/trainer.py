@@ -10,6 +10,7 @@ data source and an objective it pretrains: GPT data and next-token cross entropy
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from mindspeed_core.distributed import DistributedInfo
@@ -25,6 +26,7 @@ from mindspeed_llm.train.loop import DataSource, TrainLoop, peak_per_rank, per_r
 from mindspeed_llm.train.objectives import NextToken, Objective, RunContext
 from mindspeed_llm.train.pretrain_data import PretrainData
 from mindspeed_llm.train.run_dir import RunDirectory
+from mindspeed_llm.train.start import StartingWeights, load_init_state
 from mindspeed_llm.train.step import TrainingError, TrainStep
 
 __all__ = [
@@ -52,7 +54,11 @@ class Trainer:
             `mindspeed_llm.peft.lora_trainer_options`.
         init_state: starting weights (a model state dict, e.g. a demo's warm start) loaded
             into the policy when it is built; under `adapter_only` the adapters may be
-            missing from it. The objective's `setup` sees it (`RunContext.init_state`).
+            missing from it.
+        init_from: a folder of starting weights (Hugging Face or a run's checkpoints) loaded
+            into the policy after `init_state`; `init_from_key` is the config field that
+            named it (errors say it). Both make the run's `StartingWeights`, which
+            `RunContext.starting_policy` gives every model built as the policy started.
         command: names the progress bar.
 
     A method's extra roles (a frozen reference, a critic, a rollout step) are created by its
@@ -72,6 +78,8 @@ class Trainer:
         command: str = "pretrain",
         adapter_only: bool = False,
         init_state: dict[str, Any] | None = None,
+        init_from: Path | None = None,
+        init_from_key: str = "init_from",
     ):
         data = data or PretrainData
         self.cfg, self.device, self.command = cfg, info.device, command
@@ -91,8 +99,10 @@ class Trainer:
         self.parts = self._build_parts(before_tp, after_tp, adapter_only)
         self.model = self.parts.model.model
         self.state = self.parts.state
-        if init_state is not None:
-            load_init_state(self.model, init_state, partial=adapter_only)
+        start = None
+        if init_state is not None or init_from is not None:
+            start = StartingWeights(init_state, init_from, init_from_key, partial=adapter_only)
+            start.give(self.parts.model)
         objective = objective or NextToken(cfg.train.loss_normalization)
         self.states = self.parts.states(self.data, self.device)
         self.checkpoints = cfg.checkpoint.manager(self.states, cfg.logging.run_dir)
@@ -100,7 +110,7 @@ class Trainer:
         run = RunContext(
             cfg, self.dims, self.model_cfg, self.device, self.data, self.parts.model,
             self.build_model, self.add_states, parts=self.parts, accum=self.accum,
-            init_state=init_state,
+            start=start,
             step_options={"clip_grad": cfg.optim.clip_grad, "n_microbatches": n_microbatches,
                           "max_nonfinite_steps": cfg.train.max_nonfinite_steps,
                           "fused_linear_cross_entropy": cfg.train.fused_linear_cross_entropy},
@@ -191,17 +201,6 @@ def _check_hf_export(cfg) -> None:
     if importlib.util.find_spec("mindspeed_tools") is None:
         raise ConfigError("logging.hf_export_every needs mindspeed-tools (`mindspeed convert`): "
                           "pip install mindspeed-tools")  # fmt: skip
-
-
-def load_init_state(model, state: dict[str, Any], *, partial: bool = False) -> None:
-    """`state` into `model`, every key; with `partial` (a LoRA model) only the adapters may be
-    missing from it."""
-    missing, unexpected = model.load_state_dict(state, strict=not partial)
-    if partial and (unexpected or any("lora_" not in name for name in missing)):
-        raise ValueError(
-            f"the starting weights do not fit the model: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
 
 
 def grad_accum_steps(train: TrainSection, dp: int) -> int:
