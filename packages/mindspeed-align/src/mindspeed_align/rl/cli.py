@@ -36,12 +36,14 @@ def _is_demo(cfg: GRPOConfig) -> bool:
 
 CALCULATOR_DEMO = {"data.seq_len": 128, "data.eval_prompts": 128, "grpo.max_new_tokens": 40,
                    "grpo.warmup_steps": 1500, "train.steps": 40, "optim.warmup_steps": 3,
-                   "optim.decay_style": "cosine"}  # fmt: skip
+                   "optim.decay_style": "cosine", "logging.run_dir": Path("runs/grpo-calculator")}  # fmt: skip
 """The calculator demo's values of the fields left at their (story demo's) defaults. 40
 steps with 3 warm-up steps and a cosine decay: at a constant 1e-3 for 30 steps the sampled
 reward still swung (0.86 at step 25, 0.72 at 30) and the held-out greedy reward ended at
 0.73-0.81 over seeds; settled, it ends at 0.90-0.94 (seeds 1234, 1, 2 and one-step
-off-policy, 2-core Intel Xeon, 2026-11-28)."""
+off-policy, 2-core Intel Xeon, 2026-11-28). Its own run directory: in `runs/grpo` (and
+`runs/grpo-warmup`) `mindspeed grpo` afterwards found the calculator's checkpoints and refused
+them."""
 
 ARITHMETIC_DEMO = {"optim.warmup_steps": 20, "optim.decay_style": "cosine"}
 """The arithmetic demo's (`mindspeed grpo` / `dapo`) learning-rate schedule, for the fields
