@@ -3,7 +3,7 @@
 DPO is the shared trainer (`mindspeed_llm.train.Trainer`) with pairs as data
 (`pairs.PairData`, both sides of a pair packed in one row) and `PreferenceObjective`: one
 policy forward per micro-batch gives every sequence's log-prob (`logps.sequence_logps`), the
-frozen reference (`build_model(frozen=True)`, the same layout and starting weights) gives its
+frozen reference (`RunContext.starting_policy()`, the same layout and starting weights) gives its
 own in `targets`, and the loss is a pure function of them (`losses`). Every section but `data`
 and `dpo` is SFT's and pretraining's. metrics.jsonl gets TRL's names: rewards/chosen,
 rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen, logps/rejected.
