@@ -15,8 +15,8 @@ from mindspeed_core.errors import ConfigError
 
 
 def _float_fields(cls: type, prefix: str = ""):
-    """(dotted path, items: 0 for a number, else how many a sequence of floats holds) of every
-    float field of a config dataclass tree."""
+    """(dotted path, items: 0 for a number, -1 for a mapping to numbers, else how many a
+    sequence of floats holds) of every float field of a config dataclass tree."""
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         tp = hints[field.name]
@@ -24,6 +24,9 @@ def _float_fields(cls: type, prefix: str = ""):
         nested = [t for t in (tp, *inner) if dataclasses.is_dataclass(t)]
         if nested:
             yield from _float_fields(nested[0], prefix + field.name + ".")
+        elif typing.get_origin(tp) is dict:
+            if float in typing.get_args(tp)[1:]:
+                yield prefix + field.name, -1  # a mapping to floats
         elif typing.get_origin(tp) in (list, tuple) and float in typing.get_args(tp):
             args = typing.get_args(tp)
             yield prefix + field.name, len(args) if typing.get_origin(tp) is tuple else 1
@@ -47,7 +50,7 @@ def test_every_float_field_of_every_command_refuses_nan_and_inf():
     for name, cls in configs.items():
         for path, items in _float_fields(cls):
             for bad in ("nan", "inf", "-inf"):
-                value = f"[{', '.join([bad] * items)}]" if items else bad
+                value = f"{{x: {bad}}}" if items < 0 else f"[{', '.join([bad] * items)}]" if items else bad
                 with pytest.raises(ConfigError, match=re.escape(path)) as err:
                     config_from_args(cls, [f"--{path}", value])
                 assert "finite number" in str(err.value), (name, path, str(err.value))
