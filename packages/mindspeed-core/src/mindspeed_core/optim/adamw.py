@@ -27,7 +27,24 @@ from torch.distributed.tensor import DTensor
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class LowPrecisionAdamW(torch.optim.AdamW):
+class PerParameterStep:
+    """An optimizer's `step` as one `_update(p, group)` per parameter with a gradient (the
+    optimizers here whose update is written per tensor)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+
+class LowPrecisionAdamW(PerParameterStep, torch.optim.AdamW):
     """AdamW whose moments are stored in `state_dtype` and updated in fp32.
 
     A `torch.optim.AdamW` (same parameter-group settings, so either one's checkpoint loads
@@ -48,18 +65,6 @@ class LowPrecisionAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                          foreach=False)  # fmt: skip
         self.state_dtype = state_dtype
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
 
     def _update(self, p: Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]

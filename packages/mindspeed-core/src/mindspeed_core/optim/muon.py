@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from mindspeed_core.errors import ConfigError
-from mindspeed_core.optim.adamw import grad_like_param
+from mindspeed_core.optim.adamw import PerParameterStep, grad_like_param
 from mindspeed_core.parallel.materialize import local_box
 
 ADJUST_LR = ("match_rms_adamw", "original", "spectral_unclamped")
@@ -83,7 +83,7 @@ def _torch_muon():
     return _muon
 
 
-class Muon(Optimizer):
+class Muon(PerParameterStep, Optimizer):
     """`torch.optim.Muon` for plain and DTensor parameters, 2-D or stacks of matrices (3-D).
 
     Args are `torch.optim.Muon`'s, plus `ns_dtype`, the dtype of the Newton-Schulz
@@ -130,18 +130,6 @@ class Muon(Optimizer):
                     raise ConfigError(
                         f"Muon takes matrices or stacks of them, not {tuple(p.shape)}"
                     )
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
 
     def _update(self, p: Tensor, group: dict[str, Any]) -> None:
         # `torch.optim._muon._single_tensor_muon`, with the orthogonalisation layout-aware.
