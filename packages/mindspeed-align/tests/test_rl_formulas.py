@@ -209,7 +209,8 @@ def test_grpo_loss_equals_trl(loss_type, beta):
 
 
 def test_trainer_advantages_per_token():
-    from mindspeed_align.rl.grpo import _flat_groups, compute_advantages
+    from mindspeed_align.rl.advantages import token_advantages as compute_advantages
+    from mindspeed_align.rl.grpo import _flat_groups
 
     rewards, group, lengths = R.tolist(), G.tolist(), [1, 2, 3, 1, 2, 2, 1, 3]
     for kind, fn in (("grpo", group_normalized), ("dr_grpo", dr_grpo), ("rloo", rloo)):

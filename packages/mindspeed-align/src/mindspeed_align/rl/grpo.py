@@ -42,17 +42,10 @@ from mindspeed_llm.train.step import StepResult, TrainStep, supervised_positions
 
 logger = logging.getLogger("mindspeed.grpo")
 
-__all__ = ["GRPOMethod", "GRPOStep", "compute_advantages", "evaluate_episodes", "evaluate_reward"]
+__all__ = ["GRPOMethod", "GRPOStep", "evaluate_episodes", "evaluate_reward"]
 
 ENV_COUNTS = ("env/errors", "env/over_budget")
 """Episode counts of the step (every rank's summed)."""
-
-
-def compute_advantages(kind: str, rewards: list[float], group: list[int], lengths: list[int],
-                       *, eps: float = 1e-6) -> list[list[float]]:  # fmt: skip
-    """Per response token advantages of outcome rewards (the estimator registered as `kind`:
-    `advantages.register_advantage`)."""
-    return adv_fns.token_advantages(kind, rewards, group, lengths, eps=eps)
 
 
 class GRPOStep:
@@ -89,7 +82,7 @@ class GRPOStep:
     def __call__(self, records: list[dict[str, Any]]) -> StepResult:
         rollout = self._next_rollout(records) if self.off_policy else self._sample(records)
         batch, rewards, lengths = rollout.batch, rollout.rewards, rollout.lengths
-        advantages = compute_advantages(self.rl.advantage, rewards, batch.group, lengths,
+        advantages = adv_fns.token_advantages(self.rl.advantage, rewards, batch.group, lengths,
                                         eps=self.rl.std_eps)  # fmt: skip
         keep = list(range(len(rewards)))
         if self.rl.dynamic_sampling and not all(rollout.flat):

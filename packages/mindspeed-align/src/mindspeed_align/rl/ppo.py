@@ -39,7 +39,7 @@ from torch import Tensor
 
 from mindspeed_align.reward import add_score_head
 from mindspeed_align.rl import advantages as adv_fns
-from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep, combine_results, compute_advantages
+from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep, combine_results
 from mindspeed_align.rl.losses import kl_estimate, value_loss
 from mindspeed_align.rl.weights import load_value_model
 from mindspeed_core.parallel import loss_parallel_context
@@ -196,7 +196,7 @@ class PPOStep(GRPOStep):
         scores = [[0.0] * (n - 1) + [r] for r, n in zip(rollout.rewards, rollout.lengths, strict=True)]
         # GAE fills the advantages in below; another estimator's come from the outcomes
         advantages = [[0.0] * n for n in rollout.lengths] if self.rl.advantage == "gae" else (
-            compute_advantages(self.rl.advantage, rollout.rewards, rollout.batch.group,
+            adv_fns.token_advantages(self.rl.advantage, rollout.rewards, rollout.batch.group,
                                rollout.lengths, eps=self.rl.std_eps))  # fmt: skip
         keep = list(range(len(scores)))
         micro, mismatch = self._micro_batches(rollout.batch, {"scores": scores, "advantages": advantages},
