@@ -112,6 +112,7 @@ def test_bad_inputs_are_one_line(task, capsys):
         f"--data.prompts={latin1}": "latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 13)",
         "--grpo.n=1": "grpo.n=1",
         "--parallel.pp=2": "parallel.pp=2",
+        "--grpo.ray_resources={GPU: 1}": "grpo.ray_resources needs grpo.placement=ray",
         "--grpo.loss_agg=sum": "grpo.loss_agg='sum'",
         "--grpo.rollout_kv_mb=0.001": "grpo.rollout_kv_mb: rollout KV budget of 0.001 MiB",
         "--grpo.rewards=[nosuch.module:f]": "nosuch.module:f",
