@@ -24,9 +24,9 @@ model (rollout, reference, critic, trainer) the run's `ray_resources` (`{GPU: 1}
 num_gpus, `{NPU: 1}` or any other key as a custom resource), so a GPU or NPU cluster gives
 each role its device; each role's log line says what Ray assigned it.
 
-Both kinds of role answer the same calls (`sync_weights()`, `generate(prompts, cfg,
-seed=)`, `submit(batches, T)()`, `rewards(prompts, completions, columns)`, and the critic's
-`values(batches)` and `critic(mini, schedule=)`), so the step does not know where they run.
+Both kinds of role implement the protocols declared in `roles.py` (`Rollout`, `Reference`,
+`RewardScorer`, `Critic`; `tests/test_roles.py` checks each, method by method), so the
+step does not know where they run.
 """
 
 from __future__ import annotations
