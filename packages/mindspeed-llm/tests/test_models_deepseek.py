@@ -18,7 +18,7 @@ from mindspeed_llm.data.collate import lm_batch
 from mindspeed_llm.generation import GenerationConfig, generate
 from mindspeed_llm.models import Transformer, TransformerConfig, build_model_config, get_model_spec
 from mindspeed_llm.models.common.layout import LayoutError, check_layout
-from mindspeed_llm.models.common.moe import moe_aux_loss
+from mindspeed_llm.models.common.moe_stats import moe_aux_loss
 from mindspeed_llm.models.common.mtp import mtp_loss
 from mindspeed_llm.train.build import build_model, build_train_parts
 from mindspeed_llm.train.objectives import NextToken

@@ -293,7 +293,7 @@ def test_published_flavors_have_the_model_cards_sizes(family, flavor, total, act
     """The model cards' round sizes (billions, MTP modules left out; active: the experts a
     token uses plus attention and dense blocks, without the embedding and head), so a
     mistyped width or count shows."""
-    from mindspeed_llm.models.common.moe import active_params
+    from mindspeed_llm.models.common.moe_stats import active_params
 
     spec = get_model_spec(family)
     with torch.device("meta"):

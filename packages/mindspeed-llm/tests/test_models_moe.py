@@ -8,13 +8,8 @@ import transformers
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.models import Transformer, TransformerConfig, build_model_config, get_model_spec
-from mindspeed_llm.models.common.moe import (
-    LoadTracker,
-    MoE,
-    load_balancing_loss,
-    moe_aux_loss,
-    moe_layers,
-)
+from mindspeed_llm.models.common.moe import MoE, load_balancing_loss
+from mindspeed_llm.models.common.moe_stats import LoadTracker, moe_aux_loss, moe_layers
 
 ATOL = 1e-5
 TINY = {

@@ -22,7 +22,7 @@ from mindspeed_core.parallel import (
 from mindspeed_core.testing import run_distributed
 from mindspeed_llm.models import build_model_config, get_model_spec
 from mindspeed_llm.models.common.layout import check_layout
-from mindspeed_llm.models.common.moe import LoadTracker, moe_aux_loss
+from mindspeed_llm.models.common.moe_stats import LoadTracker, moe_aux_loss
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
 BATCH, SEQ = 4, 16

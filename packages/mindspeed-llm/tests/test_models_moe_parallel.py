@@ -14,7 +14,7 @@ from mindspeed_core.optim import build_optimizers, clip_grad_norm_
 from mindspeed_core.parallel import ParallelDims
 from mindspeed_core.testing import run_distributed
 from mindspeed_llm.models import build_model_config, get_model_spec
-from mindspeed_llm.models.common.moe import active_params, moe_aux_loss
+from mindspeed_llm.models.common.moe_stats import active_params, moe_aux_loss
 
 RTOL = 1e-4
 STEPS = 3

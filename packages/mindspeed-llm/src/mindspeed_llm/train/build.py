@@ -31,7 +31,7 @@ from mindspeed_core.optim import (
 from mindspeed_core.parallel import ParallelConfig, ParallelDims, PipelineParts
 from mindspeed_core.training import flops_per_token, set_seed
 from mindspeed_llm.models import TransformerConfig, build_model_config, get_model_spec
-from mindspeed_llm.models.common.moe import LoadTracker, active_params
+from mindspeed_llm.models.common.moe_stats import LoadTracker, active_params
 from mindspeed_llm.models.common.parallelize import ModelHook
 from mindspeed_llm.models.hf_io import check_hf_weights, read_hf_config
 from mindspeed_llm.models.startup import base_shapes, build_meta, fill_parts

@@ -41,7 +41,7 @@ from mindspeed_llm.data.collate import (
     split_batch,
     to_device,
 )
-from mindspeed_llm.models.common.moe import moe_aux_loss
+from mindspeed_llm.models.common.moe_stats import moe_aux_loss
 from mindspeed_llm.models.common.mtp import take_mtp_loss
 from mindspeed_llm.models.common.parallelize import tied_embedding_grads
 from mindspeed_llm.train.build import TrainParts
