@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import mindspeed_ops as mo
+from mindspeed_ops import attention_dispatch as dispatch
 from mindspeed_ops import attention_kernels as kernels
 from mindspeed_ops import cpu_ext
 
@@ -189,47 +190,47 @@ def test_kernel_choice_per_device_and_case():
     q = torch.zeros(4, 4, 16)
     v_latent = torch.zeros(4, 4, 8)
     built = cpu_ext.load() is not None
-    assert kernels.choose("cpu", q, q, NO_WINDOW, 0.0, None) == ("cpu_flash" if built else
+    assert dispatch.choose("cpu", q, q, NO_WINDOW, 0.0, None) == ("cpu_flash" if built else
                                                                   "torch_flash")  # fmt: skip
-    assert kernels.choose("cpu", q.double(), q.double(), NO_WINDOW, 0.0, None) == "torch_flash"
-    assert kernels.choose("cpu", q.double(), q.double(), 8, 0.0, None) == "composed"
+    assert dispatch.choose("cpu", q.double(), q.double(), NO_WINDOW, 0.0, None) == "torch_flash"
+    assert dispatch.choose("cpu", q.double(), q.double(), 8, 0.0, None) == "composed"
     half = q.half()
-    assert kernels.choose("cuda", half, half, 8, 0.0, None) == "cuda_flash"
-    assert kernels.choose("cuda", half, v_latent.half(), NO_WINDOW, 0.0, None) == "cuda_flash"
-    assert kernels.choose("cuda", half, half, NO_WINDOW, 30.0, None) in ("flex", "composed")
+    assert dispatch.choose("cuda", half, half, 8, 0.0, None) == "cuda_flash"
+    assert dispatch.choose("cuda", half, v_latent.half(), NO_WINDOW, 0.0, None) == "cuda_flash"
+    assert dispatch.choose("cuda", half, half, NO_WINDOW, 30.0, None) in ("flex", "composed")
     narrow = torch.empty(4, 2, 8)  # flex_attention refuses heads under 16 channels
-    assert kernels.choose("cuda", narrow, narrow, NO_WINDOW, 30.0, None) == "composed"
-    assert kernels.choose("npu", half, half, 8, 0.0, None) == "npu_fusion"
-    assert kernels.choose("npu", half, half, 8, 30.0, None) == "composed"
+    assert dispatch.choose("cuda", narrow, narrow, NO_WINDOW, 30.0, None) == "composed"
+    assert dispatch.choose("npu", half, half, 8, 0.0, None) == "npu_fusion"
+    assert dispatch.choose("npu", half, half, 8, 30.0, None) == "composed"
 
 
 def test_each_refused_kernel_says_why():
     """Cases a CUDA or NPU kernel cannot take, asked on CPU: each refusal names its reason,
     `dispatch` lists the refusals of the kernels faster than the one it picks."""
-    case = kernels.Case("cuda", torch.float32, 64, 64, NO_WINDOW, 0.0, False)
-    assert "fp16 or bf16, not float32" in kernels.SUPPORTS["cuda_flash"](case)
-    assert "at most 256 channels" in kernels.SUPPORTS["cuda_flash"](case._replace(dtype=torch.bfloat16, head_dim=320))
-    assert "soft cap" in kernels.SUPPORTS["cuda_flash"](case._replace(softcap=30.0))
-    assert "multiple of 16" in kernels.SUPPORTS["flex"](case._replace(head_dim=8, v_dim=8))
+    case = dispatch.Case("cuda", torch.float32, 64, 64, NO_WINDOW, 0.0, False)
+    assert "fp16 or bf16, not float32" in dispatch.SUPPORTS["cuda_flash"](case)
+    assert "at most 256 channels" in dispatch.SUPPORTS["cuda_flash"](case._replace(dtype=torch.bfloat16, head_dim=320))
+    assert "soft cap" in dispatch.SUPPORTS["cuda_flash"](case._replace(softcap=30.0))
+    assert "multiple of 16" in dispatch.SUPPORTS["flex"](case._replace(head_dim=8, v_dim=8))
     npu = case._replace(device="npu", dtype=torch.bfloat16)
-    assert kernels.SUPPORTS["npu_fusion"](npu) is None
-    assert "soft cap" in kernels.SUPPORTS["npu_fusion"](npu._replace(softcap=30.0))
-    assert "as wide as the keys" in kernels.SUPPORTS["npu_fusion"](npu._replace(v_dim=32))
-    assert kernels.SUPPORTS["cpu_flash"](npu) == "runs on CPU only"
-    kernel, refused = kernels.dispatch(npu._replace(softcap=30.0))
+    assert dispatch.SUPPORTS["npu_fusion"](npu) is None
+    assert "soft cap" in dispatch.SUPPORTS["npu_fusion"](npu._replace(softcap=30.0))
+    assert "as wide as the keys" in dispatch.SUPPORTS["npu_fusion"](npu._replace(v_dim=32))
+    assert dispatch.SUPPORTS["cpu_flash"](npu) == "runs on CPU only"
+    kernel, refused = dispatch.dispatch(npu._replace(softcap=30.0))
     assert kernel == "composed" and list(refused) == ["npu_fusion"]
-    kernel, refused = kernels.dispatch(case._replace(dtype=torch.float16, head_dim=8, v_dim=8, softcap=5.0))
+    kernel, refused = dispatch.dispatch(case._replace(dtype=torch.float16, head_dim=8, v_dim=8, softcap=5.0))
     assert kernel == "composed" and set(refused) == {"cuda_flash", "flex"}
-    assert "fp64" in kernels.SUPPORTS["cpu_flash"](case._replace(device="cpu", dtype=torch.float64))
+    assert "fp64" in dispatch.SUPPORTS["cpu_flash"](case._replace(device="cpu", dtype=torch.float64))
 
 
 def test_the_choice_is_logged_once_per_case_and_every_call_when_asked(caplog, monkeypatch):
     q = torch.zeros(4, 2, 16, dtype=torch.float64)
-    monkeypatch.setattr(kernels, "_explained", set())
+    monkeypatch.setattr(dispatch, "_explained", set())
     monkeypatch.delenv("MINDSPEED_ATTENTION_DEBUG", raising=False)
     with caplog.at_level("INFO", logger="mindspeed.ops.attention"):
         for _ in range(3):
-            kernels.choose("cpu", q, q, 8, 0.0, None)  # fp64 with a window: composed
+            dispatch.choose("cpu", q, q, 8, 0.0, None)  # fp64 with a window: composed
     lines = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert len(lines) == 1 and "composed" in lines[0], lines
     assert "cpu_flash: takes fp32, bf16 or fp16, not fp64" in lines[0], lines
@@ -238,7 +239,7 @@ def test_the_choice_is_logged_once_per_case_and_every_call_when_asked(caplog, mo
     monkeypatch.setenv("MINDSPEED_ATTENTION_DEBUG", "1")
     with caplog.at_level("INFO", logger="mindspeed.ops.attention"):
         for _ in range(3):
-            kernels.choose("cpu", q, q, 8, 0.0, None)
+            dispatch.choose("cpu", q, q, 8, 0.0, None)
     assert len([r for r in caplog.records if r.levelname == "INFO"]) == 3
 
 

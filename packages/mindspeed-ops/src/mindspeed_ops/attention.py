@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mindspeed_ops import attention_dispatch
 from mindspeed_ops import attention_kernels as kernels
 from mindspeed_ops.attention_kernels import NO_WINDOW, default_scale
 from mindspeed_ops.backends import eager_inference, resolve_impl
@@ -155,11 +156,11 @@ def _backward(ctx, dout, dlse):
     # With sinks, out and lse already include them: the kernels' backward from these merged
     # statistics gives exact dq, dk, dv (a sink is one more key whose value is 0).
     causal, window, softcap, scale, kernel = ctx.options
-    kernel = kernel if sinks is None else kernels.from_statistics(kernel)
+    kernel = kernel if sinks is None else attention_dispatch.from_statistics(kernel)
     # A recomputing kernel differentiates its own forward with autograd, which a custom op's
     # body cannot record (autograd is dispatched below there), so it runs here instead.
     args = (dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal, window, softcap, scale)
-    if kernel in kernels.RECOMPUTING:
+    if kernel in attention_dispatch.RECOMPUTING:
         dq, dk, dv = kernels.backward(kernel, *args)
     else:
         dq, dk, dv = _attention_bwd(*args, kernel)
@@ -327,7 +328,7 @@ def attention(
     qp, kp, vp, cu_q, cu_k = _packed(q, k, v, cu_seqlens, cu_seqlens_k)
     window_arg = NO_WINDOW if window is None else window
     cap = float(softcap or 0.0)
-    kernel = kernels.choose(backend, qp, vp, window_arg, cap, offsets)
+    kernel = attention_dispatch.choose(backend, qp, vp, window_arg, cap, offsets)
     args = (qp.contiguous(), kp.contiguous(), vp.contiguous(), cu_q, cu_k, offsets, causal,
             window_arg, cap, scale, kernel)  # fmt: skip
     if eager_inference(q, k, v, sinks):  # no autograd wanted: skip the custom op's dispatch
@@ -375,7 +376,7 @@ def attention_backward(
     window_arg = NO_WINDOW if window is None else window
     cap = float(softcap or 0.0)
     kernel = "composed" if backend == "reference" else (
-        kernels.from_statistics(kernels.choose(backend, q, v, window_arg, cap, offsets))
+        attention_dispatch.from_statistics(attention_dispatch.choose(backend, q, v, window_arg, cap, offsets))
     )
     cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     grads = kernels.backward(

@@ -17,16 +17,14 @@ Kernels, by name:
   score modifier; its backward recomputes the forward under autograd. CUDA.
 - "npu_fusion": torch_npu's npu_fusion_attention in TND layout with actual_seq_qlen/kvlen.
 - "composed": plain torch per document (fp32 scores of one document): the fallback.
+
+Which kernel runs a call, and why the faster ones were refused, is `attention_dispatch.py`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-from collections.abc import Callable
 from functools import cache
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,152 +33,8 @@ from torch import Tensor
 from mindspeed_ops import cpu_ext
 from mindspeed_ops.validate import host_values
 
-logger = logging.getLogger("mindspeed.ops.attention")
-
 NO_WINDOW = -1
 KERNELS = ("cpu_flash", "torch_flash", "cuda_flash", "flex", "npu_fusion", "composed")
-
-
-class Case(NamedTuple):
-    """What decides which kernel can run a call (a named tuple: torch.compile traces it)."""
-
-    device: str
-    """"cpu", "cuda" or "npu"."""
-    dtype: torch.dtype
-    head_dim: int
-    """Of the queries and keys."""
-    v_dim: int
-    """Of the values."""
-    window: int
-    """NO_WINDOW or the sliding window's length."""
-    softcap: float
-    """0.0: none."""
-    offsets: bool
-    """Per-document query offsets are given (context parallel's ring chunks)."""
-
-    @classmethod
-    def of(cls, device: str, q: Tensor, v: Tensor, window: int, softcap: float, offsets) -> Case:
-        return cls(device, q.dtype, q.shape[-1], v.shape[-1], window, softcap, offsets is not None)
-
-
-def _on(case: Case, device: str) -> str | None:
-    return None if case.device == device else f"runs on {device.upper()} only"
-
-
-def _supports_cpu_flash(case: Case) -> str | None:
-    if (why := _on(case, "cpu")) is not None:
-        return why
-    if case.dtype == torch.float64:
-        return "takes fp32, bf16 or fp16, not fp64"
-    return None if cpu_ext.available() else "our C++ kernels are not built on this machine"
-
-
-def _supports_torch_flash(case: Case) -> str | None:
-    if (why := _on(case, "cpu")) is not None:
-        return why
-    if case.softcap or case.offsets:
-        return "takes no soft cap and no query offsets"
-    if case.window != NO_WINDOW:
-        return "takes no sliding window"
-    return None if case.v_dim == case.head_dim else "takes values only as wide as the keys"
-
-
-def _supports_cuda_flash(case: Case) -> str | None:
-    if (why := _on(case, "cuda")) is not None:
-        return why
-    if case.softcap or case.offsets:
-        return "takes no soft cap and no query offsets"
-    if case.dtype not in (torch.float16, torch.bfloat16):
-        return f"takes fp16 or bf16, not {str(case.dtype).removeprefix('torch.')}"
-    if case.head_dim > 256 or case.head_dim % 8:
-        return f"takes heads of at most 256 channels, a multiple of 8 (not {case.head_dim})"
-    if case.v_dim > case.head_dim:
-        return "takes values at most as wide as the keys"
-    if "window_size" not in _varlen_arguments():
-        return "needs torch >= 2.11 (varlen attention with a window)"
-    return None
-
-
-def _supports_flex(case: Case) -> str | None:
-    # torch's flex_attention lowers only heads of at least 16 channels (seen on an H200,
-    # torch 2.11: "NYI: embedding dimension ... must be at least 16"), and its decoding
-    # kernel found no config for 20 channels with 8 query heads on one kv head and 17
-    # queries: multiples of 16 only.
-    if (why := _on(case, "cuda")) is not None:
-        return why
-    if not all(d >= 16 and d % 16 == 0 for d in (case.head_dim, case.v_dim)):
-        return f"takes heads of a multiple of 16 channels (not {case.head_dim}/{case.v_dim})"
-    return None if _flex() is not None else "FlexAttention is not available in this torch"
-
-
-def _supports_npu_fusion(case: Case) -> str | None:
-    if (why := _on(case, "npu")) is not None:
-        return why
-    if case.softcap or case.offsets:
-        return "takes no soft cap and no query offsets"
-    return None if case.v_dim == case.head_dim else "takes values only as wide as the keys"
-
-
-SUPPORTS: dict[str, Callable[[Case], str | None]] = {
-    "cpu_flash": _supports_cpu_flash,
-    "torch_flash": _supports_torch_flash,
-    "cuda_flash": _supports_cuda_flash,
-    "flex": _supports_flex,
-    "npu_fusion": _supports_npu_fusion,
-    "composed": lambda case: None,
-}
-"""Per kernel: `supports(case)` -> None (it runs the case) or why it cannot."""
-
-PREFERENCE = {
-    "cpu": ("cpu_flash", "torch_flash", "composed"),
-    "cuda": ("cuda_flash", "flex", "composed"),
-    "npu": ("npu_fusion", "composed"),
-}
-"""Per device, the kernels fastest first; the first that supports a case runs it."""
-
-_explained: set[tuple[Case, str]] = set()
-
-
-def dispatch(case: Case) -> tuple[str, dict[str, str]]:
-    """The kernel for `case` and why each faster one was refused."""
-    refused: dict[str, str] = {}
-    for name in PREFERENCE.get(case.device, ("composed",)):
-        why = SUPPORTS[name](case)
-        if why is None:
-            return name, refused
-        refused[name] = why
-    return "composed", refused
-
-
-def choose(device: str, q: Tensor, v: Tensor, window: int, softcap: float, offsets) -> str:
-    """The kernel for a call on `device` ("cpu", "cuda" or "npu"), logged once per case with
-    the reason each faster kernel was refused (info when one was, else debug; every call at
-    info with MINDSPEED_ATTENTION_DEBUG=1)."""
-    case = Case.of(device, q, v, window, softcap, offsets)
-    kernel, refused = dispatch(case)
-    if not torch.compiler.is_compiling():
-        every = os.environ.get("MINDSPEED_ATTENTION_DEBUG", "") not in ("", "0")
-        if every or (case, kernel) not in _explained:
-            _explained.add((case, kernel))
-            why = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
-            # a fall-back is worth a line; the fastest kernel running says so at debug level
-            logger.log(logging.INFO if every or refused else logging.DEBUG,
-                       "attention %s %s, heads %d/%d, window %d, softcap %g, offsets %s: %s%s",
-                       case.device, str(case.dtype).removeprefix("torch."), case.head_dim, case.v_dim,
-                       case.window, case.softcap, case.offsets, kernel,
-                       f" (refused: {why})" if why else "")  # fmt: skip
-    return kernel
-
-
-RECOMPUTING = ("flex", "npu_fusion")
-"""Kernels whose backward recomputes the forward and ignores the given out and lse: right
-only for their own forward's statistics, so a backward from merged ones (context parallel's
-ring blocks, attention sinks) takes the composed kernel instead."""
-
-
-def from_statistics(kernel: str) -> str:
-    """The kernel whose backward honours given (merged) out and lse, for `kernel`."""
-    return "composed" if kernel in RECOMPUTING else kernel
 
 
 def forward(kernel, q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale):
@@ -282,7 +136,7 @@ def _pad_to(t: Tensor, width: int) -> Tensor:
 
 
 @cache
-def _varlen_arguments() -> frozenset[str]:
+def varlen_arguments() -> frozenset[str]:
     """The argument names of torch's varlen flash op; empty where this torch has none."""
     try:
         import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn)
@@ -312,7 +166,7 @@ def _cuda_flash_fwd(q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale
     max_q, max_k = _longest(cu_q), _longest(cu_k)
     # Newer torch (2.14 here) asks for enable_gqa; 2.11's op has no such argument and takes
     # GQA as is (its flash kernel reads each kv head for its group of query heads).
-    gqa = {"enable_gqa": k.shape[1] != q.shape[1]} if "enable_gqa" in _varlen_arguments() else {}
+    gqa = {"enable_gqa": k.shape[1] != q.shape[1]} if "enable_gqa" in varlen_arguments() else {}
     out, lse, _ = torch.ops.torch_attn._varlen_attn(
         q, k, _pad_to(v, q.shape[-1]), cu_q32, cu_k32, max_q, max_k, is_causal, scale,
         window_size, **gqa,
@@ -340,7 +194,7 @@ def _cuda_flash_bwd(dout, dlse, q, k, v, out, lse, cu_q, cu_k, offsets, causal, 
 
 
 @cache
-def _flex():
+def flex_module():
     """The compiled flex_attention, or None where this torch has none."""
     try:
         from torch.nn.attention.flex_attention import flex_attention
@@ -381,9 +235,11 @@ def flex_run(q, k, v, cu_q, cu_k, offsets, causal, window, softcap, scale, *, ls
                              device=q.device)  # fmt: skip
     score_mod = None
     if softcap:
+
         def score_mod(score, b, h, i, j):  # noqa: E306
             return softcap * torch.tanh(score / softcap)
-    result = _flex()(
+
+    result = flex_module()(
         *(_heads_first(t) for t in (q, k, v)), score_mod=score_mod, block_mask=mask,
         scale=scale, enable_gqa=k.shape[1] != q.shape[1], return_lse=lse,
     )  # fmt: skip
@@ -543,4 +399,13 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-__all__ = ["KERNELS", "NO_WINDOW", "allowed", "backward", "choose", "default_scale", "forward"]
+__all__ = [
+    "KERNELS",
+    "NO_WINDOW",
+    "allowed",
+    "backward",
+    "default_scale",
+    "flex_module",
+    "forward",
+    "varlen_arguments",
+]
