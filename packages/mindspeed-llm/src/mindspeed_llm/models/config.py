@@ -16,12 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from mindspeed_core.errors import ConfigError
+from mindspeed_llm.models.config_checks import check_families, check_positive_int
 from mindspeed_llm.models.hf_format import format_of_family, format_of_model_type, model_types
 
-_ROUTER_SCORES = ("softmax", "sigmoid")
-_GROUP_SCORES = ("top2_sum", "max")
 _OPS_IMPLS = ("auto", "reference", "cpu", "cuda", "npu")
-_ACTS = ("silu", "gelu_tanh")
 _QK_NORM_SCOPES = ("head", "all")
 
 ROPE_SCALING = {
@@ -250,8 +248,8 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads"):
-            _check_positive_int(name, getattr(self, name))
-        _check_positive_int("vocab_divisible_by", self.vocab_divisible_by)
+            check_positive_int(name, getattr(self, name))
+        check_positive_int("vocab_divisible_by", self.vocab_divisible_by)
         if self.padded_vocab_size is not None and (
             not isinstance(self.padded_vocab_size, int) or self.padded_vocab_size < self.vocab_size
         ):
@@ -261,7 +259,7 @@ class TransformerConfig:
             )
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
-        _check_positive_int("num_kv_heads", self.num_kv_heads)
+        check_positive_int("num_kv_heads", self.num_kv_heads)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
@@ -273,15 +271,15 @@ class TransformerConfig:
                     "(or set head_dim)"
                 )
             self.head_dim = self.hidden_size // self.num_heads
-        _check_positive_int("head_dim", self.head_dim)
+        check_positive_int("head_dim", self.head_dim)
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
-        _check_positive_int("max_position_embeddings", self.max_position_embeddings)
+        check_positive_int("max_position_embeddings", self.max_position_embeddings)
         for name in ("rope_theta", "norm_eps", "init_std"):
             if not isinstance(getattr(self, name), int | float) or getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive number")
         if self.sliding_window is not None:
-            _check_positive_int("sliding_window", self.sliding_window)
+            check_positive_int("sliding_window", self.sliding_window)
         if self.rotary_dim is not None and (
             not isinstance(self.rotary_dim, int)
             or not 0 < self.rotary_dim <= self.head_dim
@@ -299,188 +297,7 @@ class TransformerConfig:
         if not isinstance(self.family, str) or not self.family:
             raise ConfigError(f"family={self.family!r} must be a non-empty string")
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
-        self._check_gemma()
-        self._check_moe()
-        self._check_mla()
-        self._check_gpt_oss()
-        self._check_linear_attention()
-        self._check_sparse_attention()
-
-    def _check_linear_attention(self) -> None:
-        self.linear_attention_layers = tuple(self.linear_attention_layers)
-        if not self.linear_attention_layers:
-            return
-        bad = [i for i in self.linear_attention_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ConfigError(f"linear_attention_layers {bad} are not blocks of {self.num_layers}")
-        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                     "linear_value_head_dim", "linear_conv_kernel_dim"):  # fmt: skip
-            _check_positive_int(name, getattr(self, name))
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ConfigError(
-                f"linear_num_key_heads={self.linear_num_key_heads} must divide "
-                f"linear_num_value_heads={self.linear_num_value_heads}"
-            )
-        if self.kv_lora_rank is not None:
-            raise ConfigError("linear_attention_layers are not supported with kv_lora_rank")
-
-    def _check_sparse_attention(self) -> None:
-        if not isinstance(self.index_topk, int) or self.index_topk < 0:
-            raise ConfigError(f"index_topk={self.index_topk!r} must be an integer >= 0")
-        if not isinstance(self.index_loss_scale, int | float) or self.index_loss_scale < 0:
-            raise ConfigError(f"index_loss_scale={self.index_loss_scale!r} must be a number >= 0")
-        if not self.index_topk:
-            return
-        if self.kv_lora_rank is None or self.q_lora_rank is None:
-            raise ConfigError("index_topk (DeepSeek sparse attention) needs latent attention "
-                              "with a low-rank query (kv_lora_rank and q_lora_rank)")  # fmt: skip
-        _check_positive_int("index_n_heads", self.index_n_heads)
-        _check_positive_int("index_head_dim", self.index_head_dim)
-        if self.index_head_dim <= self.qk_rope_head_dim:
-            raise ConfigError(
-                f"index_head_dim={self.index_head_dim} must exceed qk_rope_head_dim="
-                f"{self.qk_rope_head_dim} (the indexer rotates that many of its channels)"
-            )
-
-    def _check_gpt_oss(self) -> None:
-        if self.swiglu_limit is not None and (
-            not isinstance(self.swiglu_limit, int | float) or self.swiglu_limit <= 0
-        ):
-            raise ConfigError(f"swiglu_limit={self.swiglu_limit!r} must be a positive number or None")
-        if not isinstance(self.swiglu_alpha, int | float) or self.swiglu_alpha <= 0:
-            raise ConfigError(f"swiglu_alpha={self.swiglu_alpha!r} must be a positive number")
-        for name in ("router_bias", "expert_bias", "swiglu_limit"):
-            if getattr(self, name) not in (None, False) and not self.num_experts:
-                raise ConfigError(f"{name} needs routed experts (num_experts > 0)")
-        if self.kv_lora_rank is not None and (self.attention_sinks or self.attention_out_bias):
-            name = "attention_sinks" if self.attention_sinks else "attention_out_bias"
-            raise ConfigError(f"{name} is not supported with kv_lora_rank (latent attention)")
-
-    def _check_gemma(self) -> None:
-        if self.hidden_act not in _ACTS:
-            raise ConfigError(f"hidden_act={self.hidden_act!r} must be one of {_ACTS}")
-        for name in (
-            "query_pre_attn_scalar",
-            "attn_logit_softcapping",
-            "final_logit_softcapping",
-            "local_rope_theta",
-        ):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int | float) or value <= 0):
-                raise ConfigError(f"{name}={value!r} must be a positive number or None")
-        self.full_attention_layers = tuple(self.full_attention_layers)
-        bad = [i for i in self.full_attention_layers if not 0 <= i < self.num_layers]
-        if bad:
-            raise ConfigError(f"full_attention_layers {bad} are not blocks of {self.num_layers}")
-
-    def _check_moe(self) -> None:
-        if not isinstance(self.num_experts, int) or self.num_experts < 0:
-            raise ConfigError(f"num_experts={self.num_experts!r} must be a non-negative integer")
-        self.mlp_only_layers = tuple(self.mlp_only_layers)
-        if not self.num_experts:
-            return
-        _check_positive_int("num_experts_per_tok", self.num_experts_per_tok)
-        if self.num_experts_per_tok > self.num_experts:
-            raise ConfigError(
-                f"num_experts_per_tok={self.num_experts_per_tok} exceeds "
-                f"num_experts={self.num_experts}"
-            )
-        if self.moe_intermediate_size is None:
-            self.moe_intermediate_size = self.intermediate_size
-        _check_positive_int("moe_intermediate_size", self.moe_intermediate_size)
-        _check_positive_int("decoder_sparse_step", self.decoder_sparse_step)
-        if self.router_score not in _ROUTER_SCORES:
-            raise ConfigError(f"router_score={self.router_score!r} must be one of {_ROUTER_SCORES}")
-        if self.router_bias_update_rate and self.router_score != "sigmoid":
-            raise ConfigError(
-                f"router_bias_update_rate={self.router_bias_update_rate} needs "
-                "router_score='sigmoid'"
-            )
-        if self.router_aux_loss_scope not in ("model", "layer"):
-            raise ConfigError(
-                f"router_aux_loss_scope={self.router_aux_loss_scope!r} must be 'model' or 'layer'"
-            )
-        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_bias_update_rate"):
-            if not isinstance(getattr(self, name), int | float) or getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be a number >= 0")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ConfigError(f"capacity_factor={self.capacity_factor!r} must be > 0 or None")
-        self._check_expert_groups()
-
-    def _check_expert_groups(self) -> None:
-        _check_positive_int("num_expert_groups", self.num_expert_groups)
-        _check_positive_int("topk_expert_groups", self.topk_expert_groups)
-        groups, chosen = self.num_expert_groups, self.topk_expert_groups
-        if self.num_experts % groups:
-            raise ConfigError(
-                f"num_expert_groups={groups} must divide num_experts={self.num_experts}"
-            )
-        if chosen > groups:
-            raise ConfigError(f"topk_expert_groups={chosen} exceeds num_expert_groups={groups}")
-        if self.expert_group_score not in _GROUP_SCORES:
-            raise ConfigError(
-                f"expert_group_score={self.expert_group_score!r} must be one of {_GROUP_SCORES}"
-            )
-        top2 = self.expert_group_score == "top2_sum"
-        if groups > 1 and top2 and self.router_score != "sigmoid":
-            raise ConfigError(
-                f"num_expert_groups={groups} with expert_group_score='top2_sum' needs "
-                "router_score='sigmoid'"
-            )
-        if groups > 1 and top2 and self.num_experts // groups < 2:
-            raise ConfigError(
-                f"num_expert_groups={groups} leaves fewer than 2 experts per group "
-                f"(num_experts={self.num_experts}); a group's score sums its best two"
-            )
-        if chosen * (self.num_experts // groups) < self.num_experts_per_tok:
-            raise ConfigError(
-                f"topk_expert_groups={chosen} groups of {self.num_experts // groups} experts "
-                f"hold fewer than num_experts_per_tok={self.num_experts_per_tok}"
-            )
-        if not isinstance(self.routed_scaling_factor, int | float) or not (
-            self.routed_scaling_factor > 0
-        ):
-            raise ConfigError(
-                f"routed_scaling_factor={self.routed_scaling_factor!r} must be a positive number"
-            )
-
-    def _check_mla(self) -> None:
-        mla = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        if self.kv_lora_rank is None:
-            others = [n for n in ("q_lora_rank", *mla) if getattr(self, n) is not None]
-            if others or self.rope_interleaved:
-                raise ConfigError(
-                    f"{(others or ['rope_interleaved'])[0]} needs kv_lora_rank (multi-head "
-                    "latent attention)"
-                )
-        else:
-            for name in ("kv_lora_rank", *mla):
-                _check_positive_int(name, getattr(self, name))
-            if self.q_lora_rank is not None:
-                _check_positive_int("q_lora_rank", self.q_lora_rank)
-            if self.v_head_dim > self.head_dim:
-                raise ConfigError(
-                    f"v_head_dim={self.v_head_dim} larger than qk_nope_head_dim + "
-                    f"qk_rope_head_dim={self.head_dim} is not supported"
-                )
-            if self.qk_rope_head_dim % 2:
-                raise ConfigError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even")
-            if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
-                raise ConfigError(
-                    f"head_dim={self.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
-                    f"{self.qk_nope_head_dim + self.qk_rope_head_dim} with kv_lora_rank"
-                )
-            if self.num_kv_heads != self.num_heads:
-                raise ConfigError(
-                    f"num_kv_heads={self.num_kv_heads} must equal num_heads={self.num_heads} "
-                    "with kv_lora_rank (latent attention expands keys for every head)"
-                )
-        if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:
-            raise ConfigError(
-                f"num_nextn_predict_layers={self.num_nextn_predict_layers!r} must be an integer >= 0"
-            )
-        if not isinstance(self.mtp_loss_scale, int | float) or self.mtp_loss_scale < 0:
-            raise ConfigError(f"mtp_loss_scale={self.mtp_loss_scale!r} must be a number >= 0")
+        check_families(self)
 
     @property
     def rope_head_dim(self) -> int:
@@ -545,9 +362,6 @@ class TransformerConfig:
         }
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
 
 
 def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
