@@ -362,8 +362,6 @@ class TransformerConfig:
         }
 
 
-
-
 def _normalise_rope_scaling(scaling: dict[str, Any] | None) -> dict[str, Any] | None:
     """Check a rope_scaling dict and fill its optional fields with transformers' defaults."""
     if scaling is None:
