@@ -31,6 +31,8 @@ LLAMA3_8B = replace(
 )
 FLAVORS = {
     "debug": debug_flavor("llama"),
+    # the debug model with heads of 32 channels (vLLM's CPU attention takes no narrower)
+    "debug-h32": debug_flavor("llama", head_dim=32),
     "llama2-7b": LLAMA2_7B,
     "llama3-8b": LLAMA3_8B,
     # meta-llama/Llama-3.1-8B: Llama 3 with llama3 RoPE scaling to 128k.
