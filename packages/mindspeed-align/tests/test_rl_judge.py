@@ -13,8 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from mindspeed_align.rl.data import demo_records
 from mindspeed_align.rl.rewards import Rewards
 from mindspeed_core.cli import run as cli
+from mindspeed_core.training import read_metrics
+from mindspeed_llm.demo import ensure_demo_data
 
 TEMPLATE = "Q: {prompt} | A: {completion} | ref: {reference} | {braces} stay"
 
@@ -22,7 +25,7 @@ TEMPLATE = "Q: {prompt} | A: {completion} | ref: {reference} | {braces} stay"
 class Stub:
     """A chat-completions endpoint whose reply to a user message is scripted: `script[key]`
     is a list of actions, one per attempt (the last repeats), where key is the text after
-    "A: " up to " |" in the message. Actions: a str (the reply's content), an int (that
+    "A: " up to " |" in the message (`script["*"]` for any other). Actions: a str (the reply's content), an int (that
     HTTP status), ("sleep", s, content), "garbage" (a body that is not a chat completion)."""
 
     def __init__(self, script: dict):
@@ -43,7 +46,7 @@ class Stub:
                     stub.in_flight += 1
                     stub.max_in_flight = max(stub.max_in_flight, stub.in_flight)
                 try:
-                    actions = stub.script[key]
+                    actions = stub.script.get(key, stub.script.get("*"))
                     self.act(actions[min(attempt, len(actions)) - 1])
                 finally:
                     with stub.lock:
@@ -180,6 +183,33 @@ def test_requests_are_in_flight_together(stub):
     assert total == pytest.approx([0.4] * 8)
     assert server.max_in_flight >= 4  # one at a time would take 4 s
     assert took < 2.5, took
+
+
+def test_a_grpo_step_sums_the_judge_into_the_reward_and_logs_its_counts(stub, tmp_path):
+    """`mindspeed grpo` with final_number and a judge (every reply "Score: 5"): one step's
+    metrics hold the judge's mean 0.5, its failure counts (0) and a reward mean that is
+    final_number's plus 0.5 x the judge's weight."""
+    server = stub({"*": ["Score: 5"]})
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in demo_records(24, seed=3)))
+    entry = f'{{judge: "{server.url}", model: m, template: "{TEMPLATE}", weight: 0.5}}'
+    code = cli([
+        "grpo", f"--data.prompts={prompts}", f"--data.tokenizer={ensure_demo_data().tokenizer}",
+        "--data.eval_prompts=4", "--data.seq_len=48", "--grpo.n=4", "--grpo.max_new_tokens=3",
+        "--grpo.reward_workers=0", f"--grpo.rewards=[final_number, {entry}]",
+        "--train.global_batch=8", "--train.micro_batch=8", "--train.steps=1",
+        "--model.ops_impl=reference", f"--logging.run_dir={tmp_path / 'run'}",
+        "--logging.log_interval=1", "--logging.progress=false", "--logging.tensorboard=false",
+    ])  # fmt: skip
+    assert code == 0
+    [step] = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert step["reward/judge"] == 0.5
+    assert step["reward/mean"] == pytest.approx(step["reward/final_number"] + 0.5 * 0.5)
+    for cause in ("http_error", "timeout", "unparsed"):
+        assert step[f"reward/failures/judge/{cause}"] == 0
+    assert step["reward/failures"] == 0
+    # the step's 8 samples; before and after training, 4 held-out prompts greedy and 4 x 4 sampled
+    assert len(server.bodies) == 8 + 2 * (4 + 4 * 4)
 
 
 BAD_ENTRIES = {
