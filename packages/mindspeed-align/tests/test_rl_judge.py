@@ -10,12 +10,16 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
+from mindspeed_align.rl.config import GRPOConfig
 from mindspeed_align.rl.data import demo_records
-from mindspeed_align.rl.rewards import Rewards
+from mindspeed_align.rl.judge import DEFAULT_SCORE_REGEX
+from mindspeed_align.rl.rewards import Rewards, reward_entries
 from mindspeed_core.cli import run as cli
+from mindspeed_core.config import config_from_args
 from mindspeed_core.training import read_metrics
 from mindspeed_llm.demo import ensure_demo_data
 
@@ -244,3 +248,20 @@ def test_a_bad_judge_entry_in_a_yaml_config_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err, err
     assert "grpo.rewards[1]: unknown key 'modl'; did you mean 'model'?" in err
+
+
+def test_the_readme_example_config_parses(tmp_path):
+    """mindspeed-align's README shows a judge and a code entry: they load as written, and its
+    regex is the default it says it is."""
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    block = readme.read_text().split("```yaml\ngrpo:\n  rewards:", 1)[1].split("```", 1)[0]
+    (tmp_path / "run.yaml").write_text("grpo:\n  rewards:" + block)
+    cfg = config_from_args(GRPOConfig, ["--config", str(tmp_path / "run.yaml")])
+    rule, judge, code = reward_entries(cfg.grpo.rewards)
+    assert rule == "final_number" and judge.score_regex == DEFAULT_SCORE_REGEX
+    assert (judge.weight, judge.columns(), code.columns(), code.score) == (
+        0.5,
+        ["answer"],
+        ["tests"],
+        "all",
+    )
