@@ -12,6 +12,7 @@ import pytest
 from mindspeed_align.rl.code_reward import last_code_block
 from mindspeed_align.rl.rewards import Rewards, required_columns
 from mindspeed_core.cli import run as cli
+from mindspeed_core.errors import DataError
 
 TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(0, 0) == 0"]
 
@@ -59,7 +60,7 @@ def test_fraction_a_test_program_the_last_block_and_an_early_exit():
     assert last_code_block(two_blocks) == "add = lambda a, b: a + b\n"
 
 
-def test_a_tests_field_of_the_wrong_type_is_a_counted_failure_and_the_field_is_required():
+def test_a_tests_field_of_the_wrong_type_is_a_counted_failure_and_a_missing_one_is_named():
     rewards = Rewards(["exact_match", {"code": "tests"}], workers=0)
     try:
         total, metrics = rewards(["p"], [_reply("return a + b")], {"tests": [42], "answer": ["x"]})
@@ -67,6 +68,11 @@ def test_a_tests_field_of_the_wrong_type_is_a_counted_failure_and_the_field_is_r
         rewards.close()
     assert total == [0.0] and metrics["reward/failures/code/error"] == 1
     assert metrics["reward/failures"] == 1
+    rewards = Rewards([{"code": "tests"}], workers=0)
+    with pytest.raises(
+        DataError, match=r"grpo.rewards\[0\]: the prompt records have no 'tests' field"
+    ):
+        rewards(["p"], [_reply("return a + b")], {"answer": ["x"]})
     assert required_columns(["exact_match", {"code": "tests"}]) == {"answer": "exact_match",
                                                                      "tests": "code"}  # fmt: skip
 

@@ -20,6 +20,7 @@ from mindspeed_align.rl.judge import DEFAULT_SCORE_REGEX
 from mindspeed_align.rl.rewards import Rewards, reward_entries
 from mindspeed_core.cli import run as cli
 from mindspeed_core.config import config_from_args
+from mindspeed_core.errors import DataError
 from mindspeed_core.training import read_metrics
 from mindspeed_llm.demo import ensure_demo_data
 
@@ -150,6 +151,8 @@ def test_scores_are_parsed_normalised_and_weighted_and_the_body_is_exact(stub, m
         "max_tokens": 64,
     }  # fmt: skip
     assert all(h["authorization"] == "Bearer sekrit" for h in server.headers)
+    with pytest.raises(DataError, match=r"grpo.rewards\[0\].template reads \{reference\}, but"):
+        Rewards([entry], workers=0)(["p"], ["seven"], {})  # no "answer" column
 
 
 def test_a_500_is_retried_a_400_is_not_and_a_timeout_scores_0(stub):

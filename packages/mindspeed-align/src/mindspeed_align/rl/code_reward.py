@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
-from mindspeed_core.errors import ConfigError
+from mindspeed_core.errors import ConfigError, DataError
 from mindspeed_core.sandbox import SandboxLimits, run_program
 
 __all__ = ["CodeReward", "CodeTests", "last_code_block"]
@@ -98,8 +98,8 @@ class CodeTests:
 
     causes = ("error",)
 
-    def __init__(self, cfg: CodeReward):
-        self.cfg, self.name = cfg, cfg.name
+    def __init__(self, cfg: CodeReward, *, where: str = "grpo.rewards"):
+        self.cfg, self.name, self.where = cfg, cfg.name, where
         self.limits = SandboxLimits(timeout_s=cfg.timeout_s, cpu_s=math.ceil(cfg.timeout_s) + 1,
                                     memory_mb=cfg.memory_mb)  # fmt: skip
         self._pool: ThreadPoolExecutor | None = None
@@ -109,6 +109,9 @@ class CodeTests:
         timed out): `rewards.Rewards`' scorer calls."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.cfg.max_concurrency, thread_name_prefix="code")
+        if self.cfg.code not in columns:
+            raise DataError(f"{self.where}: the prompt records have no {self.cfg.code!r} field "
+                            "(the tests)")  # fmt: skip
         tests = columns[self.cfg.code]
         outcomes = list(self._pool.map(self._score, completions, tests))
         n = max(len(outcomes), 1)

@@ -34,7 +34,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from mindspeed_core.errors import ConfigError
+from mindspeed_core.errors import ConfigError, DataError
 
 __all__ = ["DEFAULT_SCORE_REGEX", "DEFAULT_TEMPLATE", "Judge", "JudgeReward"]
 
@@ -136,7 +136,7 @@ class Judge:
     causes = ("http_error", "timeout", "unparsed")
 
     def __init__(self, cfg: JudgeReward, *, where: str = "grpo.rewards"):
-        self.cfg, self.name = cfg, cfg.name
+        self.cfg, self.name, self.where = cfg, cfg.name, where
         self.url = cfg.judge.rstrip("/") + "/chat/completions"
         self.pattern = re.compile(cfg.score_regex)
         self.headers = {"content-type": "application/json"}
@@ -149,7 +149,12 @@ class Judge:
 
     def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]):
         """(a score per completion, failures by cause, {}): `rewards.Rewards`' scorer calls."""
-        refs = columns[self.cfg.reference] if self.cfg.columns() else [None] * len(completions)
+        refs = [None] * len(completions)
+        if self.cfg.columns():
+            if self.cfg.reference not in columns:
+                raise DataError(f"{self.where}.template reads {{reference}}, but the prompt "
+                                f"records have no {self.cfg.reference!r} field")  # fmt: skip
+            refs = columns[self.cfg.reference]
         bodies = [self.body(p, c, r) for p, c, r in zip(prompts, completions, refs, strict=True)]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.cfg.max_concurrency, thread_name_prefix="judge")

@@ -343,4 +343,4 @@ def _scorer(entry: RewardEntry, where: str):
     """The judge or code tests an entry names (None for a rule function: `Rewards._score`)."""
     if isinstance(entry, JudgeReward):
         return Judge(entry, where=where)
-    return CodeTests(entry) if isinstance(entry, CodeReward) else None
+    return CodeTests(entry, where=where) if isinstance(entry, CodeReward) else None
