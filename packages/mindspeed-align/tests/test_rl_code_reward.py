@@ -5,6 +5,7 @@ of tests passed; a program that exits before the tests report scores 0."""
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import pytest
@@ -75,6 +76,23 @@ def test_a_tests_field_of_the_wrong_type_is_a_counted_failure_and_a_missing_one_
         rewards(["p"], [_reply("return a + b")], {"answer": ["x"]})
     assert required_columns(["exact_match", {"code": "tests"}]) == {"answer": "exact_match",
                                                                      "tests": "code"}  # fmt: skip
+
+
+def test_the_ray_reward_role_scores_a_code_entry_from_a_pickled_section():
+    """The Ray reward actor's class, given the section as Ray ships it (pickled), scores
+    through the same `section_rewards` path as the trainer (no Ray cluster started here)."""
+    from mindspeed_align.rl.config import GRPOSection
+    from mindspeed_align.rl.placement import _RewardWorker
+    from mindspeed_llm.demo import ensure_demo_data
+
+    section = pickle.loads(pickle.dumps(GRPOSection(rewards=[{"code": "tests", "weight": 2.0}])))
+    worker = _RewardWorker(section, ensure_demo_data().tokenizer)
+    try:
+        total, metrics = worker.score(["p", "p"], [_reply("return a + b"), _reply("return 0")],
+                                      {"tests": [TESTS, TESTS]})  # fmt: skip
+    finally:
+        worker.close()
+    assert total == [2.0, 0.0] and metrics["reward/code"] == 0.5
 
 
 @pytest.mark.parametrize(
