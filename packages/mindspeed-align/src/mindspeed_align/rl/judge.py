@@ -112,8 +112,8 @@ class JudgeReward:
         low, high = self.score_range
         if not low < high:
             raise ConfigError(f"{where}.score_range=[{low}, {high}]: low must be below high")
-        for field_name, low_ok in (("timeout_s", 0), ("max_concurrency", 0), ("max_tokens", 0)):
-            if not getattr(self, field_name) > low_ok:
+        for field_name in ("timeout_s", "max_concurrency", "max_tokens"):
+            if not getattr(self, field_name) > 0:
                 raise ConfigError(f"{where}.{field_name}={getattr(self, field_name)} must be > 0")
         for field_name in ("retries", "backoff_s", "temperature"):
             if getattr(self, field_name) < 0:
@@ -217,7 +217,10 @@ class Judge:
                 raw = response.read()
         except urllib.error.HTTPError as err:
             retry = err.code == 429 or err.code >= 500
-            raise _Failed("http_error", f"HTTP {err.code} from {self.url}", retry) from None
+            detail = err.read(200).decode(errors="replace")
+            raise _Failed(
+                "http_error", f"HTTP {err.code} from {self.url}: {detail}", retry
+            ) from None
         except urllib.error.URLError as err:
             timed_out = isinstance(err.reason, TimeoutError)
             raise _Failed("timeout" if timed_out else "http_error",
