@@ -229,6 +229,8 @@ BAD_ENTRIES = {
     "template does not name {completion}",
     '{judge: "http://127.0.0.1:8000/v1", model: m, score_range: [10, 0]}': "grpo.rewards[1]."
     "score_range=[10.0, 0.0]",
+    '{judge: "http://127.0.0.1:8000/v1", model: m, weight: .nan}': "grpo.rewards[1]: weight: "
+    "expected a finite number, got nan",
     '{url: "http://127.0.0.1:8000/v1", model: m}': "grpo.rewards[1]: a reward mapping names its "
     "kind with one of 'judge: URL'",
 }
