@@ -201,7 +201,7 @@ def _task(cfg: GRPOConfig, init_from: Path | None):
     else:
         from mindspeed_align.rl.rewards import required_columns
 
-        records, held_out = _held_out(cfg, read_prompts(cfg.data.prompts, required_columns(cfg.rl.rewards)))
+        records, held_out = _held_out(cfg, read_prompts(cfg.data.prompts, required_columns(cfg.rl.rewards, cfg.rl.section)))
     path = _tokenizer_path(cfg, init_from)
     if cfg.data.chat_template is not None or any("messages" in r for r in records + held_out):
         from mindspeed_align.rl.data import render_prompts

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from mindspeed_align.rl.advantages import ESTIMATORS
 from mindspeed_align.rl.losses import AGGREGATIONS, KL_ESTIMATORS
+from mindspeed_align.rl.rewards import reward_entries, reward_weights
 from mindspeed_core.checkpoint import CheckpointConfig
 from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
@@ -92,8 +93,11 @@ class GRPOSection:
     lose up to `overlong_penalty` of reward, linearly to the limit (0: off)."""
     overlong_penalty: float = 1.0
     """The most a response at max_new_tokens loses (verl's penalty_factor)."""
-    rewards: list[str] = field(default_factory=lambda: ["final_number"])
-    """Reward functions, "module:function" (bare names: mindspeed_align.rl.rewards)."""
+    rewards: list[str | dict[str, Any]] = field(default_factory=lambda: ["final_number"])
+    """Reward functions, "module:function" (bare names: mindspeed_align.rl.rewards), and
+    mappings: `{judge: URL, model: NAME, ...}` an OpenAI-compatible LLM judge
+    (`rl.judge.JudgeReward`), `{code: FIELD, ...}` the reply's code run against the record's
+    tests in the sandbox (`rl.code_reward.CodeReward`)."""
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward (default 1.0 each)."""
     reward_model: Path | None = None
@@ -206,6 +210,7 @@ class GRPOSection:
         if self.env_max_turns < 1 or self.env_max_tokens < 1:
             raise ConfigError(f"{name}.env_max_turns={self.env_max_turns} and "
                               f"{name}.env_max_tokens={self.env_max_tokens} must be positive")  # fmt: skip
+        reward_weights(reward_entries(self.rewards, name), self.reward_weights, name)
 
 
 @dataclass(kw_only=True)

@@ -32,7 +32,7 @@ from mindspeed_align.rl.config import GRPOConfig
 from mindspeed_align.rl.env import run_episodes
 from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, recompute_logps
 from mindspeed_align.rl.placement import LocalReference
-from mindspeed_align.rl.rewards import Rewards
+from mindspeed_align.rl.rewards import FAILURE_COUNTS, Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
 from mindspeed_core.errors import ConfigError
 from mindspeed_llm.chat_template import encode_text
@@ -237,7 +237,8 @@ class GRPOStep:
         """The rollout's statistics over every data-parallel rank."""
         rewards, lengths, batch = rollout.rewards, rollout.lengths, rollout.batch
         reward_metrics = dict(rollout.reward_metrics)
-        stats = _Stats(self.dims, totals=ENV_COUNTS)
+        counts = tuple(k for k in reward_metrics if k.startswith(FAILURE_COUNTS))  # judges', code tests'
+        stats = _Stats(self.dims, totals=ENV_COUNTS + counts)
         stats.add_sums(
             reward=sum(rewards), reward_sq=sum(x * x for x in rewards), samples=len(rewards),
             zero_var=sum(rollout.flat), groups=len(rollout.flat), kept=kept, length=sum(lengths),

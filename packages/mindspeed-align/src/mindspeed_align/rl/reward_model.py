@@ -70,7 +70,7 @@ class RewardModel:
 
 def section_rewards(rl, tokenizer, device="cpu"):
     """The rewards an RL section names: its rule functions (`rewards.Rewards`, in worker
-    processes) and its reward model, weighted; used in the training process (colocated)
+    processes), LLM judges and code tests, and its reward model, weighted; used in the training process (colocated)
     and inside a Ray reward actor alike."""
     from mindspeed_align.rl.rewards import Rewards
 
@@ -79,4 +79,4 @@ def section_rewards(rl, tokenizer, device="cpu"):
         model = RewardModel(rl.reward_model, tokenizer, device, what=f"{rl.section}.reward_model")
     return Rewards(rl.rewards, rl.reward_weights, workers=rl.reward_workers,
                    timeout_s=rl.reward_timeout_s, model=model,
-                   model_weight=rl.reward_model_weight)  # fmt: skip
+                   model_weight=rl.reward_model_weight, section=rl.section)  # fmt: skip

@@ -1,4 +1,4 @@
-"""Launcher run as `python -I -B _sandbox_child.py CONFIG_JSON` by `mindspeed_eval.sandbox`.
+"""Launcher run as `python -I -B _sandbox_child.py CONFIG_JSON` by `mindspeed_core.sandbox`.
 
 A fresh single-threaded interpreter confines itself (cgroup, namespaces, read-only mounts,
 resource limits, an unprivileged user), writes which confinements took hold to the report
