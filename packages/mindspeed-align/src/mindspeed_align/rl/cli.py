@@ -66,11 +66,16 @@ def _demo_defaults(cfg: GRPOConfig, command: str) -> None:
         name, values = "demo", {**ARITHMETIC_DEMO, "optim.warmup_steps": min(
             ARITHMETIC_DEMO["optim.warmup_steps"], cfg.train.steps)}  # fmt: skip
     else:
-        return
+        name, values = "demo", {}
+    if cfg.rl.rollout_engine == "vllm":  # vLLM's CPU attention: heads of >= 32 channels
+        values = {**values, "model.flavor": "debug-h32",
+                  "logging.run_dir": Path(f"runs/{command}-vllm")}  # fmt: skip
     fresh, changed = type(cfg)(), []
     for key, value in values.items():
         section, field_name = key.split(".")
         section = cfg.rl.section if section == "grpo" else section
+        if key == "model.flavor" and cfg.model.family != "llama":
+            continue
         here, default = getattr(cfg, section), getattr(getattr(fresh, section), field_name)
         if getattr(here, field_name) == default:
             setattr(here, field_name, value)
@@ -276,7 +281,7 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
     from mindspeed_align.rl.data import PromptSource
     from mindspeed_llm.train.trainer import Trainer
 
-    rewards = roles = None
+    rewards = roles = trainer = None
     _demo_defaults(cfg, command)
     cfg.check_env_lengths()
     if cfg.rl.trainer_actors:  # the policy trains on Ray actors; this process waits for them
@@ -332,6 +337,8 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
                 rewards.close()
             if roles is not None:
                 roles.close()
+            if trainer is not None and hasattr(trainer.step.rollout, "close"):
+                trainer.step.rollout.close()  # vLLM's engine
 
 
 def _rounded(value) -> str:

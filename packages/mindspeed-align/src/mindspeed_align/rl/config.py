@@ -157,6 +157,15 @@ class GRPOSection:
     """Tokens after the prompt per episode at most (replies and observations); an episode
     past it scores 0. Prompts may take data.seq_len minus this."""
 
+    rollout_engine: Literal["native", "vllm"] = "native"
+    """What samples the rollouts: our generation engine in the training process (native), or
+    vLLM in its own process and Python environment (`rl/vllm_rollout.py`: the policy's
+    weights reach it every step, its prefix cache reset; its log-probs are the sampler's).
+    vllm: colocated placement, single-turn prompts, no tensor or context parallel."""
+    vllm_python: Path | None = None
+    """With rollout_engine vllm: the Python of an environment with vLLM (None:
+    MINDSPEED_VLLM_PYTHON, else one created once with uv under ~/.cache/mindspeed/vllm)."""
+
     section = "grpo"
     """The section's name in configs and messages (a class attribute, not a field)."""
 
@@ -207,6 +216,16 @@ class GRPOSection:
         if self.trainer_actors < 0 or (self.trainer_actors and self.placement != "ray"):
             raise ConfigError(f"{name}.trainer_actors={self.trainer_actors}: a count >= 0, "
                               f"above 0 only with {name}.placement=ray")  # fmt: skip
+        if self.rollout_engine not in ("native", "vllm"):
+            raise ConfigError(f"{name}.rollout_engine={self.rollout_engine!r} is not native or vllm")
+        if self.rollout_engine == "vllm" and (self.placement != "colocated" or self.env):
+            raise ConfigError(f"{name}.rollout_engine=vllm runs colocated single-turn rollouts "
+                              f"only yet (not {name}.placement={self.placement}"
+                              f"{f', {name}.env={self.env}' if self.env else ''})")  # fmt: skip
+        if self.vllm_python is not None and self.rollout_engine != "vllm":
+            raise ConfigError(f"{name}.vllm_python needs {name}.rollout_engine=vllm")
+        if self.vllm_python is not None and not Path(self.vllm_python).is_file():
+            raise ConfigError(f"{name}.vllm_python={self.vllm_python}: no such interpreter")
         if self.env_max_turns < 1 or self.env_max_tokens < 1:
             raise ConfigError(f"{name}.env_max_turns={self.env_max_turns} and "
                               f"{name}.env_max_tokens={self.env_max_tokens} must be positive")  # fmt: skip

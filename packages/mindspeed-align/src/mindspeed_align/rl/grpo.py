@@ -483,7 +483,20 @@ class GRPOMethod(GRPOObjective):
             )
 
     def _placed_rollout(self, run: RunContext):
-        """The rollout on its own Ray actor (`placement: ray`), else None (on this rank)."""
+        """The rollout on vLLM (`rollout_engine: vllm`), on its own Ray actor (`placement:
+        ray`), else None (our engine on this rank)."""
+        g = self.cfg.rl
+        if g.rollout_engine == "vllm":
+            from mindspeed_align.rl.vllm_rollout import VLLMRollout, ensure_vllm_python
+
+            for dim in ("tp", "cp"):
+                if run.dims.degree(dim) > 1:
+                    raise ConfigError(f"{g.section}.rollout_engine=vllm with parallel.{dim}="
+                                      f"{run.dims.degree(dim)}: vLLM rollouts run with tp=1 and "
+                                      "cp=1 only yet (each data-parallel rank has its engine)")  # fmt: skip
+            python = ensure_vllm_python(run.device.type, g.vllm_python, section=g.section)
+            return VLLMRollout(run.policy, python, max_model_len=self.cfg.data.seq_len,
+                               seed=self.cfg.train.seed, section=g.section)  # fmt: skip
         if self.roles is None:
             return None
         return self.roles.rollout(run.policy, seq_len=self.cfg.data.seq_len,

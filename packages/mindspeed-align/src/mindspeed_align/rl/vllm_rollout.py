@@ -29,6 +29,7 @@ model (llama `debug-h32`) when run with the vLLM engine.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import secrets
@@ -230,24 +231,23 @@ class VLLMRollout:
     def close(self) -> None:
         """Ends the engine (its whole process group) and removes its folder."""
         process = getattr(self, "process", None)
-        if process is not None and process.poll() is None:
-            try:
+        if process is not None and process.poll() is None and getattr(self, "conn", None):
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 self.conn.send({"op": "close"})
                 process.wait(timeout=10)
-            except Exception:
-                pass
         if process is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)  # vLLM's engine processes too
-            except (ProcessLookupError, PermissionError):
-                pass
             process.wait()
+            self.process = None
         listener = getattr(self, "listener", None)
         if listener is not None:
             listener.close()
             self.listener = None
         if getattr(self, "dir", None) is not None and self.dir.exists():
-            shutil.copy(self.log_path, self.dir.with_suffix(".log")) if self.log_path.exists() else None
+            if self.log_path.exists():  # the log outlives the folder (messages name it)
+                shutil.copy(self.log_path, self.dir.with_suffix(".log"))
+                self.log_path = self.dir.with_suffix(".log")
             shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- roles.Rollout -----------------------------------------------------------------
