@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from mindspeed_llm.data.sft import pack_rows
 
-__all__ = ["balance_ranks", "plan_micro_batches", "rank_tokens"]
+__all__ = ["balance_ranks", "equalise", "plan_micro_batches", "rank_tokens"]
 
 
 def balance_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
@@ -58,13 +58,14 @@ def plan_micro_batches(
         plans.append([[mine[j] for j in row] for row in rows])
     count = max(1, max(len(p) for p in plans))
     for plan in plans:
-        _equalise(plan, count)
+        equalise(plan, count)
     return plans
 
 
-def _equalise(plan: list[list[int]], count: int) -> None:
-    """Grow `plan` to `count` micro-batches: split off the last sample of the one with the
-    most samples, or add an empty one when none has two."""
+def equalise(plan: list[list[int]], count: int) -> None:
+    """Grow `plan` to `count` micro-batches (in place): split off the last sample of the one
+    with the most samples, or add an empty one when none has two (a caller whose ranks plan
+    apart, as RL's do, passes the most micro-batches any rank planned)."""
     while len(plan) < count:
         fullest = max(range(len(plan)), key=lambda b: (len(plan[b]), -b), default=None)
         if fullest is None or len(plan[fullest]) < 2:
