@@ -76,3 +76,25 @@ def test_budget_below_the_longest_sample_is_one_line(task, capsys):
     assert guarded(main, args) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(r"train.micro_batch_tokens=50 is below a prompt's group .* = 57\)", err), err
+
+
+def _grpo_dp_shard(task):
+    """On 2 ranks: GRPO with 2 micro-batches of 4 samples a rank, then with the budget."""
+    steps = ["--train.steps=2", "--train.micro_batch=4", "--parallel.dp_shard=2"]
+    codes = [guarded(main, grpo_tests._args(task, "dp-fixed", *steps)),
+             guarded(main, grpo_tests._args(task, "dp-budget", *steps, "--train.micro_batch_tokens=60"))]  # fmt: skip
+    return codes
+
+
+@pytest.mark.distributed
+def test_budget_under_dp_shard_equals_fixed_micro_batches(task):
+    """Each rank packs its own rollouts; the ranks agree on the count (the most any needs)."""
+    from mindspeed_core.testing import run_distributed
+
+    assert run_distributed(_grpo_dp_shard, 2, task, timeout=600) == [[0, 0], [0, 0]]
+    fixed = read_metrics(task[0] / "dp-fixed" / "metrics.jsonl")
+    budget = read_metrics(task[0] / "dp-budget" / "metrics.jsonl")
+    assert len(fixed) == len(budget) == 2
+    for a, b in zip(fixed, budget, strict=True):
+        for key in ("loss", "grad_norm", "kl", "reward/mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)

@@ -97,7 +97,9 @@ def _one_step(folder, data, run_dir, *extra):
 
 
 def _fixed_and_budget(folder, data, root):
-    out = {}
+    # one sample for two ranks: rank 1 runs an empty micro-batch (FSDP's collectives pair up)
+    out = {"lone": _one_step(folder, data, root / "lone", "--train.global_batch=1",
+                             "--train.micro_batch_tokens=160")}  # fmt: skip
     for norm in ("token", "sample"):
         weighting = f"--train.loss_normalization={norm}"
         out[norm] = (_one_step(folder, data, root / f"fixed-{norm}", weighting, "--train.micro_batch=2"),
@@ -109,6 +111,9 @@ def _fixed_and_budget(folder, data, root):
 def test_budget_gives_the_fixed_row_gradients_under_dp_shard(tmp_path):
     folder, data = _skewed_inputs(tmp_path)
     ranks = run_distributed(_fixed_and_budget, 2, folder, data, tmp_path, timeout=600)
+    (loss, grads, metrics, shapes), (_, _, _, empty) = ranks[0]["lone"], ranks[1]["lone"]
+    assert metrics["rank_tokens_min"] == 0 and len(shapes) == len(empty) == 1
+    assert loss > 0 and all(bool(g.abs().sum() > 0) for g in grads.values() if g is not None)
     for norm in ("token", "sample"):
         fixed_run, budget_run = ranks[0][norm]
         (loss, grads, fixed_metrics, fixed_shapes), (b_loss, b_grads, metrics, shapes) = (
