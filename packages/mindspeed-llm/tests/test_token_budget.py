@@ -158,3 +158,24 @@ def test_budget_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.search(r"train.micro_batch_tokens=128: pretraining's samples are all", err), err
     assert not run_dir.exists()
+
+
+def test_budget_validation_and_steps_equal_fixed_rows(tmp_path):
+    """One process, two steps with validation after each: the budget's training and
+    validation losses are fixed rows' (validation takes the same held-out samples a step at
+    a time, packed by the budget)."""
+    from mindspeed_core.training import read_metrics
+    from mindspeed_llm.sft import sft
+
+    folder, data = _skewed_inputs(tmp_path)
+    common = ["--data.seq_len=128", "--data.mode=pad", "--data.valid_fraction=0.25",
+              "--train.global_batch=4", "--train.micro_batch=2", "--train.steps=2",
+              "--train.eval_interval=1", "--train.eval_batches=1"]  # fmt: skip
+    runs = {}
+    for name, extra in (("fixed", []), ("budget", ["--train.micro_batch_tokens=160"])):
+        sft(load_config(SFTConfig, None, run_args(folder, data, tmp_path / name, *common, *extra)))
+        runs[name] = read_metrics(tmp_path / name / "metrics.jsonl")
+    for a, b in zip(runs["fixed"], runs["budget"], strict=True):
+        for key in ("loss", "valid_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
+    assert len(runs["budget"]) == 2 and runs["budget"][0]["rank_tokens_max"] > 0
