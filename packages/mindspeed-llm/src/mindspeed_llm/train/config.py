@@ -85,12 +85,12 @@ class TrainSection:
     """Samples per optimizer step over all data-parallel ranks."""
     micro_batch_tokens: int | None = None
     """A token budget per micro-batch instead of `micro_batch` rows (SFT, the DPO family,
-    RM/PRM; GRPO/PPO updates): each step's `global_batch` samples (SFT's rows under
-    `data.mode: pack`) are shared out to the data-parallel ranks
-    by token count (longest first onto the lightest rank), then packed whole, each
-    micro-batch one row of at most this many tokens (documents kept apart by
-    `cu_seqlens`); every rank runs as many micro-batches. The loss is normalised as
-    without it. Not with pipeline parallel or pretraining. None: `micro_batch` rows."""
+    RM, PRM): each step's `global_batch` samples (SFT's rows under `data.mode: pack`) are
+    shared out to the data-parallel ranks by token count (longest first onto the lightest
+    rank), then packed whole, each micro-batch one row of at most this many tokens
+    (documents kept apart by `cu_seqlens`); every rank runs as many micro-batches. GRPO/PPO
+    updates pack each rank's own rollouts the same way. The loss is normalised as without
+    it. Not with pipeline parallel, pretraining or KTO. None: `micro_batch` rows."""
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute dtype; master weights and gradient reduction stay fp32."""
