@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mindspeed_align.common import read_units
 from mindspeed_align.logps import pack_pairs
 from mindspeed_core.distributed import is_rank0
-from mindspeed_core.errors import DataError
+from mindspeed_core.errors import ConfigError, DataError
 from mindspeed_llm.data.collate import IGNORE_INDEX, Batch
 from mindspeed_llm.data.sft import Sample, SFTStats, encode_sample, read_prefix
 from mindspeed_llm.data.sft_records import (
@@ -147,6 +147,17 @@ class KTOData(SFTData):
 
     def collate(self, groups: list[list[KTOExample]]) -> list[Batch]:
         return [kto_batch(g, self.seq_len, self.pad_id) for g in groups]
+
+    def unit_tokens(self, unit: KTOExample) -> int:
+        return len(unit[0][0])
+
+    def _check_budget(self) -> None:
+        if self.budget is not None:
+            raise ConfigError(
+                f"train.micro_batch_tokens={self.budget}: KTO's KL term pairs each example with "
+                "its neighbour in the micro-batch, so micro-batches are fixed rows; use "
+                "train.micro_batch"
+            )
 
 
 def unpaired_demo(root: Path | None = None) -> Path:

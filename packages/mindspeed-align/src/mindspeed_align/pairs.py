@@ -153,3 +153,15 @@ class PairData(SFTData):
             put_ref_logps(batch, group)  # `dpo.ref: precompute`: the pairs carry them
             batches.append(batch)
         return batches
+
+    def collate_budget(self, groups: list[list[Pair]]) -> list[Batch]:
+        """`train.micro_batch_tokens`: each group's pairs in one row as wide as their tokens
+        (rounded up to the layout's multiple); an empty group is one row of padding."""
+        batches = []
+        for group in groups:
+            width = self.budget_width(sum(self.unit_tokens(p) for p in group))
+            batch = pack_pairs(group, width, self.pad_id, rows=1,
+                               share_prompts=getattr(self, "share_prompts", False))  # fmt: skip
+            put_ref_logps(batch, group)
+            batches.append(batch)
+        return batches

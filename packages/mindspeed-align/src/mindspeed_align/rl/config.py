@@ -385,6 +385,20 @@ class RLConfig:
             raise ConfigError(
                 f"optim.warmup_steps={self.optim.warmup_steps} exceeds train.steps={self.train.steps}"
             )
+        self._check_token_budget()
+
+    def _check_token_budget(self) -> None:
+        """A micro-batch holds a sample whole (with shared prompts: a prompt's group)."""
+        rl, budget = self.rl, self.train.micro_batch_tokens
+        if budget is None:
+            return
+        longest, what = self.data.seq_len, f"data.seq_len={self.data.seq_len}"
+        if rl.shared_prompts != "off":
+            longest += (rl.n - 1) * rl.max_new_tokens
+            what = (f"a prompt's group with {rl.section}.shared_prompts={rl.shared_prompts} "
+                    f"(data.seq_len + ({rl.section}.n - 1) x max_new_tokens = {longest})")  # fmt: skip
+        if budget < longest:
+            raise ConfigError(f"train.micro_batch_tokens={budget} is below {what}")
 
 
 @dataclass(kw_only=True)

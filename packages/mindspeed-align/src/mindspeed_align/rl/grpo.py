@@ -37,6 +37,7 @@ from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfi
 from mindspeed_core.errors import ConfigError
 from mindspeed_llm.chat_template import encode_text
 from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS
+from mindspeed_llm.data.token_budget import equalise, plan_micro_batches
 from mindspeed_llm.train.objectives import RunContext
 from mindspeed_llm.train.step import StepResult, TrainStep, supervised_positions_layout
 
@@ -186,6 +187,11 @@ class GRPOStep:
                     groups.append([i])
         size = [len(batch.prompt_ids[g[0]]) * (1 if self.share_prompts else len(g))
                 + sum(len(batch.response_ids[i]) for i in g) for g in groups]  # fmt: skip
+        budget = self.cfg.train.micro_batch_tokens
+        if budget is not None:  # as many as the budget needs, the most any rank needs (FSDP)
+            plan = plan_micro_batches(size, 1, budget)[0]
+            equalise(plan, -self._min_over_ranks(-len(plan)))
+            return [sorted(i for k in mb for i in groups[k]) for mb in plan]
         for k in sorted(range(len(groups)), key=lambda k: -size[k]):
             lightest = min(range(self.accum), key=loads.__getitem__)
             parts[lightest] += groups[k]

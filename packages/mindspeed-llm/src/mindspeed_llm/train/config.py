@@ -83,6 +83,14 @@ class TrainSection:
     """Samples per forward/backward on each data-parallel rank."""
     global_batch: int = 16
     """Samples per optimizer step over all data-parallel ranks."""
+    micro_batch_tokens: int | None = None
+    """A token budget per micro-batch instead of `micro_batch` rows (SFT, the DPO family,
+    RM, PRM): each step's `global_batch` samples (SFT's rows under `data.mode: pack`) are
+    shared out to the data-parallel ranks by token count (longest first onto the lightest
+    rank), then packed whole, each micro-batch one row of at most this many tokens
+    (documents kept apart by `cu_seqlens`); every rank runs as many micro-batches. GRPO/PPO
+    updates pack each rank's own rollouts the same way. The loss is normalised as without
+    it. Not with pipeline parallel, pretraining or KTO. None: `micro_batch` rows."""
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute dtype; master weights and gradient reduction stay fp32."""
@@ -134,6 +142,9 @@ class TrainSection:
         for name in ("steps", "micro_batch", "global_batch"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be positive")
+        budget = self.micro_batch_tokens
+        if budget is not None and budget < 1:
+            raise ConfigError(f"train.micro_batch_tokens={budget} must be positive")
         if self.exit_at_step is not None and self.exit_at_step < 1:
             raise ConfigError(f"train.exit_at_step={self.exit_at_step} must be positive")
         if self.eval_batches < 0:

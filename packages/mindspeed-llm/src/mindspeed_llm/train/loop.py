@@ -41,7 +41,9 @@ __all__ = ["DataSource", "TrainLoop"]
 
 
 class DataSource(Protocol):
-    """What the loop reads: the protocol pretraining's `PretrainData` follows."""
+    """What the loop reads: the protocol pretraining's `PretrainData` follows. A source may
+    also hold `step_metrics`, a dict of host numbers about the last step's data (SFT's
+    `rank_tokens_max` / `rank_tokens_min`), logged with that step."""
 
     seq_len: int
     """Tokens per row (FLOPs, context-parallel checks)."""
@@ -165,6 +167,7 @@ class TrainLoop:
             if log:
                 record = {"loss": result.loss, "lr": self.step.parts.scheduler.get_last_lr()}
                 record.update(grad_norm=result.grad_norm, **result.metrics)
+                record.update(getattr(self.data, "step_metrics", {}))
                 if validation is not None:
                     record["valid_loss"] = self.step.evaluate(validation)
                 self._log(metrics, meter, bar, record, tokens_since_log)

@@ -38,6 +38,9 @@ class PretrainData(Stateful):
     """
 
     def __init__(self, cfg: PretrainConfig, model_cfg: TransformerConfig):
+        if cfg.train.micro_batch_tokens is not None:
+            raise ConfigError(f"train.micro_batch_tokens={cfg.train.micro_batch_tokens}: pretraining's "
+                              "samples are all data.seq_len tokens; use train.micro_batch")  # fmt: skip
         tokenizer_path, self.paths = _resolve_data(cfg)
         cfg.data.tokenizer = tokenizer_path
         self.tokenizer = load_tokenizer(tokenizer_path)

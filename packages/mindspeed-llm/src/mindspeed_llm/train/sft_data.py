@@ -37,6 +37,7 @@ from mindspeed_llm.data.sft import (
     tokenize_file,
 )
 from mindspeed_llm.data.sft_records import RAW_SUFFIXES
+from mindspeed_llm.data.token_budget import plan_micro_batches, rank_tokens
 from mindspeed_llm.models import TransformerConfig
 from mindspeed_llm.tokenizer import load_tokenizer
 
@@ -67,7 +68,9 @@ class SFTData(Stateful):
         self.train, self.valid = _split(samples, data.valid_fraction, cfg.train.seed)
         self.rows = self.rows_of(self.train)
         if data.epochs is not None:
-            cfg.train.steps = max(1, math.ceil(data.epochs * len(self.rows) / cfg.train.global_batch))
+            cfg.train.steps = max(
+                1, math.ceil(data.epochs * len(self.rows) / cfg.train.global_batch)
+            )
             if cfg.optim.warmup_steps > cfg.train.steps:
                 raise ConfigError(
                     f"optim.warmup_steps={cfg.optim.warmup_steps} exceeds the "
@@ -78,6 +81,11 @@ class SFTData(Stateful):
                         len(self.rows), data.mode, len(self.valid))  # fmt: skip
         self.pad_id = self.tokenizer.pad_id if self.tokenizer.pad_id is not None else 0
         self.consumed = 0
+        self.budget = cfg.train.micro_batch_tokens
+        self._check_budget()
+        self._order = (-1, None)
+        self.step_metrics: dict[str, float] = {}
+        """Tokens per data-parallel rank of the last step (logged with the step)."""
 
     def use_demo(self, cfg) -> None:
         """Point `cfg.data` at the embedded demo (a subclass points it at its own)."""
@@ -96,6 +104,17 @@ class SFTData(Stateful):
             raise ValueError("set_samples keeps the number of training and validation units")
         self.train, self.valid = train, valid
         self.rows = self.rows_of(train)
+        self._order = (-1, None)
+        self._check_budget()
+
+    def _check_budget(self) -> None:
+        """`train.micro_batch_tokens` must hold the longest unit whole."""
+        if self.budget is None:
+            return
+        longest = max(self.unit_tokens(u) for u in self.rows + self.rows_of(self.valid))
+        if longest > self.budget:
+            raise ConfigError(f"train.micro_batch_tokens={self.budget} is below the longest "
+                              f"sample ({longest} tokens); raise it to at least {longest}")  # fmt: skip
 
     # How a subclass shapes its units (preference pairs, KTO examples): `rows_of` groups
     # them into the rows a micro-batch takes, `collate` turns a step's rows into batches.
@@ -113,18 +132,52 @@ class SFTData(Stateful):
         self.multiple = math.lcm(2 * dims.cp, dims.tp)
 
     def next_step(self) -> list[Batch]:
+        if self.budget is not None:
+            units = [self._row(self.consumed + i) for i in range(self.cfg.train.global_batch)]
+            self.consumed += len(units)
+            return self._budget_step(units)
         micro = self.cfg.train.micro_batch
-        groups = []
+        groups, loads = [], [0] * self.dp
         for _ in range(self.accum):
-            start = self.consumed + self.dp_rank * micro
-            groups.append([self._row(start + j) for j in range(micro)])
+            for rank in range(self.dp):  # every rank's rows, for the tokens-per-rank metrics
+                rows = [self._row(self.consumed + rank * micro + j) for j in range(micro)]
+                loads[rank] += sum(self.unit_tokens(row) for row in rows)
+                if rank == self.dp_rank:
+                    groups.append(rows)
             self.consumed += micro * self.dp
+        self.step_metrics = _balance_metrics(loads)
         return self.collate(groups)
+
+    def _budget_step(self, units: list) -> list[Batch]:
+        """This rank's micro-batches of the step's `units` under `train.micro_batch_tokens`."""
+        lengths = [self.unit_tokens(u) for u in units]
+        plans = plan_micro_batches(lengths, self.dp, self.budget)
+        self.step_metrics = _balance_metrics(rank_tokens(lengths, plans))
+        return self.collate_budget([[units[i] for i in mb] for mb in plans[self.dp_rank]])
 
     def _row(self, index: int) -> list[Sample]:
         epoch, position = divmod(index, len(self.rows))
-        order = np.random.default_rng([self.cfg.train.seed, epoch]).permutation(len(self.rows))
-        return self.rows[order[position]]
+        if self._order[0] != epoch:  # one permutation per epoch, not per row
+            rng = np.random.default_rng([self.cfg.train.seed, epoch])
+            self._order = (epoch, rng.permutation(len(self.rows)))
+        return self.rows[self._order[1][position]]
+
+    def unit_tokens(self, unit) -> int:
+        """The tokens of a training unit (a row of samples, a pair: its sequences)."""
+        return sum(len(s[0]) for s in unit)
+
+    def collate_budget(self, groups: list[list]) -> list[Batch]:
+        """`train.micro_batch_tokens`: each group of units one packed row, as wide as its
+        tokens rounded up to the layout's multiple (an empty group: one row of padding)."""
+        batches = []
+        for group in groups:
+            samples = [s for row in group for s in row]
+            width = self.budget_width(sum(len(s[0]) for s in samples))
+            batches.append(collate_rows([samples], width, self.pad_id))
+        return batches
+
+    def budget_width(self, tokens: int) -> int:
+        return max(1, -(-tokens // self.multiple)) * self.multiple
 
     def collate(self, groups: list[list[list[Sample]]]) -> list[Batch]:
         """One batch per group of rows. Packed rows are `seq_len` wide; padded ones as wide as the step's longest."""
@@ -142,6 +195,8 @@ class SFTData(Stateful):
         if not self.valid or self.cfg.train.eval_interval <= 0:
             return None
         rows = self.rows_of(self.valid)
+        if self.budget is not None:
+            return self._budget_validation(rows)
         micro = self.cfg.train.micro_batch
         per_step = micro * self.dp * self.accum
         steps = min(self.cfg.train.eval_batches, math.ceil(len(rows) / per_step))
@@ -155,6 +210,16 @@ class SFTData(Stateful):
                 yield self.collate(groups)
 
         return batches()
+
+    def _budget_validation(self, rows: list) -> Iterator[list[Batch]]:
+        """The validation steps under `train.micro_batch_tokens`: `global_batch` units each,
+        planned as training steps are (metrics of training left alone)."""
+        per_step = self.cfg.train.global_batch
+        steps = min(self.cfg.train.eval_batches, math.ceil(len(rows) / per_step))
+        metrics = self.step_metrics
+        for s in range(steps):
+            yield self._budget_step([rows[(s * per_step + i) % len(rows)] for i in range(per_step)])
+        self.step_metrics = metrics
 
     def state_dict(self) -> dict[str, Any]:
         return {"consumed_rows": self.consumed}
@@ -182,8 +247,10 @@ def load_samples(data, template, tokenizer) -> tuple[list[Sample], SFTStats]:
         stats.add(found_stats)
     samples = fit_samples(samples, data.seq_len, data.overflow, stats)
     if not samples:
-        raise DataError(f"data.paths {data.paths}: no sample to train on ({stats.line()}; "
-                        f"data.handler={data.handler})")
+        raise DataError(
+            f"data.paths {data.paths}: no sample to train on ({stats.line()}; "
+            f"data.handler={data.handler})"
+        )
     return samples, stats
 
 
@@ -202,6 +269,10 @@ def on_rank0(fn) -> None:
         error = box[0]
     if error is not None:
         raise (DataError if error[0] == "DataError" else ConfigError)(error[1])
+
+
+def _balance_metrics(loads: list[int]) -> dict[str, float]:
+    return {"rank_tokens_max": float(max(loads)), "rank_tokens_min": float(min(loads))}
 
 
 def _split(samples: list[Sample], fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:

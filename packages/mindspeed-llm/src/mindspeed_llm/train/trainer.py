@@ -90,6 +90,7 @@ class Trainer:
         check_layout(
             self.model_cfg, cfg.parallel, seq_len=cfg.data.seq_len, recompute=cfg.train.ac != "none"
         )
+        _check_token_budget(cfg)
         self.dims = cfg.parallel.dims()
         self.accum = grad_accum_steps(cfg.train, self.dims.dp)
         n_microbatches = pipeline_microbatches(cfg.parallel, cfg.train, self.accum)
@@ -203,8 +204,20 @@ def _check_hf_export(cfg) -> None:
                           "pip install mindspeed-tools")  # fmt: skip
 
 
+def _check_token_budget(cfg) -> None:
+    """`train.micro_batch_tokens` makes micro-batches of varying shapes and counts per step:
+    torch's pipeline schedules take a fixed count of one shape."""
+    budget = cfg.train.micro_batch_tokens
+    if budget is not None and cfg.parallel.pp > 1:
+        raise ConfigError(f"train.micro_batch_tokens={budget} needs parallel.pp=1 (a pipeline "
+                          "schedule takes micro-batches of one shape); use train.micro_batch")  # fmt: skip
+
+
 def grad_accum_steps(train: TrainSection, dp: int) -> int:
-    """Micro-batches per step on each data-parallel rank."""
+    """Micro-batches per step on each data-parallel rank (1 under `train.micro_batch_tokens`:
+    the data source packs each step's samples into as many as the budget needs)."""
+    if train.micro_batch_tokens is not None:
+        return 1
     per_step = train.micro_batch * dp
     if train.global_batch % per_step:
         raise ConfigError(
