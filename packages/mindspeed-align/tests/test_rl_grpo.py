@@ -179,6 +179,26 @@ def test_demo_reward_rises(tmp_path):
 
 
 @pytest.mark.slow
+def test_cispo_demo_reward_rises(tmp_path):
+    """`mindspeed grpo --grpo.loss cispo`: the demo learns with CISPO's loss too (measured
+    on a 2-core Intel Xeon: greedy 0.688 -> 0.906, sampled 0.307 -> 0.812; GSPO's 0.844 /
+    0.785, by hand)."""
+    import dataclasses
+
+    from mindspeed_align.rl.cli import grpo
+    from mindspeed_align.rl.config import GRPOConfig, GRPOLoggingSection, GRPOSection
+
+    cfg = GRPOConfig(logging=GRPOLoggingSection(run_dir=tmp_path / "cispo", progress=False),
+                     grpo=dataclasses.replace(GRPOSection(), loss="cispo"))  # fmt: skip
+    summary = grpo(cfg)
+    (greedy0, sampled0), (greedy1, sampled1) = summary["reward_before"], summary["reward_after"]
+    print(f"cispo demo, held-out reward: greedy {greedy0:.3f} -> {greedy1:.3f}, sampled "
+          f"{sampled0:.3f} -> {sampled1:.3f}")  # fmt: skip
+    assert greedy1 > 0.8, summary
+    assert sampled1 > sampled0 + 0.3, summary
+
+
+@pytest.mark.slow
 def test_dapo_demo_reward_rises(tmp_path):
     """`mindspeed dapo`'s demo: DAPO's defaults (clip-higher, dynamic sampling, token-mean, no
     KL), and the held-out reward rises as GRPO's does."""
