@@ -8,7 +8,8 @@ One optimizer step = one rollout:
     rewards (worker processes, timeout) -> advantages -> [drop zero-variance groups]
     pack into micro-batches; old log-probs recomputed by the policy (teacher-forced),
     reference log-probs when grpo.kl_coef > 0
-    TrainStep on GRPOObjective (clipped policy gradient + KL, aggregated by grpo.loss_agg),
+    TrainStep on GRPOObjective (grpo.loss: the clipped surrogate, GSPO, CISPO; + KL; times
+    TIS weights with grpo.rollout_correction_cap; aggregated by grpo.loss_agg),
     or grpo.epochs passes of grpo.mini_batches updates on the same samples (`updates`)
 
 `GRPOStep` is a `TrainStep` whose input is the prompts; `TrainLoop` runs it unchanged
