@@ -67,7 +67,7 @@ def _step(epochs: int, mini_batches: int, **options):
     rl = GRPOSection(n=2, epochs=epochs, mini_batches=mini_batches, clip_low=CLIP_LOW,
                      clip_high=CLIP_HIGH, max_new_tokens=4, reward_workers=0, **options)  # fmt: skip
     cfg = dataclasses.replace(GRPOConfig(), grpo=rl)
-    objective = GRPOObjective(eps_low=CLIP_LOW, eps_high=CLIP_HIGH)
+    objective = GRPOObjective.from_section(rl)
     step = GRPOStep(parts, objective, dims, cfg=cfg, tokenizer=_Tokenizer(),
                     rewards=_FixedRewards(), clip_grad=0.0)  # fmt: skip
     step.rollout = _FixedRollout()
@@ -150,6 +150,75 @@ def test_mini_batches_split_the_samples_and_each_update_sees_the_moved_policy():
     assert not torch.equal(seen[0]["layers.0.attention.wq.weight"],
                            seen[1]["layers.0.attention.wq.weight"])  # fmt: skip
     assert step.parts.scheduler.schedulers[0].last_epoch == 1
+
+
+class _MismatchedRollout(_FixedRollout):
+    """`_FixedRollout` whose sampler log-probs are the given ones (a sampler off the trainer)."""
+
+    def __init__(self, sampler: list[list[float]]):
+        self.sampler = sampler
+
+    def generate(self, prompts, sampling, seed):
+        batch = super().generate(prompts, sampling, seed)
+        return dataclasses.replace(batch, sampler_logprobs=self.sampler)
+
+
+def _mismatched_step(**options):
+    """`_step` with a TIS cap of 2 and a sampler whose log-probs are the starting policy's
+    minus 1.0 or plus 0.3 on alternate tokens (weights e^1 = 2.7, capped, and e^-0.3);
+    returns it, its records, the old log-probs and sampler ones, flat, and the advantages."""
+    step, policy, records, start, seen = _step(rollout_correction_cap=2.0, **options)
+    old = _logps(policy, start)
+    sampler = [[x + (-1.0 if t % 2 == 0 else 0.3) for t, x in enumerate(o.tolist())] for o in old]
+    step.rollout = _MismatchedRollout(sampler)
+    adv = torch.cat([torch.full((len(r),), (1 if w else -1) / math.sqrt(2), dtype=torch.float64)
+                     for r, w in zip(RESPONSES, REWARDS, strict=True)])  # fmt: skip
+    flat = torch.tensor([x for row in sampler for x in row], dtype=torch.float64)
+    return step, records, torch.cat(old).double(), flat, adv
+
+
+def test_rollout_correction_weighs_each_token_by_the_capped_sampler_ratio():
+    """`grpo.rollout_correction_cap`: the on-policy loss (ratio 1, -A per token) times
+    min(exp(old - sampler), cap) per token; the mismatch metrics are of the same numbers."""
+    step, records, old, sampler, adv = _mismatched_step(epochs=1, mini_batches=1)
+    result = step(records)
+    weights = torch.exp(old - sampler).clamp(max=2.0)
+    assert (weights < 2.0).any() and (weights == 2.0).any()  # the cap is live on some tokens
+    assert result.loss == pytest.approx((-adv * weights).mean().item(), abs=1e-6)
+    m = result.metrics
+    diff = (old - sampler).abs().mean().item()
+    assert m["rollout/logprob_diff_mean"] == pytest.approx(diff, abs=1e-6)
+    k3 = torch.exp(old - sampler) - (old - sampler) - 1  # KL(sampler || trainer), k3 estimate
+    assert m["rollout/logprob_kl_k3"] == pytest.approx(k3.mean().item(), abs=1e-6)
+    assert m["rollout/is_capped_fraction"] == pytest.approx((weights == 2.0).double().mean().item())
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_rollout_correction_reaches_every_update(epochs):
+    """With old log-probs recomputed (and several updates), the sampler's log-probs stay in
+    the batches: the first update's loss is the hand-weighted one."""
+    step, records, old, sampler, adv = _mismatched_step(epochs=epochs, mini_batches=1,
+                                                        recompute_old_logps=True)  # fmt: skip
+    result = step(records)
+    want = (-adv * torch.exp(old - sampler).clamp(max=2.0)).mean().item()
+    assert result.metrics.get("loss/epoch_1", result.loss) == pytest.approx(want, abs=1e-6)
+
+
+def test_gspo_second_epoch_is_the_hand_computed_sequence_loss():
+    """`grpo.loss gspo` through the step: the second update's loss is GSPO's by hand,
+    mean over the 4 responses of -min(s_i A_i, clip(s_i) A_i), s_i the exp of the mean
+    log-ratio over response i (the clip range 0.2 / 0.28 given, so that it is not all
+    clipped)."""
+    step, policy, records, start, seen = _step(epochs=2, mini_batches=1, loss="gspo")
+    result = step(records)
+    old, new = _logps(policy, start), _logps(policy, seen[1])
+    losses = []
+    for n, o, r in zip(new, old, REWARDS, strict=True):
+        a = (1 if r else -1) / math.sqrt(2)
+        s = math.exp((n.double() - o.double()).mean().item())
+        losses.append(-min(s * a, min(max(s, 1 - CLIP_LOW), 1 + CLIP_HIGH) * a))
+    assert abs(math.exp((new[0] - old[0]).double().mean().item()) - 1) > 1e-3  # s moved off 1
+    assert result.metrics["loss/epoch_2"] == pytest.approx(sum(losses) / 4, abs=1e-6)
 
 
 def test_bad_epochs_and_mini_batches_name_the_field():

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mindspeed_align.rl.advantages import ESTIMATORS
-from mindspeed_align.rl.losses import AGGREGATIONS, KL_ESTIMATORS
+from mindspeed_align.rl.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
 from mindspeed_align.rl.rewards import reward_entries, reward_weights
 from mindspeed_core.checkpoint import CheckpointConfig
 from mindspeed_core.errors import ConfigError
@@ -62,12 +62,25 @@ class GRPOSection:
     `mindspeed_align.rl.advantages.register_advantage`."""
     std_eps: float = 1e-6
     """eps of grpo's std (verl 1e-6, TRL 1e-4)."""
-    clip_low: float = 0.2
-    """Ratio clip below: 1 - clip_low."""
-    clip_high: float = 0.2
-    """Ratio clip above: 1 + clip_high (DAPO's clip-higher: 0.28)."""
+    loss: str = "ppo_clip"
+    """The policy loss: ppo_clip (PPO's clipped surrogate per token, verl's "vanilla");
+    gspo (GSPO's sequence-level ratio, arXiv 2507.18071); cispo (CISPO's clipped,
+    detached importance weight times log-prob, arXiv 2506.13585); or any loss registered
+    with `mindspeed_align.rl.losses.register_policy_loss`. Each brings its own defaults
+    for clip_low, clip_high and loss_agg."""
+    clip_low: float | None = None
+    """Ratio clip below: 1 - clip_low (None: the loss's: ppo_clip 0.2, gspo 3e-4, cispo
+    1.0, i.e. no lower bound)."""
+    clip_high: float | None = None
+    """Ratio clip above: 1 + clip_high (None: the loss's: ppo_clip 0.2, gspo 4e-4, cispo
+    4.0; DAPO's clip-higher: 0.28)."""
     dual_clip: float | None = None
-    """Dual-clip constant c > 1 for negative advantages (verl: 3.0); None: off."""
+    """Dual-clip constant c > 1 for negative advantages (verl: 3.0; ppo_clip only); None: off."""
+    rollout_correction_cap: float | None = None
+    """Truncated importance sampling (TIS) of the rollout/trainer mismatch: the policy loss
+    of each token times min(exp(old_logp - sampler_logp), cap), the sampler's log-probs
+    being the rollout's own (verl's rollout_correction / tis_imp_ratio_cap, e.g. 2.0; TRL's
+    vllm_importance_sampling_clip_max 3.0). None: off."""
     kl_coef: float = 0.0
     """KL penalty in the loss against the starting model (0: no reference is built)."""
     recompute_old_logps: bool = False
@@ -84,8 +97,9 @@ class GRPOSection:
     this many mini-batches (verl's ppo_mini_batch_size = samples / mini_batches). The LR
     schedule counts training steps (rollouts), not updates."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    loss_agg: str = "token-mean"
-    """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm."""
+    loss_agg: str | None = None
+    """token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm
+    (None: the loss's: token-mean, gspo's seq-mean-token-mean)."""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal (they carry no gradient)."""
     overlong_buffer: int = 0
@@ -185,7 +199,9 @@ class GRPOSection:
         for field_name in ("epochs", "mini_batches"):
             if getattr(self, field_name) < 1:
                 raise ConfigError(f"{name}.{field_name}={getattr(self, field_name)} must be >= 1")
-        if self.loss_agg not in AGGREGATIONS:
+        if self.loss not in POLICY_LOSSES:
+            raise ConfigError(f"{name}.loss={self.loss!r} is not one of {tuple(POLICY_LOSSES)}")
+        if self.loss_agg is not None and self.loss_agg not in AGGREGATIONS:
             raise ConfigError(f"{name}.loss_agg={self.loss_agg!r} is not one of {AGGREGATIONS}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"{name}.kl_estimator={self.kl_estimator!r} is not one of k1/k2/k3")
@@ -197,13 +213,21 @@ class GRPOSection:
             raise ConfigError(f"{name}.placement={self.placement!r} is not colocated or ray")
         if self.rollout_kv_mb < 0:
             raise ConfigError(f"{name}.rollout_kv_mb={self.rollout_kv_mb} must be >= 0")
-        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
-            raise ConfigError(f"{name}.clip_low={self.clip_low} / clip_high={self.clip_high}")
+        low, high = self.clip_range()
+        if not (0 <= low <= 1 and high >= 0):
+            raise ConfigError(f"{name}.clip_low={low} / clip_high={high}: clip_low must be in "
+                              "[0, 1], clip_high >= 0")  # fmt: skip
         if not 0 <= self.overlong_buffer < self.max_new_tokens:
             raise ConfigError(f"{name}.overlong_buffer={self.overlong_buffer} must be in "
                               f"[0, {name}.max_new_tokens={self.max_new_tokens})")  # fmt: skip
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ConfigError(f"{name}.dual_clip={self.dual_clip} must be > 1")
+        if self.dual_clip is not None and not POLICY_LOSSES[self.loss].dual_clip:
+            raise ConfigError(f"{name}.dual_clip={self.dual_clip}: {name}.loss={self.loss} "
+                              "takes no dual clip")  # fmt: skip
+        cap = self.rollout_correction_cap
+        if cap is not None and not cap >= 1:
+            raise ConfigError(f"{name}.rollout_correction_cap={cap} must be >= 1 (or null: off)")
         if self.shared_prompts not in ("auto", "on", "off"):
             raise ConfigError(f"{name}.shared_prompts={self.shared_prompts!r} is not auto, on or off")
         if self.async_rollout not in ("off", "one_step"):
@@ -230,6 +254,16 @@ class GRPOSection:
             raise ConfigError(f"{name}.env_max_turns={self.env_max_turns} and "
                               f"{name}.env_max_tokens={self.env_max_tokens} must be positive")  # fmt: skip
         reward_weights(reward_entries(self.rewards, name), self.reward_weights, name)
+
+    def clip_range(self) -> tuple[float, float]:
+        """(eps_low, eps_high): clip_low and clip_high, the policy loss's where unset."""
+        loss = POLICY_LOSSES[self.loss]
+        low = loss.clip_low if self.clip_low is None else self.clip_low
+        return low, loss.clip_high if self.clip_high is None else self.clip_high
+
+    def aggregation(self) -> str:
+        """loss_agg, the policy loss's where unset."""
+        return POLICY_LOSSES[self.loss].loss_agg if self.loss_agg is None else self.loss_agg
 
 
 @dataclass(kw_only=True)

@@ -8,7 +8,8 @@ One optimizer step = one rollout:
     rewards (worker processes, timeout) -> advantages -> [drop zero-variance groups]
     pack into micro-batches; old log-probs recomputed by the policy (teacher-forced),
     reference log-probs when grpo.kl_coef > 0
-    TrainStep on GRPOObjective (clipped policy gradient + KL, aggregated by grpo.loss_agg),
+    TrainStep on GRPOObjective (grpo.loss: the clipped surrogate, GSPO, CISPO; + KL; times
+    TIS weights with grpo.rollout_correction_cap; aggregated by grpo.loss_agg),
     or grpo.epochs passes of grpo.mini_batches updates on the same samples (`updates`)
 
 `GRPOStep` is a `TrainStep` whose input is the prompts; `TrainLoop` runs it unchanged
@@ -144,7 +145,8 @@ class GRPOStep:
         `ratio/epoch_k` (k from 1)."""
         if self.num_updates == 1:
             return update(micro, True)
-        fixed = _per_sample(micro, self._rows(batch, keep), batch)
+        fixed = _per_sample(micro, self._rows(batch, keep), batch,
+                            sampler=self.rl.rollout_correction_cap is not None)  # fmt: skip
         count = self._min_over_ranks(len(keep))  # the same number of updates on every rank
         parts = max(1, min(self.rl.mini_batches, count))
         results, epochs = [], []
@@ -205,7 +207,7 @@ class GRPOStep:
             pack_samples(
                 [batch.prompt_ids[i] for i in rows], [batch.response_ids[i] for i in rows],
                 {}, {k: [v[i] for i in rows] for k, v in per_token.items()},
-                agg=self.rl.loss_agg, max_new_tokens=self.rl.max_new_tokens,
+                agg=self.rl.aggregation(), max_new_tokens=self.rl.max_new_tokens,
                 pad_multiple=self.pad_multiple,
                 masks=None if batch.response_mask is None else [batch.response_mask[i] for i in rows],
                 share_prompts=self.share_prompts,
@@ -249,9 +251,12 @@ class GRPOStep:
             reward=sum(rewards), reward_sq=sum(x * x for x in rewards), samples=len(rewards),
             zero_var=sum(rollout.flat), groups=len(rollout.flat), kept=kept, length=sum(lengths),
             stopped=sum(batch.stopped), diff_sum=mismatch.sum, diff_count=mismatch.count,
+            diff_kl=mismatch.kl_sum,
             rollout_s=batch.seconds, failures=reward_metrics.pop("reward/failures"),
             sync_bytes=getattr(self.rollout, "last_bytes", 0),
         )  # fmt: skip
+        if mismatch.cap is not None:  # TIS: the share of tokens whose weight was capped
+            stats.add_sums(is_capped=mismatch.capped)
         stats.add_max(diff_max=mismatch.max, sync_s=rollout.sync_s)
         return stats.metrics(reward_metrics, warn_flat=adv_fns.ESTIMATORS[self.rl.advantage].group)
 
@@ -272,7 +277,8 @@ class GRPOStep:
         old ones when rl.recompute_old_logps or several updates; and the sampler/trainer
         `Mismatch`, measured here by the recompute, else by the training forward (the
         objective fills it)."""
-        mismatch = Mismatch()
+        cap = self.rl.rollout_correction_cap
+        mismatch = Mismatch(cap)
         # off-policy samples: the ratio is against the sampling policy's own log-probs
         recompute = (self.rl.recompute_old_logps or self.num_updates > 1) and not self.off_policy
         sampler = {"sampler_logps": batch.sampler_logprobs}
@@ -284,7 +290,9 @@ class GRPOStep:
         for b in out if recompute else ():
             b["old_logps"] = recompute_logps(self.parts.model, b, self.rl.temperature,
                                              supervised_only=self._recompute_responses_only)  # fmt: skip
-            mismatch.add(b["old_logps"], b.pop("sampler_logps"), b["labels"] != -100)
+            # the loss keeps the sampler's log-probs only for its rollout correction
+            sampler_logps = b["sampler_logps"] if cap is not None else b.pop("sampler_logps")
+            mismatch.add(b["old_logps"], sampler_logps, b["labels"] != -100)
         for b, ref in zip(out, pending() if pending else [None] * len(out), strict=True):
             if ref is not None:
                 b["ref_logps"] = ref
@@ -292,12 +300,14 @@ class GRPOStep:
         return out, mismatch
 
 
-def _per_sample(micro: list, rows: list[list[int]], batch: RolloutBatch) -> dict[str, dict[int, list]]:
+def _per_sample(micro: list, rows: list[list[int]], batch: RolloutBatch, *,
+                sampler: bool = False) -> dict[str, dict[int, list]]:  # fmt: skip
     """Every per-token float value of the packed `micro` (rows[k]: micro[k]'s samples),
     per sample: {key: {sample: one value per response token}} (0 on an environment's
-    tokens, which carry no label)."""
+    tokens, which carry no label); the sampler's log-probs only if `sampler` (the loss's
+    rollout correction reads them)."""
     skip = {"input_ids", "labels", "position_ids", "cu_seqlens", "weights", "metric_weights",
-            "unit", "sampler_logps", *SHARED_KEYS}  # fmt: skip
+            "unit", *SHARED_KEYS, *(() if sampler else ("sampler_logps",))}  # fmt: skip
     masks = batch.response_mask
     out: dict[str, dict[int, list]] = {}
     for b, samples in zip(micro, rows, strict=True):
@@ -401,10 +411,13 @@ class _Stats:
             "response/stopped_fraction": s["stopped"] / n,
             "rollout/logprob_diff_mean": s["diff_sum"] / max(s["diff_count"], 1),
             "rollout/logprob_diff_max": m["diff_max"],
+            "rollout/logprob_kl_k3": s["diff_kl"] / max(s["diff_count"], 1),
             "rollout/tokens_per_s": s["length"] / max(s["rollout_s"] / ranks, 1e-9),
             "rollout/weight_sync_s": m["sync_s"],
             "rollout/weight_sync_bytes": s["sync_bytes"],
         }
+        if "is_capped" in s:
+            out["rollout/is_capped_fraction"] = s["is_capped"] / max(s["diff_count"], 1)
         if warn_flat and s["zero_var"] == s["groups"]:
             logger.warning(
                 "every group's rewards are equal (%d groups): the policy gradient of this "
@@ -458,20 +471,19 @@ def evaluate_episodes(rollout: LocalRollout, env, records, tokenizer, template, 
     return sum(rewards) / len(rewards), calls / len(rewards)
 
 
-class GRPOMethod(GRPOObjective):
-    """GRPO as a `Trainer`'s objective: the loss (`GRPOObjective`, from `cfg.rl`), and the
-    roles around it: `setup` loads `init_from` into the policy and creates the reference
+class GRPOMethod:
+    """GRPO as a `Trainer`'s method (what `Trainer(objective=...)` calls `setup` and
+    `build_step` on): the roles around the loss: `setup` creates the reference
     (colocated, or an actor of `roles`, a `placement.RayRoles`) when the KL needs one;
-    `build_step` returns the rollout step (`step_cls`). `ppo.PPOMethod` adds a critic."""
+    `build_step` returns the rollout step (`step_cls`), which trains `objective`, the loss
+    (`GRPOObjective`, from `cfg.rl`), held here rather than inherited: the loss knows
+    nothing of tokenizers, rewards, Ray or environments. `ppo.PPOMethod` adds a critic."""
 
     step_cls: type[GRPOStep] = GRPOStep
 
     def __init__(self, cfg: GRPOConfig, tokenizer, rewards: Rewards, init_from=None, *, roles=None,
                  env=None, template=None):  # fmt: skip
-        g = cfg.rl
-        kl_in_loss = 0.0 if getattr(g, "kl_in_reward", False) else g.kl_coef
-        super().__init__(eps_low=g.clip_low, eps_high=g.clip_high, dual_clip=g.dual_clip,
-                         kl_coef=kl_in_loss, kl_estimator=g.kl_estimator, temperature=g.temperature)  # fmt: skip
+        self.objective = GRPOObjective.from_section(cfg.rl)
         self.cfg, self.tokenizer, self.rewards = cfg, tokenizer, rewards
         self.init_from, self.roles, self.reference = init_from, roles, None
         self.env, self.template = env, template
@@ -514,7 +526,7 @@ class GRPOMethod(GRPOObjective):
 
     def build_step(self, run: RunContext) -> GRPOStep:
         g = self.cfg.rl
-        step = self.step_cls(run.parts, self, run.dims, cfg=self.cfg, tokenizer=self.tokenizer,
+        step = self.step_cls(run.parts, self.objective, run.dims, cfg=self.cfg, tokenizer=self.tokenizer,
                              rewards=self.rewards, reference=self.reference, accum=run.accum,
                              env=self.env, template=self.template, source=run.data,
                              rollout=self._placed_rollout(run),

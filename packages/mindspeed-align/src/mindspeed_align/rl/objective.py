@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from mindspeed_align.rl.losses import kl_estimate, policy_loss
+from mindspeed_align.rl.losses import POLICY_LOSSES, kl_estimate, truncated_is_weights
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
 from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS, Batch, forward_packed
@@ -143,43 +143,68 @@ def _weights(agg: str, n: int, max_new_tokens: int) -> tuple[float, float]:
 
 
 class Mismatch:
-    """|trainer log-prob - sampler log-prob| over the response tokens: sum, count and max
-    (the rollout/trainer mismatch verl and OpenRLHF users watch for)."""
+    """The rollout/trainer mismatch verl and OpenRLHF users watch for, over the response
+    tokens: |trainer log-prob - sampler log-prob| (sum, count, max), the k3 estimate of
+    KL(sampler || trainer) (sum), and with a TIS `cap` the tokens whose weight it caps."""
 
-    def __init__(self):
-        self.sum, self.count, self.max = 0.0, 0, 0.0
+    def __init__(self, cap: float | None = None):
+        self.sum, self.count, self.max, self.kl_sum, self.capped = 0.0, 0, 0.0, 0.0, 0
+        self.cap = cap
 
     def add(self, logps: Tensor, sampler_logps: Tensor, mask: Tensor) -> None:
-        diff = (logps.detach().float() - sampler_logps)[mask].abs()
-        if diff.numel():
+        log_ratio = (logps.detach().float() - sampler_logps)[mask]
+        if log_ratio.numel():
+            diff = log_ratio.abs()
             self.sum, self.count = self.sum + diff.sum().item(), self.count + diff.numel()
             self.max = max(self.max, diff.max().item())
+            # k3 of KL(sampler || trainer), in float64: >= 0 even where the two barely differ
+            kl = kl_estimate(sampler_logps[mask].double(), logps.detach().double()[mask])
+            self.kl_sum += kl.sum().item()
+            if self.cap is not None:
+                self.capped += int((log_ratio.exp() > self.cap).sum())
 
 
 class GRPOObjective(Objective):
-    """Clipped policy gradient + kl_coef * KL(policy || reference), aggregated by the
-    batch's weights. Metrics (means over the aggregation's units): kl, clip fraction,
-    entropy, ratio.
+    """A registered policy loss (`losses.POLICY_LOSSES`, PPO's clipped surrogate by
+    default) + kl_coef * KL(policy || reference), aggregated by the batch's weights.
+    Metrics (means over the aggregation's units): kl, clip fraction, entropy, ratio.
 
     The ratio's old log-probs are the batch's "old_logps" when it has them (recomputed
     before the step); else the training forward's own, detached (one update per rollout:
     the same numbers, one forward fewer). With "sampler_logps" in the batch and a
-    `mismatch` set, the forward's log-probs are compared with the sampler's there.
+    `mismatch` set, the forward's log-probs are compared with the sampler's there; with a
+    `rollout_correction_cap` the policy loss is multiplied by `losses.truncated_is_weights`
+    of the old and the sampler's log-probs.
 
     Args:
-        eps_low / eps_high / dual_clip: see `losses.policy_loss`.
+        loss: the policy loss's registered name.
+        eps_low / eps_high / dual_clip: its clip range (see `losses.policy_loss`).
         kl_coef / kl_estimator: the KL penalty in the loss (0: no reference needed).
         temperature: the sampling temperature; log-probs are of softmax(logits / T).
+        rollout_correction_cap: TIS's cap; None: no correction.
     """
 
     metric_names = ("kl", "clip_fraction", "entropy", "ratio")
     supervised_logits_only = True  # every target is per response token
 
-    def __init__(self, *, eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0,
-                 kl_estimator="k3", temperature=1.0):  # fmt: skip
+    def __init__(self, *, loss="ppo_clip", eps_low=0.2, eps_high=0.2, dual_clip=None, kl_coef=0.0,
+                 kl_estimator="k3", temperature=1.0, rollout_correction_cap=None):  # fmt: skip
+        self.policy_loss = POLICY_LOSSES[loss]
         self.eps_low, self.eps_high, self.dual_clip = eps_low, eps_high, dual_clip
         self.kl_coef, self.kl_estimator, self.temperature = kl_coef, kl_estimator, temperature
+        self.rollout_correction_cap = rollout_correction_cap
         self.mismatch: Mismatch | None = None
+
+    @classmethod
+    def from_section(cls, rl) -> GRPOObjective:
+        """The loss `rl` (a `config.GRPOSection`) asks for: its policy loss with the clip
+        range and TIS cap it gives (the loss's own where unset), and the KL in the loss
+        unless it goes into the reward (PPO's kl_in_reward)."""
+        low, high = rl.clip_range()
+        kl_in_loss = 0.0 if getattr(rl, "kl_in_reward", False) else rl.kl_coef
+        return cls(loss=rl.loss, eps_low=low, eps_high=high, dual_clip=rl.dual_clip,
+                   kl_coef=kl_in_loss, kl_estimator=rl.kl_estimator, temperature=rl.temperature,
+                   rollout_correction_cap=rl.rollout_correction_cap)  # fmt: skip
 
     def watch(self, mismatch: Mismatch | None) -> None:
         """Compare the next forwards' log-probs with the sampler's into `mismatch` (None:
@@ -194,17 +219,27 @@ class GRPOObjective(Objective):
         keys += [k for k in ("old_logps", "sampler_logps") if k in batch]
         if self.kl_coef:
             keys.append("ref_logps")
-        return {k: batch[k] for k in keys}
+        out = {k: batch[k] for k in keys}
+        if self.policy_loss.sequence:  # each position's document: one sample's response
+            sizes = batch["cu_seqlens"].diff().long()
+            sequences = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+            out["sequences"] = sequences.view_as(batch["labels"])
+        return out
 
     def loss(self, outputs: Tensor, targets: dict[str, Tensor], ctx: LossContext) -> LossOutput:
         labels = targets["labels"].flatten()
         logp = token_logps(outputs, labels, ctx, self.temperature)
         old = targets["old_logps"].flatten() if "old_logps" in targets else logp.detach()
-        if self.mismatch is not None and "sampler_logps" in targets:
-            self.mismatch.add(logp, targets["sampler_logps"].flatten(), labels != IGNORE_INDEX)
+        sampler = targets["sampler_logps"].flatten() if "sampler_logps" in targets else None
+        if self.mismatch is not None and sampler is not None:
+            self.mismatch.add(logp, sampler, labels != IGNORE_INDEX)
         adv = targets["advantages"].flatten()
-        pg, clipped = policy_loss(logp, old, adv, eps_low=self.eps_low, eps_high=self.eps_high,
-                                  dual_clip=self.dual_clip)  # fmt: skip
+        sequences = targets["sequences"].flatten() if "sequences" in targets else None
+        pg, clipped = self.policy_loss.fn(logp, old, adv, mask=labels != IGNORE_INDEX,
+                                          sequences=sequences, eps_low=self.eps_low,
+                                          eps_high=self.eps_high, dual_clip=self.dual_clip)  # fmt: skip
+        if self.rollout_correction_cap is not None and sampler is not None:
+            pg = pg * truncated_is_weights(old, sampler, self.rollout_correction_cap)
         per_token = pg
         weights, metric = targets["weights"].flatten(), targets["metric_weights"].flatten()
         with torch.no_grad():
