@@ -165,13 +165,15 @@ def test_no_engine_outlives_a_killed_trainer(fake_vllm, tmp_path):
         assert trainer.stdout.readline().strip() == "up"
         engine = int((seen / "pid").read_text())
         assert _alive(engine)
+        folder = Path(os.readlink(f"/proc/{engine}/cwd"))  # the weights' folder
+        assert (folder / "model" / "model.safetensors").is_file()
     finally:
         trainer.kill()
         trainer.wait()
     deadline = time.monotonic() + 5
-    while _alive(engine) and time.monotonic() < deadline:
+    while (_alive(engine) or folder.exists()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(engine)
+    assert not _alive(engine) and not folder.exists()
 
 
 @pytest.fixture(scope="module")
