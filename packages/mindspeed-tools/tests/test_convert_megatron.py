@@ -27,7 +27,7 @@ from mindspeed_core.cli import run as cli
 from mindspeed_core.testing import run_distributed
 from mindspeed_core.testing.hostile import plant_hostile_torch_file
 from mindspeed_llm.loading import load_model
-from mindspeed_tools.megatron import split_qkv
+from mindspeed_tools.convert.megatron import split_qkv
 
 pytest.importorskip("megatron.core")
 
@@ -484,7 +484,7 @@ torch.save({{"args": args, "rng_state": [rng], "model": {{"w": torch.ones(2)}}}}
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
     check = f"""
 import sys
-from mindspeed_tools.megatron import safe_torch_load
+from mindspeed_tools.convert.megatron import safe_torch_load
 state = safe_torch_load(__import__("pathlib").Path({str(file)!r}))
 assert not any(m.startswith("megatron") for m in sys.modules), "megatron was imported"
 assert state["args"].num_layers == 2
@@ -537,10 +537,10 @@ def test_qwen2_with_tied_embeddings_round_trips_through_megatron(
     (before 2.10) gives no storage offsets and the rank files are memory-mapped instead."""
     from safetensors.torch import load_file
 
-    from mindspeed_tools import megatron
+    from mindspeed_tools.convert.megatron import legacy
 
     if mapped:
-        monkeypatch.setattr(megatron, "_has_offsets", lambda state: False)
+        monkeypatch.setattr(legacy, "_has_offsets", lambda state: False)
 
     config = transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,

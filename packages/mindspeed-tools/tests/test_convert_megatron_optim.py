@@ -26,8 +26,9 @@ from mindspeed_core.testing import import_sibling, run_distributed
 from mindspeed_llm.loading import load_model
 from mindspeed_llm.models.registry import get_model_spec
 from mindspeed_llm.train.run_dir import resume
-from mindspeed_tools import megatron
-from mindspeed_tools.dcp_stream import load_streaming
+from mindspeed_tools.convert import megatron
+from mindspeed_tools.convert.dcp_stream import load_streaming
+from mindspeed_tools.convert.megatron.mapping import tp_merge
 
 pytest.importorskip("megatron.core")
 mm = import_sibling(__file__, "test_convert_megatron")
@@ -137,11 +138,10 @@ def _cli(capsys, *args) -> tuple[int, str]:
 
 def _megatron_moments_as_hf(ranks: list[dict], config: dict) -> dict[str, dict[str, torch.Tensor]]:
     """Each rank's moments merged over tp as the legacy reader merges weights, in HF names."""
-    args = vars(mm._megatron_args(len(ranks), 1))
     merged = {}
     for kind in ("exp_avg", "exp_avg_sq"):
         names = ranks[0][kind]
-        whole = {n: megatron._merge_tp(n, [r[kind][n] for r in ranks], args) for n in names}
+        whole = {n: tp_merge(n, [r[kind][n] for r in ranks]) for n in names}
         merged[kind] = megatron.to_hf_tensors(whole, config, Path("megatron"))
     return merged
 

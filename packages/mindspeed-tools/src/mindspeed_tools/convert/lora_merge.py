@@ -27,7 +27,7 @@ from mindspeed_llm.models.weight_check import check_weights
 from mindspeed_llm.peft.checkpoint import read_adapters, run_base
 from mindspeed_llm.peft.experts import ExpertLoRA, expert_adapters
 from mindspeed_llm.peft.lora import LoRAConfig, adapted_modules, apply_lora
-from mindspeed_tools.dcp_stream import load_streaming
+from mindspeed_tools.convert.dcp_stream import load_streaming
 
 Shapes = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
