@@ -23,11 +23,11 @@ from mindspeed_core.checkpoint import ModelState, TrainState
 from mindspeed_core.cli import run as cli
 from mindspeed_core.optim import build_lr_schedulers, build_optimizers
 from mindspeed_core.testing import import_sibling, run_distributed
+from mindspeed_llm.hf_export.dcp_stream import load_streaming
 from mindspeed_llm.loading import load_model
 from mindspeed_llm.models.registry import get_model_spec
 from mindspeed_llm.train.run_dir import resume
 from mindspeed_tools.convert import megatron
-from mindspeed_tools.convert.dcp_stream import load_streaming
 from mindspeed_tools.convert.megatron.mapping import tp_merge
 
 pytest.importorskip("megatron.core")

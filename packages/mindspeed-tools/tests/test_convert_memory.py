@@ -227,7 +227,7 @@ def test_merge_lora_holds_about_one_tensor_and_gives_load_models_merge(
 ):
     """A LoRA run (every linear, rank 4) on the random model: `--merge-lora` writes
     `load_model`'s merged weights bit for bit, about one tensor in memory; the run's own
-    `logging.hf_export_every` export (the same command, in a child of the trainer) is the
+    `logging.hf_export_every` export (the same writer, in the trainer's process) is the
     same file."""
     from mindspeed_core.config import load_config
     from mindspeed_core.distributed import destroy_distributed, init_distributed

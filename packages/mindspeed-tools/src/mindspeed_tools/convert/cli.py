@@ -16,23 +16,41 @@ Megatron formats, both ways).
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 
 from mindspeed_core.cli import ArgumentParser, Command
 from mindspeed_core.distributed import setup_logging
 from mindspeed_core.errors import ConfigError
-from mindspeed_tools.convert.hf import hf_to_mindspeed, mindspeed_to_hf
+from mindspeed_llm.hf_export import merge_lora_to_hf, mindspeed_to_hf
+from mindspeed_tools.convert.hf import hf_to_mindspeed
 from mindspeed_tools.convert.megatron.files import LATEST_FILE, is_megatron_checkpoint
 from mindspeed_tools.convert.megatron.routes import (
     hf_to_megatron,
     megatron_to_hf,
     megatron_to_mindspeed,
 )
-from mindspeed_tools.convert.peft import lora_to_peft, merge_lora_to_hf
-from mindspeed_tools.convert.staging import parse_size
+from mindspeed_tools.convert.peft import lora_to_peft
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in "5GB", "500MB", "2GiB" or a plain number of bytes.
+
+    Raises:
+        ConfigError: not a size.
+    """
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ConfigError(f"--max-shard-size={text!r} is not a size like 5GB or 500MB")
+    value = float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()]
+    if value < 1:
+        raise ConfigError(f"--max-shard-size={text!r} must be positive")
+    return int(value)
 
 
 def _parser() -> argparse.ArgumentParser:

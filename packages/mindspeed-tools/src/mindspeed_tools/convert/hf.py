@@ -1,4 +1,5 @@
-"""Hugging Face safetensors <-> MindSpeed checkpoints, tensor by tensor.
+"""Hugging Face safetensors -> MindSpeed checkpoints, tensor by tensor (the other way is
+`mindspeed_llm.hf_export.mindspeed_to_hf`).
 
 A MindSpeed checkpoint is a DCP checkpoint: every tensor is stored once, under its
 fully-qualified name with its global shape, and DCP reshards it on load. Our parallel
@@ -20,23 +21,18 @@ from pathlib import Path
 import torch
 
 from mindspeed_core.checkpoint import LATEST
-from mindspeed_core.errors import CheckpointError, ConfigError
+from mindspeed_core.errors import CheckpointError
 from mindspeed_core.parallel import ParallelConfig
-from mindspeed_llm.loading import ModelSource, checkpoint_source
+from mindspeed_llm.hf_export.dcp_stream import save_streaming
+from mindspeed_llm.hf_export.staging import (
+    copy_hf_files,
+    progress,
+    staged_output,
+)
 from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models import hf_io
 from mindspeed_llm.models.common.layout import check_layout
 from mindspeed_llm.models.weight_check import check_weights, model_shapes
-from mindspeed_llm.peft.checkpoint import run_lora
-from mindspeed_tools.convert.dcp_stream import load_streaming, save_streaming
-from mindspeed_tools.convert.hf_out import OursToHF, ShardedWriter, plan_shards
-from mindspeed_tools.convert.staging import (
-    TOKENIZER_FILES,
-    copy_hf_files,
-    copy_tokenizer,
-    progress,
-    staged_output,
-)
 
 logger = logging.getLogger("mindspeed.convert")
 STEP = "step_0"
@@ -144,74 +140,3 @@ def _adam_plan(
     for name in weights.shapes:
         plan[f"{OPTIMIZER_KEY}.state.{name}.step"] = ((torch.float32, ()), step)
     return plan
-
-
-# -- MindSpeed -> Hugging Face ------------------------------------------------------------
-
-
-def mindspeed_to_hf(
-    source: str | Path,
-    output: str | Path,
-    *,
-    max_shard_size: int = 5 * 10**9,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Convert a MindSpeed checkpoint (converted, or a trainer's) into a Hugging Face folder.
-
-    `source` is a converted folder, `<run>/checkpoints` (its `latest`), or one `step_<N>`.
-    Writes config.json, generation_config.json, tokenizer files when known, and
-    model.safetensors or shards with model.safetensors.index.json.
-
-    Raises:
-        ConfigError / CheckpointError: the source is not a checkpoint or is incomplete.
-    """
-    model = checkpoint_source(source)
-    if model.kind == "run" and run_lora(model.path) is not None:
-        raise ConfigError(
-            f"{source} is a LoRA run's checkpoint (adapters only): add --merge-lora, or use --to peft"
-        )
-    config, step_dir = model.config, model.weights
-    stored = ckpt.tensor_metadata(step_dir)
-    to_hf = OursToHF(config, stored)
-    entries = [(hf, dtype or d, shape) for hf, (d, shape) in to_hf.shapes.items()]
-    shards = plan_shards(entries, max_shard_size)
-    prefix = ckpt.MODEL_KEY + "."
-    wanted = {prefix + ours: stored[ours] for ours in stored if ours in to_hf.wanted}
-
-    needed = sum(torch.Size(shape).numel() * d.itemsize for _, d, shape in entries)
-    with staged_output(output, needed) as tmp:
-        writer = ShardedWriter(tmp, entries, shards, dtype)
-        bar = progress(len(wanted), "mindspeed -> hf")
-
-        def done(fqn: str, tensor: torch.Tensor) -> None:
-            bar.update(1)
-            for hf, made in to_hf.put(fqn[len(prefix) :], tensor):
-                writer.write(hf, made)
-
-        with writer, bar:
-            load_streaming(step_dir, wanted, done)
-        write_hf_config(model, tmp, entries)
-    logger.info("wrote %s (%d tensors in %d file(s))", output, len(entries), len(shards))
-    return Path(output)
-
-
-def write_hf_config(model: ModelSource, tmp: Path, entries) -> None:
-    """config.json (the source's when it has one, else built from our config), plus the
-    generation config and tokenizer files of the source when known."""
-    dtypes = {str(d).removeprefix("torch.") for _, d, _ in entries if d.is_floating_point}
-    if model.hf_dir is not None:
-        hf_config = json.loads((model.hf_dir / hf_io.CONFIG_FILE).read_text())
-        copy_hf_files(model.hf_dir, tmp)
-    else:
-        hf_config = model.config.to_hf_dict()
-    if len(dtypes) == 1:
-        key = "dtype" if "dtype" in hf_config else "torch_dtype"
-        hf_config[key] = dtypes.pop()
-    (tmp / hf_io.CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
-    if not any((tmp / n).is_file() for n in TOKENIZER_FILES):
-        copy_tokenizer(model.tokenizer, tmp)
-    if not (tmp / "generation_config.json").is_file():
-        generation = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if k in hf_config}
-        (tmp / "generation_config.json").write_text(
-            json.dumps({"_from_model_config": True, **generation}, indent=2) + "\n"
-        )

@@ -15,15 +15,8 @@ import torch
 
 from mindspeed_core.errors import ConfigError, MindSpeedError
 from mindspeed_core.files import check_folder, owned_temp_prefix
-from mindspeed_llm.models import hf_io
-from mindspeed_llm.models.weight_check import check_weights, model_shapes
-from mindspeed_tools.convert.hf import AdamSource, hf_to_mindspeed
-from mindspeed_tools.convert.hf_out import plan_shards
-from mindspeed_tools.convert.megatron import optim as megatron_optim
-from mindspeed_tools.convert.megatron.config import check_config, hf_config, megatron_args
-from mindspeed_tools.convert.megatron.legacy import write_legacy
-from mindspeed_tools.convert.megatron.read import read_checkpoint
-from mindspeed_tools.convert.staging import (
+from mindspeed_llm.hf_export.hf_out import plan_shards
+from mindspeed_llm.hf_export.staging import (
     copy_hf_files,
     copy_tokenizer,
     counted,
@@ -31,6 +24,13 @@ from mindspeed_tools.convert.staging import (
     staged_output,
     write_safetensors,
 )
+from mindspeed_llm.models import hf_io
+from mindspeed_llm.models.weight_check import check_weights, model_shapes
+from mindspeed_tools.convert.hf import AdamSource, hf_to_mindspeed
+from mindspeed_tools.convert.megatron import optim as megatron_optim
+from mindspeed_tools.convert.megatron.config import check_config, hf_config, megatron_args
+from mindspeed_tools.convert.megatron.legacy import write_legacy
+from mindspeed_tools.convert.megatron.read import read_checkpoint
 
 logger = logging.getLogger("mindspeed.convert")
 

@@ -12,7 +12,7 @@ import torch
 
 from mindspeed_core.checkpoint import read_safe_metadata
 from mindspeed_core.errors import CheckpointError
-from mindspeed_tools.convert.dcp_stream import Region, RegionReader
+from mindspeed_llm.hf_export.dcp_stream import Region, RegionReader
 from mindspeed_tools.convert.megatron import mapping
 from mindspeed_tools.convert.megatron.files import (
     COMMON_FILE,

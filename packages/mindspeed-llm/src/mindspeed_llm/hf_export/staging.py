@@ -1,5 +1,5 @@
 """What every conversion shares: an output folder staged and renamed only when complete, the
-files copied next to the weights, progress bars, and `--max-shard-size`'s parsing.
+files copied next to the weights, progress bars.
 
 The output is written to `OUT.tmp-HOST.PID.*` and renamed to `OUT` when complete: a
 failed conversion (a full disk included) leaves nothing behind, and the temporaries of a
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -24,8 +23,8 @@ from tqdm import tqdm
 from mindspeed_core.checkpoint import LATEST
 from mindspeed_core.errors import ConfigError, disk_full_error, is_disk_full
 from mindspeed_core.files import check_folder, fsync_dir, owned_temp_prefix, remove_stale_temps
+from mindspeed_llm.hf_export.hf_out import ShardedWriter
 from mindspeed_llm.models import hf_io
-from mindspeed_tools.convert.hf_out import ShardedWriter
 
 logger = logging.getLogger("mindspeed.convert")
 TOKENIZER_FILES = (
@@ -40,8 +39,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
 )
 HF_EXTRA_FILES = ("generation_config.json", *TOKENIZER_FILES)
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def nbytes(entries) -> int:
@@ -157,18 +154,3 @@ def _remove_made(made: list[Path]) -> None:
     for parent in made:  # innermost first: the folders this call created
         with contextlib.suppress(OSError):
             parent.rmdir()
-
-
-def parse_size(text: str) -> int:
-    """Bytes in "5GB", "500MB", "2GiB" or a plain number of bytes.
-
-    Raises:
-        ConfigError: not a size.
-    """
-    match = _SIZE.match(str(text))
-    if not match:
-        raise ConfigError(f"--max-shard-size={text!r} is not a size like 5GB or 500MB")
-    value = float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()]
-    if value < 1:
-        raise ConfigError(f"--max-shard-size={text!r} must be positive")
-    return int(value)
