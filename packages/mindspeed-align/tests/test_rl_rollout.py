@@ -109,7 +109,7 @@ def test_micro_batches_split_by_tokens_and_the_step_does_not_depend_on_the_split
 
     prompts, responses, _ = _fixed_rollout()
     size = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    rows = GRPOStep._rows(SimpleNamespace(accum=4, share_prompts=False),
+    rows = GRPOStep._rows(SimpleNamespace(accum=4, share_prompts=False, cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_tokens=None))),
                           SimpleNamespace(prompt_ids=prompts, response_ids=responses),
                           list(range(12)))  # fmt: skip
     assert sorted(i for r in rows for i in r) == list(range(12)) and all(r == sorted(r) for r in rows)
@@ -143,7 +143,7 @@ def test_shared_prompts_give_the_separate_samples_step(masked):
     responses = [torch.randint(3, 512, (1 + (i * 5) % 7,), generator=gen).tolist() for i in range(12)]
     adv = torch.randn(12, generator=gen).tolist()
     masks = [[int(t % 3 != 0) for t in range(len(r))] for r in responses] if masked else None
-    rows = GRPOStep._rows(SimpleNamespace(accum=2, share_prompts=True),
+    rows = GRPOStep._rows(SimpleNamespace(accum=2, share_prompts=True, cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_tokens=None))),
                           SimpleNamespace(prompt_ids=prompts, response_ids=responses), list(range(12)))  # fmt: skip
     assert all(len([i for i in r if i // 3 == g]) in (0, 3) for r in rows for g in range(4))  # groups whole
     results = []
