@@ -177,6 +177,42 @@ def test_a_group_more_than_k_versions_stale_is_dropped_from_the_loss():
     )
 
 
+def test_our_engine_takes_a_sync_between_two_tokens_of_a_running_rollout():
+    """`LocalRollout`: a sync asked for while a rollout decodes lands at the next token (the
+    decoding loop gives way; an unfair lock let it wait out the whole rollout), so the
+    tokens before carry the first sync's count and the rest the second's."""
+    from mindspeed_align.rl.rollout import LocalRollout, SamplingConfig
+    from mindspeed_core.parallel import ParallelConfig
+    from mindspeed_llm.models import build_model_config
+    from mindspeed_llm.train.build import build_model
+
+    config = build_model_config("llama", flavor="debug", ops_impl="reference")
+    dims = ParallelConfig().dims(1).build("cpu")
+    policy = build_model(config, dims, torch.device("cpu"), parallel=ParallelConfig(), seq_len=32)
+    rollout = LocalRollout(policy, copy=True)
+    rollout.sync_weights()
+    forwards, third = [], threading.Event()
+
+    def slow_third(module, args):
+        forwards.append(1)
+        if len(forwards) == 3:  # token 2's forward (prefill, decode, decode), under the lock
+            third.set()
+            threading.Event().wait(0.5)  # time for the sync to ask
+
+    rollout.module.register_forward_pre_hook(slow_third)
+    sampling = SamplingConfig(n=2, max_new_tokens=8, temperature=1.0)
+    out = {}
+    worker = threading.Thread(
+        target=lambda: out.update(batch=rollout.generate([PROMPTS[0]], sampling, seed=1))
+    )
+    worker.start()
+    assert third.wait(WAIT_S)
+    rollout.sync_weights()
+    worker.join(WAIT_S)
+    assert out["batch"].token_syncs == [[1, 1, 1] + [2] * 5] * 2
+    assert [len(r) for r in out["batch"].sampler_logprobs] == [8, 8]
+
+
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     from mindspeed_align.rl.data import demo_records

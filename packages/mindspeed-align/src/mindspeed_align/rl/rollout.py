@@ -122,6 +122,11 @@ class LocalRollout:
             self.module.requires_grad_(False).eval()
         self.copy = sharded or copy
         self.lock = threading.Lock()
+        self._no_sync = threading.Event()
+        """Cleared while a sync waits: decoding steps let it in (a lock is not fair: a
+        decoding loop that releases and retakes it would starve the sync for a whole
+        rollout)."""
+        self._no_sync.set()
         self.last_bytes = 0
         """Bytes the last `sync_weights` copied."""
         self.syncs = 0
@@ -133,6 +138,13 @@ class LocalRollout:
         when the rollout uses the policy module itself)."""
         if not self.copy:
             return 0.0
+        self._no_sync.clear()
+        try:
+            return self._copy_weights()
+        finally:
+            self._no_sync.set()
+
+    def _copy_weights(self) -> float:
         with self.lock:
             start = time.perf_counter()
             target = self.module.state_dict()
@@ -205,6 +217,7 @@ class LocalRollout:
         tokens = iter(steps)
         with torch.no_grad():
             while True:
+                self._no_sync.wait()
                 with self.lock:  # one decoding step (its forward and draw) on fixed weights
                     new, version = next(tokens, None), self.syncs
                 if new is None:
