@@ -12,6 +12,9 @@ One optimizer step = one rollout:
     TIS weights with grpo.rollout_correction_cap; aggregated by grpo.loss_agg),
     or grpo.epochs passes of grpo.mini_batches updates on the same samples (`updates`)
 
+With `grpo.async_rollout` (one_step, bounded) the rollouts sample in a background thread
+while steps train, handed out by a scheduler of `async_rollout.py`.
+
 `GRPOStep` is a `TrainStep` whose input is the prompts; `TrainLoop` runs it unchanged
 (metrics.jsonl, checkpoints, exact resume: the sampling seed is derived from the step).
 """
