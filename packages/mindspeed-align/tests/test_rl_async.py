@@ -292,8 +292,8 @@ def test_bad_async_inputs_are_one_line(task, capsys):
 def test_bounded_async_demo_reward_rises(tmp_path):
     """`mindspeed grpo --grpo.async_rollout bounded --grpo.max_staleness 2` (the demo, about a
     minute): the held-out greedy reward still ends above 0.8, every sample at most 2
-    versions stale (measured on 2 cores, 2026-11-28: greedy 0.688 -> 0.922, sampled 0.307 ->
-    0.82-0.85 in three runs; 87% of the logged samples 2 stale, 13% 1)."""
+    versions stale (measured on 2 cores, 2026-11-28, four runs: greedy 0.688 -> 0.906-0.922,
+    sampled 0.307 -> 0.82-0.85; 78-87% of the logged samples 2 stale, the rest 1)."""
     from mindspeed_align.rl.cli import grpo
     from mindspeed_align.rl.config import GRPOConfig, GRPOLoggingSection, GRPOSection
     from mindspeed_core.training import read_metrics
