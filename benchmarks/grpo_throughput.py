@@ -3,6 +3,7 @@
     python benchmarks/grpo_throughput.py [--shape short|real] [--steps 8] [--prompts-per-step 4]
                                          [--n 8] [--max-new-tokens N] [--threads 2] [--async]
                                          [--engines native,vllm [--vllm-python PY]]
+                                         [--bounded K]
 
 Both sides train the randomly initialised Llama folder of `sft_throughput.py` (hidden 256,
 4 layers, fp32) with GRPO (group-normalised advantages, PPO clip 0.2, no KL so no reference
@@ -21,7 +22,9 @@ A2) is >= 1.5x TRL on CPU.
 `--async` instead runs ours twice, synchronous and with `grpo.async_rollout one_step` (the
 next step's rollout sampling in a thread while this step trains), and reports the overlap
 gain (async samples/s over sync; A4 item 5). The first step of the async run samples
-synchronously, as every run's first step must.
+synchronously, as every run's first step must. `--async --bounded K` adds a third run, with
+`grpo.async_rollout bounded --grpo.max_staleness K` (rollouts of up to K steps ahead, weights
+synced every step even mid-sample), and its gain over sync.
 
 `--engines native,vllm` instead runs ours with each rollout engine (`grpo.rollout_engine`;
 vLLM in its own environment: `--vllm-python`, MINDSPEED_VLLM_PYTHON, or the one the trainer
@@ -68,6 +71,10 @@ def make_prompts(root: Path, count: int, shape: str = "short") -> Path:
     return path
 
 
+ASYNC_SIDES = {"ours_async": "one_step", "ours_bounded": "bounded"}
+"""Our runs with `grpo.async_rollout` other than off, by side."""
+
+
 def _ours(folder: Path, prompts: Path, args) -> dict:
     from mindspeed_align.rl.config import GRPOConfig
     from mindspeed_align.rl.data import PromptSource, read_prompts
@@ -86,7 +93,8 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
         "--grpo.rewards=[grpo_throughput:word_count_reward]", "--grpo.kl_coef=0",
         f"--train.steps={args.steps}", f"--train.micro_batch={samples}",
         f"--train.global_batch={samples}", "--optim.lr=1e-5",
-        f"--grpo.async_rollout={'one_step' if args.side == 'ours_async' else 'off'}",
+        f"--grpo.async_rollout={ASYNC_SIDES.get(args.side, 'off')}",
+        f"--grpo.max_staleness={args.bounded if args.side == 'ours_bounded' else 1}",
         f"--grpo.shared_prompts={args.shared_prompts}",
         f"--grpo.rollout_engine={'vllm' if args.side == 'ours_vllm' else 'native'}",
         *([f"--grpo.vllm_python={args.vllm_python}"] if args.side == "ours_vllm" and args.vllm_python else []),
@@ -163,6 +171,15 @@ def _theirs(folder: Path, prompts: Path, args) -> dict:
             "peak_mem_mb": round(_peak_mb() - baseline, 1)}  # fmt: skip
 
 
+def _bounded(results: dict, k: int, sync: dict) -> dict:
+    """The bounded run's entries of the --async report (none without --bounded)."""
+    if not k:
+        return {}
+    bounded = results["ours_bounded"]
+    return {f"bounded_k{k}": bounded,
+            "bounded_gain": round(bounded["samples_per_s"] / sync["samples_per_s"], 2)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -175,11 +192,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--async", dest="async_", action="store_true",
                         help="ours synchronous vs ours one-step off-policy, no TRL")
+    parser.add_argument("--bounded", type=int, default=0, metavar="K",
+                        help="with --async: also ours with async_rollout bounded, max_staleness K")
     parser.add_argument("--shared-prompts", choices=["auto", "off"], default="auto",
                         help="ours: a prompt once per group of completions (auto) or in each")
     parser.add_argument("--engines", help="native,vllm: ours with each rollout engine, no TRL")
     parser.add_argument("--vllm-python", help="vLLM's interpreter (default: see the docstring)")
-    parser.add_argument("--side", choices=["ours", "ours_async", "ours_vllm", "theirs"],
+    parser.add_argument("--side", choices=["ours", *ASYNC_SIDES, "ours_vllm", "theirs"],
                         help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -201,11 +220,12 @@ def main() -> None:
         if args.engines:
             sides = tuple(engines[e] for e in args.engines.split(","))
         else:
-            sides = ("ours", "ours_async") if args.async_ else ("ours", "theirs")
+            sides = (("ours", "ours_async", *(("ours_bounded",) if args.bounded else ()))
+                     if args.async_ else ("ours", "theirs"))  # fmt: skip
         results = run_sides(__file__, root, args.threads, [
             f"--steps={args.steps}", f"--prompts-per-step={args.prompts_per_step}", f"--n={args.n}",
             f"--max-new-tokens={args.max_new_tokens}", f"--shape={args.shape}",
-            f"--shared-prompts={args.shared_prompts}",
+            f"--shared-prompts={args.shared_prompts}", f"--bounded={args.bounded}",
             *([f"--vllm-python={args.vllm_python}"] if args.vllm_python else [])], sides)  # fmt: skip
     if args.engines:
         out = {"benchmark": "grpo_throughput_engines", "shape": args.shape, "dtype": "fp32",
@@ -224,7 +244,8 @@ def main() -> None:
             "threads": args.threads, "sync": sync, "one_step": overlapped,
             "overlap_gain": round(overlapped["samples_per_s"] / sync["samples_per_s"], 2),
             "memory_ratio": round(overlapped["peak_mem_mb"] / max(sync["peak_mem_mb"], 1e-9), 2),
-            "load_avg_1min": round(os.getloadavg()[0], 2)}))  # fmt: skip
+            "load_avg_1min": round(os.getloadavg()[0], 2),
+            **_bounded(results, args.bounded, sync)}))  # fmt: skip
         return
     ours, theirs = results["ours"], results["theirs"]
     print(json.dumps({

@@ -3,8 +3,6 @@ two layouts (one process vs dp_shard=2) on the same fixed rollout."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -19,9 +17,6 @@ from mindspeed_llm.train.build import build_model, build_train_parts
 from mindspeed_llm.train.step import TrainStep
 
 PROMPTS = [[5, 17, 33, 9], [101, 7], [250, 251, 252, 253, 254, 3]]
-
-ROWS_CFG = SimpleNamespace(train=SimpleNamespace(micro_batch_tokens=None))
-"""`_rows` reads the token budget from the config (None: `accum` parts by tokens)."""
 
 
 def _policy(parallel: ParallelConfig, world_size=None):
@@ -108,12 +103,13 @@ def test_micro_batches_split_by_tokens_and_the_step_does_not_depend_on_the_split
     """GRPOStep's micro-batches: `accum` parts of about equal tokens (the longest sample
     first onto the lightest part), each in sample order; the step's loss, metrics and
     gradients are those of the consecutive split (both loss aggregations)."""
+    from types import SimpleNamespace
 
     from mindspeed_align.rl.grpo import GRPOStep
 
     prompts, responses, _ = _fixed_rollout()
     size = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    rows = GRPOStep._rows(SimpleNamespace(accum=4, share_prompts=False, cfg=ROWS_CFG),
+    rows = GRPOStep._rows(SimpleNamespace(accum=4, share_prompts=False, cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_tokens=None))),
                           SimpleNamespace(prompt_ids=prompts, response_ids=responses),
                           list(range(12)))  # fmt: skip
     assert sorted(i for r in rows for i in r) == list(range(12)) and all(r == sorted(r) for r in rows)
@@ -137,6 +133,7 @@ def test_shared_prompts_give_the_separate_samples_step(masked):
     attending to it: the recomputed log-probs, the step's loss, metrics and every gradient
     equal those of the samples packed whole (fp32), in fewer tokens; with environment masks
     (some response tokens unlabelled) too. GRPOStep keeps a prompt's samples together."""
+    from types import SimpleNamespace
 
     from mindspeed_align.rl.grpo import GRPOStep
 
@@ -146,7 +143,7 @@ def test_shared_prompts_give_the_separate_samples_step(masked):
     responses = [torch.randint(3, 512, (1 + (i * 5) % 7,), generator=gen).tolist() for i in range(12)]
     adv = torch.randn(12, generator=gen).tolist()
     masks = [[int(t % 3 != 0) for t in range(len(r))] for r in responses] if masked else None
-    rows = GRPOStep._rows(SimpleNamespace(accum=2, share_prompts=True, cfg=ROWS_CFG),
+    rows = GRPOStep._rows(SimpleNamespace(accum=2, share_prompts=True, cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_tokens=None))),
                           SimpleNamespace(prompt_ids=prompts, response_ids=responses), list(range(12)))  # fmt: skip
     assert all(len([i for i in r if i // 3 == g]) in (0, 3) for r in rows for g in range(4))  # groups whole
     results = []

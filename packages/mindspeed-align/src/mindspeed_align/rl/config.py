@@ -152,12 +152,20 @@ class GRPOSection:
     once per group in the policy's, the old log-probs' and the reference's forwards. auto:
     where it can run (no pipeline or context parallel, softmax attention layers, no MTP);
     on: refused elsewhere."""
-    async_rollout: Literal["off", "one_step"] = "off"
+    async_rollout: Literal["off", "one_step", "bounded"] = "off"
     """one_step: the rollout of step k+1 samples (in a background thread, through a copy of
     the policy as step k starts) while step k trains; each step trains on samples of the
     policy one update old, with the ratio against the sampler's log-probs (verl's and
     AReaL's one-step off-policy). `rollout/staleness` logs the lag (0 on the first step and
-    after a resume, which sample synchronously). off: sample, then train."""
+    after a resume, which sample synchronously). bounded: rollouts of up to max_staleness
+    steps ahead sample in the background, their weights synced every step even mid-sample
+    (partial rollouts), each token tagged with the policy version that drew it; groups more
+    than max_staleness versions stale are dropped (`rl/async_rollout.py`; metrics
+    `rollout/staleness_mean`, `rollout/staleness/<k>`, `rollout/dropped`,
+    `rollout/partial`). off: sample, then train."""
+    max_staleness: int = 1
+    """With async_rollout bounded: the most policy versions (optimizer steps) between the
+    weights that drew a sample's oldest token and the step that trains on it."""
     env: str | None = None
     """Multi-turn episodes in an environment instead of one completion per prompt:
     "calculator" (the embedded tool-use demo: `mindspeed grpo --env calculator`) or
@@ -230,8 +238,7 @@ class GRPOSection:
             raise ConfigError(f"{name}.rollout_correction_cap={cap} must be >= 1 (or null: off)")
         if self.shared_prompts not in ("auto", "on", "off"):
             raise ConfigError(f"{name}.shared_prompts={self.shared_prompts!r} is not auto, on or off")
-        if self.async_rollout not in ("off", "one_step"):
-            raise ConfigError(f"{name}.async_rollout={self.async_rollout!r} is not off or one_step")
+        self._check_async()
         for key, amount in self.ray_resources.items():
             if not amount > 0:
                 raise ConfigError(f"{name}.ray_resources.{key}={amount} must be > 0")
@@ -254,6 +261,23 @@ class GRPOSection:
             raise ConfigError(f"{name}.env_max_turns={self.env_max_turns} and "
                               f"{name}.env_max_tokens={self.env_max_tokens} must be positive")  # fmt: skip
         reward_weights(reward_entries(self.rewards, name), self.reward_weights, name)
+
+    def _check_async(self) -> None:
+        name, mode = self.section, self.async_rollout
+        if mode not in ("off", "one_step", "bounded"):
+            raise ConfigError(f"{name}.async_rollout={mode!r} is not off, one_step or bounded")
+        if self.max_staleness < 1:
+            raise ConfigError(f"{name}.max_staleness={self.max_staleness} must be >= 1")
+        if self.max_staleness != 1 and mode != "bounded":
+            raise ConfigError(f"{name}.max_staleness={self.max_staleness} needs "
+                              f"{name}.async_rollout=bounded (one_step's is 1)")  # fmt: skip
+        unsupported = {f"{name}.env={self.env}": self.env is not None,
+                       f"{name}.placement={self.placement}": self.placement != "colocated",
+                       f"{name}.rollout_engine={self.rollout_engine}": self.rollout_engine != "native"}  # fmt: skip
+        refused = [what for what, bad in unsupported.items() if bad]
+        if mode == "bounded" and refused:
+            raise ConfigError(f"{name}.async_rollout=bounded samples single-turn rollouts on the "
+                              f"native engine in the training process only (not {refused[0]})")  # fmt: skip
 
     def clip_range(self) -> tuple[float, float]:
         """(eps_low, eps_high): clip_low and clip_high, the policy loss's where unset."""
@@ -332,8 +356,8 @@ class PPOSection(GRPOSection):
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise ConfigError(f"ppo.gamma={self.gamma} and ppo.lam={self.lam} must be in [0, 1]")
         if self.async_rollout != "off":
-            raise ConfigError("ppo.async_rollout: one-step off-policy rollouts are for "
-                              "`mindspeed grpo` and `mindspeed dapo`")  # fmt: skip
+            raise ConfigError("ppo.async_rollout: one-step and bounded off-policy rollouts are "
+                              "for `mindspeed grpo` and `mindspeed dapo`")  # fmt: skip
         if self.env is not None:
             raise ConfigError("ppo.env: multi-turn episodes are for `mindspeed grpo` and "
                               "`mindspeed dapo` (the critic does not mask tool tokens yet)")  # fmt: skip

@@ -154,13 +154,13 @@ class PromptSource:
         self.position += self.prompts_per_step
         return picked
 
-    def peek(self) -> list[dict[str, Any]]:
-        """What `next_step` will return, without moving on (a one-step off-policy rollout
-        samples them while the step before trains)."""
+    def peek(self, ahead: int = 0) -> list[dict[str, Any]]:
+        """What `next_step` will return after `ahead` more calls, without moving on (an
+        asynchronous rollout samples them while earlier steps train)."""
         per_rank = self.prompts_per_step // self.ranks
         picked = []
         for k in range(self.rank * per_rank, (self.rank + 1) * per_rank):
-            index = self.position + k
+            index = self.position + ahead * self.prompts_per_step + k
             epoch, offset = divmod(index, len(self.records))
             i = self._order(epoch)[offset]
             picked.append({**self.records[i], "prompt_ids": self.ids[i]})

@@ -12,6 +12,9 @@ One optimizer step = one rollout:
     TIS weights with grpo.rollout_correction_cap; aggregated by grpo.loss_agg),
     or grpo.epochs passes of grpo.mini_batches updates on the same samples (`updates`)
 
+With `grpo.async_rollout` (one_step, bounded) the rollouts sample in a background thread
+while steps train, handed out by a scheduler of `async_rollout.py`.
+
 `GRPOStep` is a `TrainStep` whose input is the prompts; `TrainLoop` runs it unchanged
 (metrics.jsonl, checkpoints, exact resume: the sampling seed is derived from the step).
 """
@@ -20,8 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -29,14 +32,15 @@ import torch.distributed as dist
 
 from mindspeed_align.common import shares_prompts
 from mindspeed_align.rl import advantages as adv_fns
+from mindspeed_align.rl.async_rollout import STALENESS_COUNTS, BoundedRollouts, OneStepRollouts
 from mindspeed_align.rl.config import GRPOConfig
 from mindspeed_align.rl.env import run_episodes
+from mindspeed_align.rl.evaluate import evaluate_episodes, evaluate_reward
 from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, recompute_logps
 from mindspeed_align.rl.placement import LocalReference
 from mindspeed_align.rl.rewards import FAILURE_COUNTS, Rewards
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch, SamplingConfig, sampling_seed
 from mindspeed_core.errors import ConfigError
-from mindspeed_llm.chat_template import encode_text
 from mindspeed_llm.data.collate import IGNORE_INDEX, SHARED_KEYS
 from mindspeed_llm.data.token_budget import equalise, plan_micro_batches
 from mindspeed_llm.train.objectives import RunContext
@@ -64,14 +68,12 @@ class GRPOStep:
         self.cfg, self.rl, self.tokenizer, self.rewards = cfg, cfg.rl, tokenizer, rewards
         self.env, self.template = env, template  # multi-turn episodes (`env.run_episodes`)
         self.reference, self.accum = reference, accum
-        # one-step off-policy: the next step's rollout runs in a thread on a copy of the policy
-        self.off_policy = getattr(cfg.rl, "async_rollout", "off") == "one_step"
-        self.source = source  # the prompts (`peek` gives the next step's)
+        # asynchronous rollouts sample in a thread on a copy of the policy (`async_rollout`)
+        self.off_policy = getattr(cfg.rl, "async_rollout", "off") != "off"
+        self.source = source  # the prompts (`peek` gives the next steps')
         # the rollout: a role placed elsewhere (`placement.RayRoles.rollout`) or on this rank
         self.rollout = rollout or LocalRollout(parts.model, copy=self.off_policy)
-        self._pending: tuple[list, Future, float] | None = None
-        """(the prompts, the rollout running on them, the seconds its weight sync took)"""
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if self.off_policy else None
+        self.async_rollouts = None  # made on the first step, with the rollout and source as set then
         stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
         self.sampling = SamplingConfig(n=cfg.rl.n, max_new_tokens=cfg.rl.max_new_tokens,
                                        temperature=cfg.rl.temperature, stop_token_ids=stops,
@@ -82,11 +84,16 @@ class GRPOStep:
         self._recompute_responses_only = supervised_positions_layout(parts.model, dims)
 
     def __call__(self, records: list[dict[str, Any]]) -> StepResult:
-        rollout = self._next_rollout(records) if self.off_policy else self._sample(records)
+        if not self.off_policy:
+            rollout = self._sample(records)
+        else:
+            self.async_rollouts = self.async_rollouts or self._async_rollouts(self.rl.async_rollout)
+            rollout = self.async_rollouts.next(records, self.state.step)
         batch, rewards, lengths = rollout.batch, rollout.rewards, rollout.lengths
         advantages = adv_fns.token_advantages(self.rl.advantage, rewards, batch.group, lengths,
                                         eps=self.rl.std_eps)  # fmt: skip
-        keep = list(range(len(rewards)))
+        # bounded staleness: groups drawn more than max_staleness versions ago are dropped
+        keep = [i for i in range(len(rewards)) if rollout.fresh is None or rollout.fresh[i]]
         if self.rl.dynamic_sampling and not all(rollout.flat):
             keep = [i for i in keep if not rollout.flat[batch.group[i]]]
         micro, mismatch = self._micro_batches(batch, {"advantages": advantages}, keep)
@@ -101,34 +108,18 @@ class GRPOStep:
     def evaluate(self, steps) -> float:
         return self.train.evaluate(steps)
 
-    def _next_rollout(self, records: list[dict[str, Any]]) -> _Rollout:
-        """One-step off-policy: this step's rollout (sampled while the step before trained,
-        by the policy as it was then; sampled now when there is none, as on the first step
-        or after a resume), and the next step's started in the background with the policy
-        as it is now, before this step changes it."""
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[0] == [r["prompt_ids"] for r in records]:
-            rollout, staleness = pending[1].result(), 1.0
-            rollout.sync_s = pending[2]
-        else:
-            if pending is not None:  # other prompts than expected: sample these now
-                pending[1].result()
-            rollout, staleness = self._sample(records), 0.0
-        rollout.reward_metrics["rollout/staleness"] = staleness
-        step = self.state.step + 1  # the next step's (this one is state.step)
-        if self.source is not None and step < self.cfg.train.steps:
-            upcoming = self.source.peek()
-            sync_s = self.rollout.sync_weights()
-            future = self._pool.submit(self._sample, upcoming, step=step, sync=False)
-            self._pending = ([r["prompt_ids"] for r in upcoming], future, sync_s)
-        return rollout
+    def _async_rollouts(self, mode: str):
+        """The `async_rollout.py` scheduler of `mode` (one_step or bounded)."""
+        sample, steps = partial(self._sample, sync=False), self.cfg.train.steps
+        if mode == "one_step":
+            return OneStepRollouts(self.rollout, sample, self.source, steps)
+        return BoundedRollouts(self.rollout, sample, self.source, steps, self.rl.max_staleness)
 
     def settle(self) -> None:
-        """Wait for a rollout running in the background and drop it (before the rollout
-        module is used for anything else, e.g. an evaluation)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending[1].result()
+        """Drop the rollouts sampling in the background (waiting for them): before the
+        rollout module is used for anything else, e.g. an evaluation."""
+        if self.async_rollouts is not None:
+            self.async_rollouts.settle()
 
     @property
     def num_updates(self) -> int:
@@ -245,7 +236,8 @@ class GRPOStep:
         """The rollout's statistics over every data-parallel rank."""
         rewards, lengths, batch = rollout.rewards, rollout.lengths, rollout.batch
         reward_metrics = dict(rollout.reward_metrics)
-        counts = tuple(k for k in reward_metrics if k.startswith(FAILURE_COUNTS))  # judges', code tests'
+        # judges', code tests' failures, the staleness histogram
+        counts = tuple(k for k in reward_metrics if k.startswith((FAILURE_COUNTS, *STALENESS_COUNTS)))
         stats = _Stats(self.dims, totals=ENV_COUNTS + counts)
         stats.add_sums(
             reward=sum(rewards), reward_sq=sum(x * x for x in rewards), samples=len(rewards),
@@ -360,6 +352,8 @@ class _Rollout:
     flat: list[bool]
     """Per group: every reward equal."""
     sync_s: float
+    fresh: list[bool] | None = None
+    """Per sample: drawn within grpo.max_staleness versions (None: not asked)."""
 
 
 def _flat_groups(rewards: list[float], group: list[int]) -> list[bool]:
@@ -425,50 +419,6 @@ class _Stats:
                 int(s["groups"]),
             )
         return out
-
-
-@torch.no_grad()
-def evaluate_reward(rollout: LocalRollout, records, tokenizer, rewards: Rewards,
-                    max_new_tokens: int, *, temperature: float = 0.0, n: int = 1,
-                    seed: int = 0) -> float:  # fmt: skip
-    """Mean reward of `n` completions of each of `records` (greedy at temperature 0)."""
-    if not records:
-        return math.nan
-    stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
-    cfg = SamplingConfig(n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                         stop_token_ids=stops)  # fmt: skip
-    total = []
-    for lo in range(0, len(records), 64):
-        chunk = records[lo : lo + 64]
-        batch = rollout.generate([encode_text(tokenizer, r["prompt"]) for r in chunk], cfg, seed=seed)
-        rows = [chunk[g] for g in batch.group]
-        texts = [tokenizer.decode([t for t in r if t not in stops]) for r in batch.response_ids]
-        names = [k for k in chunk[0] if k != "prompt"]
-        scores, _ = rewards([r["prompt"] for r in rows], texts,
-                            {k: [r.get(k) for r in rows] for k in names})  # fmt: skip
-        total += scores
-    return sum(total) / len(total)
-
-
-@torch.no_grad()
-def evaluate_episodes(rollout: LocalRollout, env, records, tokenizer, template, rl, *,
-                      temperature: float = 0.0, n: int = 1, seed: int = 0) -> tuple[float, float]:  # fmt: skip
-    """(mean reward, tool calls per episode) of `n` episodes of each of `records` (greedy at
-    temperature 0) in the environment class `env`."""
-    if not records:
-        return math.nan, math.nan
-    stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
-    cfg = SamplingConfig(n=n, max_new_tokens=rl.max_new_tokens, temperature=temperature,
-                         stop_token_ids=stops)  # fmt: skip
-    rewards, calls = [], 0.0
-    for lo in range(0, len(records), 64):
-        chunk = records[lo : lo + 64]
-        episodes = run_episodes(rollout, env, chunk, [encode_text(tokenizer, r["prompt"]) for r in chunk],
-                                cfg, template=template, tokenizer=tokenizer, seed=seed,
-                                max_turns=rl.env_max_turns, max_tokens=rl.env_max_tokens)  # fmt: skip
-        rewards += episodes.rewards
-        calls += episodes.metrics["env/tool_calls"] * len(episodes.rewards)
-    return sum(rewards) / len(rewards), calls / len(rewards)
 
 
 class GRPOMethod:

@@ -66,6 +66,10 @@ class RolloutBatch:
     response_mask: list[list[int]] | None = None
     """Per response token, 1 where the policy sampled it and 0 where an environment wrote
     it (multi-turn episodes, `env.run_episodes`); None: every token is the policy's."""
+    token_syncs: list[list[int]] | None = None
+    """Per response token, how many weight syncs the sampler had received when it drew it
+    (`LocalRollout.syncs`): a sample whose generation outlived a sync carries two values (a
+    partial rollout, `async_rollout.BoundedRollouts`). None: the sampler does not say."""
 
 
 def plain_key(name: str) -> str:
@@ -100,8 +104,10 @@ class LocalRollout:
         copy: roll out through a whole copy even when the policy is unsharded (one-step
             off-policy rollouts sample while the policy trains).
 
-    `generate` and `sync_weights` hold a lock: a rollout running in a background thread
-    finishes before the weights under it change.
+    `sync_weights` and each decoding step of `generate` hold a lock: a rollout running in
+    a background thread sees the weights change between two of its tokens, never inside
+    one, and tags every token with the syncs it had seen (`RolloutBatch.token_syncs`), so
+    a partial rollout knows which weights drew each token.
     """
 
     def __init__(self, policy: BuiltModel, *, copy: bool = False):
@@ -116,8 +122,15 @@ class LocalRollout:
             self.module.requires_grad_(False).eval()
         self.copy = sharded or copy
         self.lock = threading.Lock()
+        self._no_sync = threading.Event()
+        """Cleared while a sync waits: decoding steps let it in (a lock is not fair: a
+        decoding loop that releases and retakes it would starve the sync for a whole
+        rollout)."""
+        self._no_sync.set()
         self.last_bytes = 0
         """Bytes the last `sync_weights` copied."""
+        self.syncs = 0
+        """How many times `sync_weights` copied the policy's weights in."""
 
     @torch.no_grad()
     def sync_weights(self) -> float:
@@ -125,6 +138,13 @@ class LocalRollout:
         when the rollout uses the policy module itself)."""
         if not self.copy:
             return 0.0
+        self._no_sync.clear()
+        try:
+            return self._copy_weights()
+        finally:
+            self._no_sync.set()
+
+    def _copy_weights(self) -> float:
         with self.lock:
             start = time.perf_counter()
             target = self.module.state_dict()
@@ -134,6 +154,7 @@ class LocalRollout:
                 if key in target:
                     target[key].copy_(dtensor.full(value) if isinstance(value, DTensor) else value)
                     self.last_bytes += target[key].numel() * target[key].element_size()
+            self.syncs += 1
             return time.perf_counter() - start
 
     def generate(
@@ -143,11 +164,11 @@ class LocalRollout:
         in chunks of prompts whose KV cache fits `cfg.kv_budget_mb` (chunk k draws with
         seed + k)."""
         start = time.perf_counter()
-        out = RolloutBatch([], [], [], [], [])
+        out = RolloutBatch([], [], [], [], [], token_syncs=[])
         size = self._prompts_per_chunk(prompts, cfg)
         for k, lo in enumerate(range(0, len(prompts), size)):
-            with self.lock:
-                chunk = self._generate(prompts[lo : lo + size], cfg, seed + k)
+            chunk = self._generate(prompts[lo : lo + size], cfg, seed + k)
+            out.token_syncs += chunk.token_syncs
             out.prompt_ids += chunk.prompt_ids
             out.response_ids += chunk.response_ids
             out.sampler_logprobs += chunk.sampler_logprobs
@@ -192,12 +213,20 @@ class LocalRollout:
         logps = SamplerLogProbs(cfg.temperature)
         steps = TokenSteps(self.module, prompts, gen, on_logits=logps)
         logprobs: list[list[float]] = [[] for _ in rows]
+        syncs: list[list[int]] = [[] for _ in rows]
+        tokens = iter(steps)
         with torch.no_grad():
-            for new in steps:
+            while True:
+                self._no_sync.wait()
+                with self.lock:  # one decoding step (its forward and draw) on fixed weights
+                    new, version = next(tokens, None), self.syncs
+                if new is None:
+                    break
                 position = {row: i for i, row in enumerate(steps.active)}  # rows of logps.last
                 picked = logps.last[[position[r] for r, _ in new], [t for _, t in new]].tolist()
                 for (row, _), lp in zip(new, picked, strict=True):
                     logprobs[row].append(lp)
+                    syncs[row].append(version)
         stops = set(cfg.stop_token_ids)
         return RolloutBatch(
             prompt_ids=rows,
@@ -205,4 +234,5 @@ class LocalRollout:
             sampler_logprobs=logprobs,
             group=[i for i in range(len(prompts)) for _ in range(cfg.n)],
             stopped=[bool(out) and out[-1] in stops for out in steps.outputs],
+            token_syncs=syncs,
         )
