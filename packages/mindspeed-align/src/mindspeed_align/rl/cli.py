@@ -279,6 +279,7 @@ def ppo(cfg: PPOConfig) -> dict[str, float]:
 
 def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
     from mindspeed_align.rl.data import PromptSource
+    from mindspeed_llm.peft import lora_trainer_options
     from mindspeed_llm.train.trainer import Trainer
 
     rewards = roles = trainer = None
@@ -296,6 +297,9 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
     with process_group(cfg.train.device) as info:
         try:
             init_from = _warmup(cfg) if _is_demo(cfg) else cfg.rl.init_from
+            if cfg.lora.enabled and init_from is not None:
+                # adapter-only checkpoints: config.yaml names the base they go on
+                cfg.rl.init_from = init_from
             tokenizer, tokenizer_path, records, held_out, env, template = _task(cfg, init_from)
             g = cfg.rl
             max_prompt = cfg.data.seq_len - (g.max_new_tokens if env is None else g.env_max_tokens)
@@ -316,8 +320,10 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
 
             objective = method(cfg, tokenizer, rewards, init_from, roles=roles, env=env,
                                template=template)  # fmt: skip
+            lora = lora_trainer_options(cfg.lora, precision=cfg.train.precision,
+                                        device_type=info.device.type)  # fmt: skip
             trainer = Trainer(cfg, info, data=data, objective=objective, command=command,
-                              init_from=init_from, init_from_key=f"{g.section}.init_from")  # fmt: skip
+                              init_from=init_from, init_from_key=f"{g.section}.init_from", **lora)  # fmt: skip
             step = trainer.step
             if env is not None:
                 return _run_episodes(cfg, trainer, held_out, tokenizer)

@@ -31,6 +31,7 @@ from mindspeed_align.common import shares_prompts
 from mindspeed_align.rl import advantages as adv_fns
 from mindspeed_align.rl.config import GRPOConfig
 from mindspeed_align.rl.env import run_episodes
+from mindspeed_align.rl.lora import BaseReference, merged_policy
 from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, recompute_logps
 from mindspeed_align.rl.placement import LocalReference
 from mindspeed_align.rl.rewards import FAILURE_COUNTS, Rewards
@@ -68,7 +69,7 @@ class GRPOStep:
         self.off_policy = getattr(cfg.rl, "async_rollout", "off") == "one_step"
         self.source = source  # the prompts (`peek` gives the next step's)
         # the rollout: a role placed elsewhere (`placement.RayRoles.rollout`) or on this rank
-        self.rollout = rollout or LocalRollout(parts.model, copy=self.off_policy)
+        self.rollout = rollout or LocalRollout(parts.model, copy=self.off_policy, lora=cfg.lora)
         self._pending: tuple[list, Future, float] | None = None
         """(the prompts, the rollout running on them, the seconds its weight sync took)"""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if self.off_policy else None
@@ -494,6 +495,10 @@ class GRPOMethod:
             self.reference = self.roles.reference(run.model_config, seed=cfg.train.seed,
                                                   seq_len=cfg.data.seq_len, precision=cfg.train.precision,
                                                   hf_path=cfg.model.hf_path, init_from=self.init_from)  # fmt: skip
+        elif cfg.rl.kl_coef and cfg.lora.enabled:  # the policy itself, its adapters off
+            self.reference = BaseReference(
+                run.policy, supervised_only=supervised_positions_layout(run.policy, run.dims)
+            )
         elif cfg.rl.kl_coef:  # the run's model as it starts
             reference = run.starting_policy()
             self.reference = LocalReference(
@@ -513,12 +518,15 @@ class GRPOMethod:
                                       f"{run.dims.degree(dim)}: vLLM rollouts run with tp=1 and "
                                       "cp=1 only yet (each data-parallel rank has its engine)")  # fmt: skip
             python = ensure_vllm_python(run.device.type, g.vllm_python, section=g.section)
-            return VLLMRollout(run.policy, python, max_model_len=self.cfg.data.seq_len,
+            # vLLM gets the LoRA policy's weights merged (W + scaling B A) every step
+            lora = self.cfg.lora
+            policy = merged_policy(run.policy, lora) if lora.enabled else run.policy
+            return VLLMRollout(policy, python, max_model_len=self.cfg.data.seq_len,
                                seed=self.cfg.train.seed, section=g.section)  # fmt: skip
         if self.roles is None:
             return None
         return self.roles.rollout(run.policy, seq_len=self.cfg.data.seq_len,
-                                  precision=self.cfg.train.precision)  # fmt: skip
+                                  precision=self.cfg.train.precision, lora=self.cfg.lora)  # fmt: skip
 
     def step_extras(self) -> dict[str, Any]:
         """More keyword arguments of `step_cls` (PPO's critic)."""
