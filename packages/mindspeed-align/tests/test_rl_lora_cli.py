@@ -99,3 +99,22 @@ def test_bad_lora_inputs_are_one_line(task, capsys):
         err = capsys.readouterr().err.strip()
         assert expected in err and "\n" not in err, (arg, err)
     assert not (task / "bad").exists()  # nothing half-written
+
+
+def test_ppo_with_lora_trains_the_policy_adapters_and_a_whole_critic(task):
+    """PPO's critic is a model of its own: it trains whole (its checkpoint holds every
+    tensor) while the policy's holds the adapters alone; the KL in the reward is against the
+    policy with its adapters off, 0 on the first step."""
+    from mindspeed_align.rl.cli import ppo_main
+    from mindspeed_core.checkpoint.verify import read_metadata
+
+    args = [a.replace("--grpo.", "--ppo.") for a in _args(task, "ppo", "--train.steps=2")]
+    assert guarded(ppo_main, args) == 0
+    metrics = read_metrics(task / "ppo" / "metrics.jsonl")
+    assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-7) and metrics[-1]["kl"] > 0
+    step = task / "ppo" / "checkpoints" / "step_2"
+    policy = tensor_metadata(step)
+    assert policy and all(".lora_" in k for k in policy)
+    critic = [k for k in read_metadata(step).state_dict_metadata if k.startswith("critic_model.")]
+    assert any(k.endswith("attention.wq.weight") for k in critic)
+    assert not any(".lora_" in k for k in critic)
