@@ -19,6 +19,7 @@ from mindspeed_align.rl.objective import GRPOObjective
 from mindspeed_align.rl.rollout import LocalRollout, RolloutBatch
 from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
+from mindspeed_core.testing import import_sibling
 from mindspeed_llm.models import build_model_config
 from mindspeed_llm.peft import LoRAConfig, lora_transform
 from mindspeed_llm.train.build import build_model, build_train_parts
@@ -173,3 +174,35 @@ def test_the_rollout_copy_gets_the_base_once_then_the_adapters_alone():
         plain, _ = _policy(None)
         plain.model.load_state_dict(merged)
         torch.testing.assert_close(plain.model(ids), policy.model(ids), atol=1e-5, rtol=1e-5)
+
+
+fake_vllm = import_sibling(__file__, "test_rl_vllm").fake_vllm  # the stand-in engine
+
+
+def test_vllm_gets_the_merged_weights_under_hugging_face_names(fake_vllm):
+    """The engine (the stand-in `vllm` of `test_rl_vllm.py`) is sent W + (alpha / r) B A,
+    written out here, under Hugging Face's names, with no adapter tensor."""
+    from safetensors.torch import load_file
+
+    from mindspeed_align.rl.vllm_rollout import VLLMRollout
+
+    python, _ = fake_vllm
+    lora = LoRAConfig(rank=RANK, alpha=ALPHA)
+    dims = ParallelConfig().dims(1).build("cpu")
+    policy = build_model(build_model_config("llama", "debug-h32"), dims, torch.device("cpu"),
+                         parallel=ParallelConfig(), seq_len=64, seed=3, after_tp=lora_transform(lora))  # fmt: skip
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if ".lora_B" in name:
+                p.normal_(0, 0.05)
+    rollout = VLLMRollout(merged_policy(policy, lora), python, max_model_len=64)
+    try:
+        rollout.sync_weights()
+        sent = load_file(str(rollout.weights_dir / "model.safetensors"))
+    finally:
+        rollout.close()
+    assert not any("lora" in k for k in sent)
+    wq = policy.model.layers["0"].attention.wq
+    want = wq.weight + (ALPHA / RANK) * wq.lora_B.weight @ wq.lora_A.weight
+    torch.testing.assert_close(sent["model.layers.0.self_attn.q_proj.weight"], want.detach())
+    assert not torch.allclose(want, wq.weight)
