@@ -12,7 +12,9 @@
 #   5. benchmarks/host_overhead.py: the host's share of a step (no GPU work), ours vs
 #      transformers, on this machine's CPU;
 #   6. the CUDA tests (pytest -m gpu, every failure listed; a test module whose imports fail
-#      there is reported and the rest still run), bounded by $SUITE_TEST_TIMEOUT seconds (100).
+#      there is reported and the rest still run), bounded by $SUITE_TEST_TIMEOUT seconds (100);
+#   7. where MINDSPEED_VLLM_PYTHON names an environment with vLLM: GRPO steps with vLLM's
+#      rollouts vs ours (benchmarks/grpo_throughput.py --engines native,vllm, 240 s).
 # Each step has its own bound in seconds (60, 90, 120 with compilation, 45, 60, 100: at most
 # 475 s with the environment's lines: under 8 minutes), times $SUITE_TIME_SCALE (1) if set.
 #
@@ -33,7 +35,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) dry=1 ;;
         --out) out="$2"; shift ;;
-        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "device_suite.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -101,6 +103,16 @@ timeout "${SUITE_TEST_TIMEOUT:-$((100 * scale))}" "$py" -m pytest "${tests[@]}" 
     --continue-on-collection-errors "${test_paths[@]}" >"$out/pytest.log" 2>&1 \
     || failed+=(tests)
 tail -n 25 "$out/pytest.log"
+
+# 7. vLLM rollouts against ours (GRPO steps): only where vLLM's own environment exists
+# already (the device machine has no network to create it): MINDSPEED_VLLM_PYTHON.
+if [ "$dry" = 0 ] && [ -n "${MINDSPEED_VLLM_PYTHON:-}" ]; then
+    echo "== 7. rollout engines (benchmarks/grpo_throughput.py --engines native,vllm)"
+    bounded 240 "$py" benchmarks/grpo_throughput.py --engines native,vllm --steps 4 \
+        | tee "$out/grpo_engines.jsonl" || failed+=(grpo_engines)
+else
+    echo "== 7. rollout engines: skipped (no MINDSPEED_VLLM_PYTHON, or a dry run)"
+fi
 
 if [ ${#failed[@]} -gt 0 ]; then
     echo "== failed on $device: ${failed[*]} (results in $out)"

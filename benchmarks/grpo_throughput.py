@@ -2,6 +2,7 @@
 
     python benchmarks/grpo_throughput.py [--shape short|real] [--steps 8] [--prompts-per-step 4]
                                          [--n 8] [--max-new-tokens N] [--threads 2] [--async]
+                                         [--engines native,vllm [--vllm-python PY]]
 
 Both sides train the randomly initialised Llama folder of `sft_throughput.py` (hidden 256,
 4 layers, fp32) with GRPO (group-normalised advantages, PPO clip 0.2, no KL so no reference
@@ -21,6 +22,12 @@ A2) is >= 1.5x TRL on CPU.
 next step's rollout sampling in a thread while this step trains), and reports the overlap
 gain (async samples/s over sync; A4 item 5). The first step of the async run samples
 synchronously, as every run's first step must.
+
+`--engines native,vllm` instead runs ours with each rollout engine (`grpo.rollout_engine`;
+vLLM in its own environment: `--vllm-python`, MINDSPEED_VLLM_PYTHON, or the one the trainer
+creates once) and reports, per engine, samples/s and the share of the steps' wall time spent
+generating (`generate_share`), and vLLM's samples/s over ours. vLLM's start-up is left out
+like every side's model loading; its weight sync each step is in the step time.
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
         f"--train.global_batch={samples}", "--optim.lr=1e-5",
         f"--grpo.async_rollout={'one_step' if args.side == 'ours_async' else 'off'}",
         f"--grpo.shared_prompts={args.shared_prompts}",
+        f"--grpo.rollout_engine={'vllm' if args.side == 'ours_vllm' else 'native'}",
+        *([f"--grpo.vllm_python={args.vllm_python}"] if args.side == "ours_vllm" and args.vllm_python else []),
         f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
     info = init_distributed(device_type="cpu")
     tokenizer = load_tokenizer(folder)
@@ -96,6 +105,16 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
         cfg, info, data=data, objective=GRPOMethod(cfg, tokenizer, rewards), command="grpo"
     )
     step = trainer.step
+    generating = [0.0]
+    generate = step.rollout.generate
+
+    def timed(*a, **k):  # the share of the step spent generating
+        t = time.perf_counter()
+        out = generate(*a, **k)
+        generating[0] += time.perf_counter() - t
+        return out
+
+    step.rollout.generate = timed
     lengths, start = [], time.perf_counter()
     for _ in range(args.steps):
         result = step(trainer.data.next_step())
@@ -103,8 +122,11 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
         lengths.append(result.metrics["response/length_mean"])
     seconds = time.perf_counter() - start
     step.settle()
+    if hasattr(step.rollout, "close"):
+        step.rollout.close()
     destroy_distributed()
     return {"samples_per_s": round(samples * args.steps / seconds, 2), "steps": args.steps,
+            "generate_share": round(generating[0] / seconds, 3),
             "seconds": round(seconds, 2), "mean_completion_tokens": round(sum(lengths) / len(lengths), 2),
             "peak_mem_mb": round(_peak_mb() - baseline, 1)}  # fmt: skip
 
@@ -155,7 +177,10 @@ def main() -> None:
                         help="ours synchronous vs ours one-step off-policy, no TRL")
     parser.add_argument("--shared-prompts", choices=["auto", "off"], default="auto",
                         help="ours: a prompt once per group of completions (auto) or in each")
-    parser.add_argument("--side", choices=["ours", "ours_async", "theirs"], help=argparse.SUPPRESS)
+    parser.add_argument("--engines", help="native,vllm: ours with each rollout engine, no TRL")
+    parser.add_argument("--vllm-python", help="vLLM's interpreter (default: see the docstring)")
+    parser.add_argument("--side", choices=["ours", "ours_async", "ours_vllm", "theirs"],
+                        help=argparse.SUPPRESS)  # fmt: skip
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.max_new_tokens = args.max_new_tokens or SHAPES[args.shape][1]
@@ -172,11 +197,25 @@ def main() -> None:
         root = Path(tmp)
         make_inputs(root, 1)
         make_prompts(root, args.steps * args.prompts_per_step, args.shape)
+        engines = {"native": "ours", "vllm": "ours_vllm"}
+        if args.engines:
+            sides = tuple(engines[e] for e in args.engines.split(","))
+        else:
+            sides = ("ours", "ours_async") if args.async_ else ("ours", "theirs")
         results = run_sides(__file__, root, args.threads, [
             f"--steps={args.steps}", f"--prompts-per-step={args.prompts_per_step}", f"--n={args.n}",
             f"--max-new-tokens={args.max_new_tokens}", f"--shape={args.shape}",
-            f"--shared-prompts={args.shared_prompts}"],
-            ("ours", "ours_async") if args.async_ else ("ours", "theirs"))  # fmt: skip
+            f"--shared-prompts={args.shared_prompts}",
+            *([f"--vllm-python={args.vllm_python}"] if args.vllm_python else [])], sides)  # fmt: skip
+    if args.engines:
+        out = {"benchmark": "grpo_throughput_engines", "shape": args.shape, "dtype": "fp32",
+               "n": args.n, "prompts_per_step": args.prompts_per_step,
+               "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+               **{e: results[engines[e]] for e in args.engines.split(",")}}  # fmt: skip
+        if "native" in out and "vllm" in out:
+            out["vllm_over_native"] = round(out["vllm"]["samples_per_s"] / out["native"]["samples_per_s"], 2)
+        print(json.dumps({**out, "load_avg_1min": round(os.getloadavg()[0], 2)}))
+        return
     if args.async_:
         sync, overlapped = results["ours"], results["ours_async"]
         print(json.dumps({

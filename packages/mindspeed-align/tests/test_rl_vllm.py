@@ -165,13 +165,15 @@ def test_no_engine_outlives_a_killed_trainer(fake_vllm, tmp_path):
         assert trainer.stdout.readline().strip() == "up"
         engine = int((seen / "pid").read_text())
         assert _alive(engine)
+        folder = Path(os.readlink(f"/proc/{engine}/cwd"))  # the weights' folder
+        assert (folder / "model" / "model.safetensors").is_file()
     finally:
         trainer.kill()
         trainer.wait()
     deadline = time.monotonic() + 5
-    while _alive(engine) and time.monotonic() < deadline:
+    while (_alive(engine) or folder.exists()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(engine)
+    assert not _alive(engine) and not folder.exists()
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +212,26 @@ def test_bad_inputs_are_one_line(task, capsys):
         err = capsys.readouterr().err.strip()
         assert expected in err and "\n" not in err, (args, err)
     assert not (task[0] / "bad" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("command", ["grpo", "ppo"])
+def test_a_run_trains_on_the_engines_samples(task, fake_vllm, command):
+    """The whole path through the trainer: the engine's samples are trained on, its weights
+    synced each step, and it ends with the run."""
+    from mindspeed_align.rl.cli import ppo_main
+    from mindspeed_core.training import read_metrics
+
+    python, seen = fake_vllm
+    run = task[0] / f"fake-{command}"
+    args = [a.replace("--grpo.", f"--{command}.") for a in _args(task)]
+    args = [a for a in args if not a.startswith("--logging.run_dir")] + [
+        f"--logging.run_dir={run}", f"--{command}.rollout_engine=vllm",
+        f"--{command}.vllm_python={python}", "--model.flavor=debug-h32", "--logging.log_interval=1"]
+    assert guarded(ppo_main if command == "ppo" else main, args) == 0
+    metrics = read_metrics(run / "metrics.jsonl")
+    assert len(metrics) == 2 and all(m["rollout/weight_sync_bytes"] > 0 for m in metrics)
+    assert metrics[0]["response/length_mean"] == 3  # the stand-in never stops early
+    assert not _alive(int((seen / "pid").read_text()))  # ended with the run
 
 
 def _real_vllm() -> Path:

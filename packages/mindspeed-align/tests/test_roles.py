@@ -8,9 +8,10 @@ import pytest
 from mindspeed_align.rl import placement, ppo, roles
 from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout
+from mindspeed_align.rl.vllm_rollout import VLLMRollout
 
 IMPLEMENTATIONS = {
-    roles.Rollout: [LocalRollout, placement._RayRollout],
+    roles.Rollout: [LocalRollout, placement._RayRollout, VLLMRollout],
     roles.Reference: [placement.LocalReference, placement._RayReference],
     roles.RewardScorer: [Rewards, placement._RayRewards],
     roles.Critic: [ppo.LocalCritic, placement._RayCritic],

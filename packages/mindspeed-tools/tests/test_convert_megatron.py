@@ -27,7 +27,7 @@ from mindspeed_core.cli import run as cli
 from mindspeed_core.testing import run_distributed
 from mindspeed_core.testing.hostile import plant_hostile_torch_file
 from mindspeed_llm.loading import load_model
-from mindspeed_tools.megatron import split_qkv
+from mindspeed_tools.convert.megatron import split_qkv
 
 pytest.importorskip("megatron.core")
 
@@ -77,16 +77,26 @@ EXPERTS, TOPK, EXPERT_FFN = 4, 2, 32
 
 def _moe_args(moe: str) -> dict:
     return {
-        "num_experts": EXPERTS, "moe_router_topk": TOPK, "moe_ffn_hidden_size": EXPERT_FFN,
-        "moe_router_load_balancing_type": "none", "moe_grouped_gemm": False,
-        "moe_token_dispatcher_type": "allgather", "qk_layernorm": moe == "qwen3_moe",
-        "moe_router_pre_softmax": False, "moe_layer_freq": 1,
+        "num_experts": EXPERTS,
+        "moe_router_topk": TOPK,
+        "moe_ffn_hidden_size": EXPERT_FFN,
+        "moe_router_load_balancing_type": "none",
+        "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": "allgather",
+        "qk_layernorm": moe == "qwen3_moe",
+        "moe_router_pre_softmax": False,
+        "moe_layer_freq": 1,
     }
 
 
 def _build_save_forward(
-    out: str, tp: int, pp: int, torch_dist: bool, load: str | None = None,
-    ep: int = 1, moe: str | None = None,
+    out: str,
+    tp: int,
+    pp: int,
+    torch_dist: bool,
+    load: str | None = None,
+    ep: int = 1,
+    moe: str | None = None,
 ):
     """One rank: build the model (or load its rank file from the legacy checkpoint `load`,
     strictly), run it on fixed tokens, save it; the last stage returns the logits
@@ -98,7 +108,8 @@ def _build_save_forward(
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
     )
     initialize_rng_tracker(inference_rng_tracker=True)
@@ -166,8 +177,11 @@ def _build_save_forward_vpp(out: str):
     tokens, positions = _tokens(), torch.arange(SEQ).expand(2, SEQ)
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1)[None, None]
     stage, logits = ps.get_pipeline_model_parallel_rank(), None
-    with torch.no_grad(), mock.patch("torch.cuda.current_device", return_value="cpu"), \
-            mock.patch("torch.cuda.synchronize"):
+    with (
+        torch.no_grad(),
+        mock.patch("torch.cuda.current_device", return_value="cpu"),
+        mock.patch("torch.cuda.synchronize"),
+    ):
         for chunk, model in enumerate(models):
             if (chunk, stage) != (0, 0):
                 hidden = torch.empty(SEQ, 2, HIDDEN)
@@ -236,8 +250,10 @@ def _gpt(config, moe: str | None, first: bool, last: bool, vp_stage: int | None 
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm", num_experts=EXPERTS if moe else None,
-            moe_grouped_gemm=False, qk_layernorm=moe == "qwen3_moe",
+            normalization="RMSNorm",
+            num_experts=EXPERTS if moe else None,
+            moe_grouped_gemm=False,
+            qk_layernorm=moe == "qwen3_moe",
         ),
         vocab_size=VOCAB,
         max_sequence_length=64,
@@ -272,9 +288,13 @@ def _perturb(model, ep: int = 1, salt: str = "") -> None:
 
 def _moe_config(moe: str, ep: int) -> dict:
     return {
-        "num_moe_experts": EXPERTS, "moe_router_topk": TOPK, "moe_ffn_hidden_size": EXPERT_FFN,
-        "moe_token_dispatcher_type": "allgather", "moe_router_load_balancing_type": "none",
-        "expert_model_parallel_size": ep, "qk_layernorm": moe == "qwen3_moe",
+        "num_moe_experts": EXPERTS,
+        "moe_router_topk": TOPK,
+        "moe_ffn_hidden_size": EXPERT_FFN,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_router_load_balancing_type": "none",
+        "expert_model_parallel_size": ep,
+        "qk_layernorm": moe == "qwen3_moe",
     }
 
 
@@ -326,7 +346,15 @@ def _megatron_run(
     """Megatron's logits (every data-parallel copy's the same); under ep the world is
     tp x pp x ep (expert parallelism is carved from data parallelism)."""
     results = run_distributed(
-        _build_save_forward, tp * pp * ep, str(tmp_path), tp, pp, torch_dist, load, ep, moe,
+        _build_save_forward,
+        tp * pp * ep,
+        str(tmp_path),
+        tp,
+        pp,
+        torch_dist,
+        load,
+        ep,
+        moe,
         timeout=300,
     )
     logits = [r for r in results if r is not None]
@@ -352,8 +380,9 @@ def test_tp2_legacy_checkpoint_converts_to_hf_with_megatrons_logits(tmp_path, ca
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text("{}")
     legacy, hf = tmp_path / "legacy", tmp_path / "hf"
-    code, err = _cli(capsys, "--input", legacy, "--output", hf, "--to", "hf",
-                     "--tokenizer", tokenizer)
+    code, err = _cli(
+        capsys, "--input", legacy, "--output", hf, "--to", "hf", "--tokenizer", tokenizer
+    )
     assert code == 0, err
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     torch.testing.assert_close(_hf_logits(tmp_path / "hf"), want, atol=ATOL, rtol=0)
@@ -365,7 +394,8 @@ def test_qwen3_moe_at_ep2_converts_from_both_formats_with_megatrons_logits(tmp_p
     rank 1 land at 2 and 3 (each expert's weights differ, so a wrong index shows)."""
     want = _megatron_run(tmp_path, tp=1, pp=1, torch_dist=True, ep=2, moe="qwen3_moe")
     assert sorted(p.name for p in (tmp_path / "legacy" / "iter_0000010").iterdir()) == [
-        "mp_rank_00_000", "mp_rank_00_001"
+        "mp_rank_00_000",
+        "mp_rank_00_001",
     ]
     for fmt in ("legacy", "torch_dist"):
         hf = tmp_path / f"hf_{fmt}"
@@ -373,15 +403,15 @@ def test_qwen3_moe_at_ep2_converts_from_both_formats_with_megatrons_logits(tmp_p
         assert code == 0, err
         config = transformers.AutoConfig.from_pretrained(hf)
         assert (config.model_type, config.num_experts, config.norm_topk_prob) == (
-            "qwen3_moe", EXPERTS, True
+            "qwen3_moe",
+            EXPERTS,
+            True,
         )
         torch.testing.assert_close(_hf_logits(hf), want, atol=ATOL, rtol=0)
 
 
 @pytest.mark.slow
-def test_mixtral_at_tp2_ep2_converts_to_hf_and_mindspeed_with_megatrons_logits(
-    tmp_path, capsys
-):
+def test_mixtral_at_tp2_ep2_converts_to_hf_and_mindspeed_with_megatrons_logits(tmp_path, capsys):
     """No qk-norm: a Mixtral folder. Experts split over tp (gate/up halves per rank) and
     spread over ep, from 4 legacy rank files `mp_rank_TT_EEE`; --to mindspeed at ep=2."""
     want = _megatron_run(tmp_path, tp=2, pp=1, torch_dist=True, ep=2, moe="mixtral")
@@ -392,8 +422,9 @@ def test_mixtral_at_tp2_ep2_converts_to_hf_and_mindspeed_with_megatrons_logits(
         assert transformers.AutoConfig.from_pretrained(hf).model_type == "mixtral"
         torch.testing.assert_close(_hf_logits(hf), want, atol=ATOL, rtol=0)
     ours = tmp_path / "ours"
-    code, err = _cli(capsys, "--input", tmp_path / "legacy", "--output", ours,
-                     "--to", "mindspeed", "--ep", 2)
+    code, err = _cli(
+        capsys, "--input", tmp_path / "legacy", "--output", ours, "--to", "mindspeed", "--ep", 2
+    )
     assert code == 0, err
     model, _ = load_model(ours, dtype=torch.float32)
     with torch.no_grad():
@@ -425,8 +456,17 @@ def test_tp2_pp2_legacy_and_torch_dist_convert_to_hf_and_mindspeed(tmp_path, cap
     ours = tmp_path / "ours"
     source = tmp_path / "torch_dist"
     code, err = _cli(
-        capsys, "--input", source, "--from", "megatron", "--output", ours, "--to", "mindspeed",
-        "--tp", "2",
+        capsys,
+        "--input",
+        source,
+        "--from",
+        "megatron",
+        "--output",
+        ours,
+        "--to",
+        "mindspeed",
+        "--tp",
+        "2",
     )
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
@@ -434,7 +474,9 @@ def test_tp2_pp2_legacy_and_torch_dist_convert_to_hf_and_mindspeed(tmp_path, cap
     with torch.no_grad():
         torch.testing.assert_close(model(_tokens()), want, atol=ATOL, rtol=0)
     # both formats hold the same tensors, streamed in the same order: the same file
-    a, b = ((tmp_path / f"hf_{f}" / "model.safetensors").read_bytes() for f in ("legacy", "torch_dist"))
+    a, b = (
+        (tmp_path / f"hf_{f}" / "model.safetensors").read_bytes() for f in ("legacy", "torch_dist")
+    )
     assert a == b
 
 
@@ -484,7 +526,7 @@ torch.save({{"args": args, "rng_state": [rng], "model": {{"w": torch.ones(2)}}}}
     subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
     check = f"""
 import sys
-from mindspeed_tools.megatron import safe_torch_load
+from mindspeed_tools.convert.megatron import safe_torch_load
 state = safe_torch_load(__import__("pathlib").Path({str(file)!r}))
 assert not any(m.startswith("megatron") for m in sys.modules), "megatron was imported"
 assert state["args"].num_layers == 2
@@ -502,9 +544,15 @@ def test_hf_to_megatron_tp2_pp2_round_trips_and_megatron_core_loads_it(tmp_path,
     from safetensors.torch import load_file
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=64,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=GROUPS,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     source = tmp_path / "hf"
@@ -516,8 +564,9 @@ def test_hf_to_megatron_tp2_pp2_round_trips_and_megatron_core_loads_it(tmp_path,
     model.save_pretrained(source)
     want = _hf_logits(source)
     mega, back = tmp_path / "megatron", tmp_path / "back"
-    code, err = _cli(capsys, "--input", source, "--output", mega, "--to", "megatron",
-                     "--tp", 2, "--pp", 2)
+    code, err = _cli(
+        capsys, "--input", source, "--output", mega, "--to", "megatron", "--tp", 2, "--pp", 2
+    )
     assert code == 0, err
     assert (mega / "latest_checkpointed_iteration.txt").read_text() == "1\n"
     code, err = _cli(capsys, "--input", mega, "--output", back, "--to", "hf")
@@ -537,21 +586,27 @@ def test_qwen2_with_tied_embeddings_round_trips_through_megatron(
     (before 2.10) gives no storage offsets and the rank files are memory-mapped instead."""
     from safetensors.torch import load_file
 
-    from mindspeed_tools import megatron
+    from mindspeed_tools.convert.megatron import legacy
 
     if mapped:
-        monkeypatch.setattr(megatron, "_has_offsets", lambda state: False)
+        monkeypatch.setattr(legacy, "_has_offsets", lambda state: False)
 
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=GROUPS, max_position_embeddings=64,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=GROUPS,
+        max_position_embeddings=64,
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     source, mega, back = tmp_path / "hf", tmp_path / "megatron", tmp_path / "back"
     transformers.Qwen2ForCausalLM(config).save_pretrained(source)
-    code, err = _cli(capsys, "--input", source, "--output", mega, "--to", "megatron",
-                     "--tp", 2, "--pp", pp)
+    code, err = _cli(
+        capsys, "--input", source, "--output", mega, "--to", "megatron", "--tp", 2, "--pp", pp
+    )
     assert code == 0, err
     code, err = _cli(capsys, "--input", mega, "--output", back, "--to", "hf")
     assert code == 0, err
@@ -582,8 +637,10 @@ def test_bad_megatron_checkpoints_are_one_line(tmp_path, capsys, case, expected)
     root = tmp_path / "megatron"
     moe = case in ("shared_experts", "missing_expert_rank")
     args = _megatron_args(
-        tp=2 if case == "missing_rank" else 1, pp=1,
-        ep=2 if case == "missing_expert_rank" else 1, moe="mixtral" if moe else None,
+        tp=2 if case == "missing_rank" else 1,
+        pp=1,
+        ep=2 if case == "missing_expert_rank" else 1,
+        moe="mixtral" if moe else None,
     )
     if case == "shared_experts":
         args.moe_shared_expert_intermediate_size = 64

@@ -23,11 +23,12 @@ from mindspeed_core.checkpoint import ModelState, TrainState
 from mindspeed_core.cli import run as cli
 from mindspeed_core.optim import build_lr_schedulers, build_optimizers
 from mindspeed_core.testing import import_sibling, run_distributed
+from mindspeed_llm.hf_export.dcp_stream import load_streaming
 from mindspeed_llm.loading import load_model
 from mindspeed_llm.models.registry import get_model_spec
 from mindspeed_llm.train.run_dir import resume
-from mindspeed_tools import megatron
-from mindspeed_tools.dcp_stream import load_streaming
+from mindspeed_tools.convert import megatron
+from mindspeed_tools.convert.megatron.mapping import tp_merge
 
 pytest.importorskip("megatron.core")
 mm = import_sibling(__file__, "test_convert_megatron")
@@ -46,7 +47,9 @@ def _on_cpu(make):
 
 def _batch(seed: int) -> torch.Tensor:
     """(2, SEQ + 1) tokens: inputs are [:, :-1], labels [:, 1:]."""
-    return torch.randint(0, mm.VOCAB, (2, mm.SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, mm.VOCAB, (2, mm.SEQ + 1), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _train_save_step(out: str, tp: int):
@@ -75,14 +78,28 @@ def _train_save_step(out: str, tp: int):
         mm._perturb(model)
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         optim_config = OptimizerConfig(
-            optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=BETAS[0],
-            adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=0.0,
+            optimizer="adam",
+            lr=LR,
+            min_lr=LR,
+            weight_decay=WD,
+            adam_beta1=BETAS[0],
+            adam_beta2=BETAS[1],
+            adam_eps=EPS,
+            clip_grad=0.0,
         )
         optimizer = get_megatron_optimizer(optim_config, [ddp])
         # Megatron-LM's schedule object also applies wd_mult (no decay for norms)
         scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=10,
-            lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=10,
+            optimizer,
+            init_lr=LR,
+            max_lr=LR,
+            min_lr=LR,
+            lr_warmup_steps=0,
+            lr_decay_steps=10,
+            lr_decay_style="constant",
+            start_wd=WD,
+            end_wd=WD,
+            wd_incr_steps=10,
             wd_incr_style="constant",
         )
 
@@ -98,8 +115,10 @@ def _train_save_step(out: str, tp: int):
         for _ in range(ITERATIONS):
             train_step(_batch(0))
         moments = {
-            kind: {n: optimizer.chained_optimizers[0].optimizer.state[p][kind].clone()
-                   for n, p in model.named_parameters()}
+            kind: {
+                n: optimizer.chained_optimizers[0].optimizer.state[p][kind].clone()
+                for n, p in model.named_parameters()
+            }
             for kind in ("exp_avg", "exp_avg_sq")
         }
         _save(model, optimizer, Path(out) / "megatron", tp, ITERATIONS)
@@ -121,7 +140,10 @@ def _save(model, optimizer, root: Path, tp: int, iteration: int) -> None:
     dist.barrier()
     model_sd = model.sharded_state_dict()
     state = {
-        "args": args, "checkpoint_version": 3.0, "iteration": iteration, "model": model_sd,
+        "args": args,
+        "checkpoint_version": 3.0,
+        "iteration": iteration,
+        "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(model_sd),
     }
     dist_checkpointing.save(state, str(folder))
@@ -137,11 +159,10 @@ def _cli(capsys, *args) -> tuple[int, str]:
 
 def _megatron_moments_as_hf(ranks: list[dict], config: dict) -> dict[str, dict[str, torch.Tensor]]:
     """Each rank's moments merged over tp as the legacy reader merges weights, in HF names."""
-    args = vars(mm._megatron_args(len(ranks), 1))
     merged = {}
     for kind in ("exp_avg", "exp_avg_sq"):
         names = ranks[0][kind]
-        whole = {n: megatron._merge_tp(n, [r[kind][n] for r in ranks], args) for n in names}
+        whole = {n: tp_merge(n, [r[kind][n] for r in ranks]) for n in names}
         merged[kind] = megatron.to_hf_tensors(whole, config, Path("megatron"))
     return merged
 
@@ -156,8 +177,18 @@ def _our_optimizer_state(folder: Path, names: dict) -> dict[str, torch.Tensor]:
 def test_megatron_adam_state_converts_bit_for_bit_and_training_goes_on(tmp_path, capsys):
     ranks = run_distributed(_train_save_step, 2, str(tmp_path), 2, timeout=300)
     ours = tmp_path / "ours"
-    code, err = _cli(capsys, "--input", tmp_path / "megatron", "--output", ours,
-                     "--to", "mindspeed", "--tp", 2, "--with-optimizer")
+    code, err = _cli(
+        capsys,
+        "--input",
+        tmp_path / "megatron",
+        "--output",
+        ours,
+        "--to",
+        "mindspeed",
+        "--tp",
+        2,
+        "--with-optimizer",
+    )
     assert code == 0, err
     assert (ours / "latest").read_text() == f"step_{ITERATIONS}\n"
     model, config = load_model(ours, dtype=torch.float32)
@@ -169,8 +200,9 @@ def test_megatron_adam_state_converts_bit_for_bit_and_training_goes_on(tmp_path,
     want = _megatron_moments_as_hf(ranks, hf_config)
     adapter = get_model_spec(config.family).hf_adapter
     for kind in ("exp_avg", "exp_avg_sq"):
-        keys = {f"optimizer.state.{n}.{kind}": (torch.float32, tuple(p.shape))
-                for n, p in names.items()}
+        keys = {
+            f"optimizer.state.{n}.{kind}": (torch.float32, tuple(p.shape)) for n, p in names.items()
+        }
         saved = _our_optimizer_state(step_dir, keys)
         state = {k.split(".", 2)[2].rsplit(".", 1)[0]: t for k, t in saved.items()}
         got = adapter.to_hf(state, config)
@@ -188,8 +220,12 @@ def test_megatron_adam_state_converts_bit_for_bit_and_training_goes_on(tmp_path,
         optimizer, warmup_steps=0, total_steps=10, decay_style="constant"
     )
     train = TrainState()
-    states = {"model": ModelState(model), "optimizer": optimizer, "scheduler": scheduler,
-              "train": train}
+    states = {
+        "model": ModelState(model),
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "train": train,
+    }
     empty = mock.Mock(latest_step=mock.Mock(return_value=None))  # a new run's own folder
     assert resume(empty, str(ours), states) == ITERATIONS
     assert train.step == ITERATIONS and scheduler.schedulers[0].last_epoch == ITERATIONS
@@ -197,8 +233,9 @@ def test_megatron_adam_state_converts_bit_for_bit_and_training_goes_on(tmp_path,
     logits = model(batch[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
     optimizer.step()
-    after, _ = load_model(_converted(tmp_path / "after", tmp_path / "after_ours", capsys),
-                          dtype=torch.float32)
+    after, _ = load_model(
+        _converted(tmp_path / "after", tmp_path / "after_ours", capsys), dtype=torch.float32
+    )
     expected = dict(after.named_parameters())
     for name, param in model.named_parameters():
         torch.testing.assert_close(param, expected[name], atol=1e-5, rtol=0, msg=name)
@@ -248,11 +285,25 @@ def test_with_optimizer_refuses_what_it_cannot_carry(tmp_path, capsys, case, exp
             "no_moments": {"state": {"common_step": torch.tensor(1.0)}, "param_groups": []},
             "mixed_precision": {"state": {}, "param_groups": [{"step": 1}]},
         }[case]
-        keys = [f"optimizer.state.{k}.embedding.word_embeddings.weight"
-                for k in ("exp_avg", "exp_avg_sq", "fp32_param")] if case == "mixed_precision" else []
+        keys = (
+            [
+                f"optimizer.state.{k}.embedding.word_embeddings.weight"
+                for k in ("exp_avg", "exp_avg_sq", "fp32_param")
+            ]
+            if case == "mixed_precision"
+            else []
+        )
         _torch_dist(root, {} if optimizer is None else {"optimizer": optimizer}, keys)
-    code, err = _cli(capsys, "--input", root, "--output", tmp_path / "out", "--to",
-                     "mindspeed", "--with-optimizer")
+    code, err = _cli(
+        capsys,
+        "--input",
+        root,
+        "--output",
+        tmp_path / "out",
+        "--to",
+        "mindspeed",
+        "--with-optimizer",
+    )
     assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["megatron"]
 
@@ -261,8 +312,9 @@ def test_with_optimizer_refuses_what_it_cannot_carry(tmp_path, capsys, case, exp
 def test_with_optimizer_applies_to_megatron_to_mindspeed_only(tmp_path, capsys, flags):
     root = tmp_path / "megatron"
     mm._rank_file(root, "mp_rank_00", mm._megatron_args(1, 1))
-    code, err = _cli(capsys, "--input", root, "--output", tmp_path / "out", *flags,
-                     "--with-optimizer")
+    code, err = _cli(
+        capsys, "--input", root, "--output", tmp_path / "out", *flags, "--with-optimizer"
+    )
     assert code == 2 and err == (
         "error: --with-optimizer applies to --from megatron --to mindspeed only"
     ), err

@@ -25,7 +25,8 @@ from mindspeed_core.cli import run as cli
 from mindspeed_llm.models import Transformer, TransformerConfig
 from mindspeed_llm.models.common import hf_adapter
 from mindspeed_llm.models.hf_io import hf_tensor_index, iter_hf_tensors, read_hf_config
-from mindspeed_tools import megatron, megatron_save
+from mindspeed_tools.convert import megatron
+from mindspeed_tools.convert.megatron import legacy
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
 
@@ -143,8 +144,8 @@ def test_megatron_rank_files_are_read_one_tensor_at_a_time(tmp_path, monkeypatch
     assert cli(["convert", "--input", str(hf), "--output", str(mega), "--to", "megatron",
                 "--tp", "2", "--pp", "2"]) == 0  # fmt: skip
     reads = []
-    read = megatron._RankFile.read
-    monkeypatch.setattr(megatron._RankFile, "read", lambda *a: reads.append(a[2]) or read(*a))
+    read = legacy._RankFile.read
+    monkeypatch.setattr(legacy._RankFile, "read", lambda *a: reads.append(a[2]) or read(*a))
     tensors = megatron.read_checkpoint(mega)
     assert reads == [] and all(t.is_meta for t in tensors.meta.values())
     for i, (name, tensor) in enumerate(tensors.items()):
@@ -188,7 +189,7 @@ def write_torch_dist(hf: Path, root: Path) -> None:
     """The Hugging Face model as a Megatron torch_dist save: Megatron's names, homogeneous
     layers stacked along a leading axis (one chunk per layer), `common.pt` holding the args."""
     config = read_hf_config(hf)
-    whole = megatron_save.to_megatron(dict(iter_hf_tensors(hf)), config)
+    whole = megatron.to_megatron(dict(iter_hf_tensors(hf)), config)
     layers: dict[str, list[torch.Tensor]] = {}
     tensors = {}
     for name, tensor in whole.items():
@@ -201,7 +202,7 @@ def write_torch_dist(hf: Path, root: Path) -> None:
     folder = root / "iter_0000001"
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)),
              planner=_OneChunkPerLayer(), no_dist=True)  # fmt: skip
-    args = megatron_save.megatron_args(config, 1, 1, torch.float32)
+    args = megatron.megatron_args(config, 1, 1, torch.float32)
     args.ckpt_format = "torch_dist"
     torch.save({"args": args, "iteration": 1}, folder / megatron.COMMON_FILE)
     (root / megatron.LATEST_FILE).write_text("1\n")
@@ -226,7 +227,7 @@ def test_merge_lora_holds_about_one_tensor_and_gives_load_models_merge(
 ):
     """A LoRA run (every linear, rank 4) on the random model: `--merge-lora` writes
     `load_model`'s merged weights bit for bit, about one tensor in memory; the run's own
-    `logging.hf_export_every` export (the same command, in a child of the trainer) is the
+    `logging.hf_export_every` export (the same writer, in the trainer's process) is the
     same file."""
     from mindspeed_core.config import load_config
     from mindspeed_core.distributed import destroy_distributed, init_distributed

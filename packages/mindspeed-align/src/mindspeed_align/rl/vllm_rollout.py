@@ -246,8 +246,9 @@ class VLLMRollout:
             self.listener = None
         if getattr(self, "dir", None) is not None and self.dir.exists():
             if self.log_path.exists():  # the log outlives the folder (messages name it)
-                shutil.copy(self.log_path, self.dir.with_suffix(".log"))
-                self.log_path = self.dir.with_suffix(".log")
+                kept = Path(tempfile.gettempdir()) / f"{self.dir.name}.log"
+                shutil.copy(self.log_path, kept)
+                self.log_path = kept
             shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- roles.Rollout -----------------------------------------------------------------

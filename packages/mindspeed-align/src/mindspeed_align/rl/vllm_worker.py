@@ -12,14 +12,15 @@ trainer (`multiprocessing.connection`, the key in MINDSPEED_VLLM_AUTHKEY) and an
     {"op": "close"}
 
 Errors go back as {"error": "one line"}. The worker watches its parent: when the trainer
-is gone (even SIGKILLed) it kills its whole process group (vLLM's engine processes with
-it), so no vLLM process outlives the run.
+is gone (even SIGKILLed) it removes the weights' folder and kills its whole process group
+(vLLM's engine processes with it), so no vLLM process or weight file outlives the run.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import threading
 import time
@@ -27,10 +28,16 @@ import traceback
 from multiprocessing.connection import Client
 
 
-def _watch_parent(parent: int) -> None:
+def _abandoned(folder: str) -> None:
+    """The trainer is gone: remove the weights' folder, then end the process group."""
+    shutil.rmtree(folder, ignore_errors=True)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _watch_parent(parent: int, folder: str) -> None:
     while True:
         if os.getppid() != parent:
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            _abandoned(folder)
         time.sleep(0.2)
 
 
@@ -75,7 +82,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     args = parser.parse_args()
-    threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
+    folder = os.path.dirname(os.path.abspath(args.model))  # the trainer's folder for vLLM
+    threading.Thread(target=_watch_parent, args=(args.parent, folder), daemon=True).start()
     host, port = args.address.rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MINDSPEED_VLLM_AUTHKEY"]))
     try:
@@ -95,8 +103,8 @@ def main() -> None:
     while True:
         try:
             msg = conn.recv()
-        except EOFError:
-            return
+        except (EOFError, OSError):  # the trainer died without saying close
+            _abandoned(folder)
         if msg["op"] == "close":
             return
         try:

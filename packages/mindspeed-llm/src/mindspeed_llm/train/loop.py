@@ -15,8 +15,6 @@ and its position (checkpointed as "data", so a resumed run sees the same samples
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,9 +25,11 @@ from tqdm import tqdm
 from mindspeed_core import device as dev
 from mindspeed_core.checkpoint import CheckpointManager
 from mindspeed_core.distributed import is_rank0
+from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.profiling import ProfileConfig, build_profiler
 from mindspeed_core.training import MetricsWriter, ThroughputMeter
 from mindspeed_llm.data.collate import Batch
+from mindspeed_llm.hf_export import merge_lora_to_hf, mindspeed_to_hf
 from mindspeed_llm.train.build import DTYPES
 from mindspeed_llm.train.config import LoggingSection, TrainSection
 from mindspeed_llm.train.run_dir import RunDirectory, resume
@@ -199,7 +199,7 @@ class TrainLoop:
 
     def _export_hf(self) -> None:
         """`logging.hf_export_every`: this step's checkpoint as a Hugging Face folder, written
-        by `mindspeed convert` on rank 0 (the others meet it at their next collective)."""
+        on rank 0 by `mindspeed convert`'s writer (the others meet it at their next collective)."""
         every, step = getattr(self.logging, "hf_export_every", 0), self.state.step
         if not every or step % every:
             return
@@ -257,18 +257,19 @@ def throughput_windows(
 
 
 def export_hf(step_dir: Path, out: Path, *, merge_lora: bool = False) -> None:
-    """`mindspeed convert --to hf` of one checkpoint (a process of its own: the converter is
-    mindspeed-tools'); an existing `out` (a resumed run exporting again) is kept. Nothing is
-    gathered: this rank keeps only its own shards while the child reads the checkpoint one
-    tensor at a time (merging a LoRA run's adapters into each base tensor likewise)."""
+    """`mindspeed convert --to hf` of one checkpoint, in this process
+    (`mindspeed_llm.hf_export`); an existing `out` (a resumed run exporting again) is kept.
+    Nothing is gathered: this rank keeps its own shards while the writer reads the checkpoint
+    one tensor at a time (merging a LoRA run's adapters into each base tensor likewise)."""
     if out.exists():
         return
-    argv = [sys.executable, "-m", "mindspeed_core.cli", "convert", "--input", str(step_dir),
-            "--output", str(out), "--to", "hf", *(["--merge-lora"] if merge_lora else [])]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise TrainingError(f"logging.hf_export_every: exporting {step_dir} to {out} failed: {tail}")
+    write = merge_lora_to_hf if merge_lora else mindspeed_to_hf
+    try:
+        write(step_dir, out)
+    except MindSpeedError as err:
+        raise TrainingError(
+            f"logging.hf_export_every: exporting {step_dir} to {out} failed: {err}"
+        ) from None
     logger.info("exported %s as a Hugging Face folder: %s", step_dir.name, out)
 
 

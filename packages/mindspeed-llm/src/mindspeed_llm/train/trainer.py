@@ -188,10 +188,7 @@ class Trainer:
 
 
 def _check_hf_export(cfg) -> None:
-    """`logging.hf_export_every` exports checkpoints: it must fall on them, and the converter
-    (mindspeed-tools) must be installed."""
-    import importlib.util
-
+    """`logging.hf_export_every` exports checkpoints: it must fall on them."""
     every = getattr(cfg.logging, "hf_export_every", 0)
     if not every:
         return
@@ -199,9 +196,6 @@ def _check_hf_export(cfg) -> None:
     if every < 0 or not interval or every % interval:
         raise ConfigError(f"logging.hf_export_every={every} must be a positive multiple of "
                           f"checkpoint.interval={interval} (it exports those checkpoints)")  # fmt: skip
-    if importlib.util.find_spec("mindspeed_tools") is None:
-        raise ConfigError("logging.hf_export_every needs mindspeed-tools (`mindspeed convert`): "
-                          "pip install mindspeed-tools")  # fmt: skip
 
 
 def _check_token_budget(cfg) -> None:

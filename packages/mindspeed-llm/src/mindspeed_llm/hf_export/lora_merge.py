@@ -1,7 +1,7 @@
 """A LoRA run's base with its adapters merged, one base tensor at a time.
 
-`convert --to hf --merge-lora` (and so `logging.hf_export_every` of a LoRA run, which runs
-it in a child process) never holds the model: each base tensor is read (from the run's
+`convert --to hf --merge-lora` (and `logging.hf_export_every` of a LoRA run, which calls it
+in the trainer's rank 0) never holds the model: each base tensor is read (from the run's
 Hugging Face base folder or the converted checkpoint its `checkpoint.load` named), its
 adapter folded in, handed on and dropped. The values are those of
 `mindspeed_llm.loading.load_model`, which builds the whole model and calls
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from mindspeed_core.errors import CheckpointError
+from mindspeed_llm.hf_export.dcp_stream import load_streaming
 from mindspeed_llm.loading import ModelSource
 from mindspeed_llm.models import checkpoint_io as ckpt
 from mindspeed_llm.models import hf_io
@@ -27,7 +28,6 @@ from mindspeed_llm.models.weight_check import check_weights
 from mindspeed_llm.peft.checkpoint import read_adapters, run_base
 from mindspeed_llm.peft.experts import ExpertLoRA, expert_adapters
 from mindspeed_llm.peft.lora import LoRAConfig, adapted_modules, apply_lora
-from mindspeed_tools.dcp_stream import load_streaming
 
 Shapes = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 

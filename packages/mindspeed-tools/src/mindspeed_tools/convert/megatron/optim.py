@@ -10,8 +10,8 @@ stores each moment as a global tensor in its weight's layout, keyed after that w
 
 and its step in `common.pt`: `optimizer.state.common_step` (torch's Adam keeps one per
 parameter; Megatron saves the shared one) or `param_groups[i].step` (Apex's and Transformer
-Engine's FusedAdam). The moments then take the weights' road (`megatron.stored_tensors`,
-one layer's slice at a time, and `megatron.to_hf_tensors`: fused q/k/v split per query
+Engine's FusedAdam). The moments then take the weights' road (`stored_tensors`,
+one layer's slice at a time, and `mapping.to_hf_tensors`: fused q/k/v split per query
 group, fc1 into gate and up), which is exact because those are re-indexings and Adam's
 state is elementwise.
 
@@ -32,7 +32,16 @@ from typing import Any
 
 from mindspeed_core.checkpoint import read_safe_metadata
 from mindspeed_core.errors import CheckpointError
-from mindspeed_tools import megatron
+from mindspeed_tools.convert.megatron.config import hf_config
+from mindspeed_tools.convert.megatron.files import (
+    COMMON_FILE,
+    LEGACY_FILE,
+    MegatronTensors,
+    args_of,
+    iteration_dir,
+    safe_torch_load,
+)
+from mindspeed_tools.convert.megatron.torch_dist import stored_tensors
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _KEY = re.compile(r"^(?:chained_\d+\.)?optimizer\.state\.([a-z0-9_]+)\.(.+)$")
@@ -46,12 +55,12 @@ class MegatronAdam:
     """Adam's step count (its bias correction), shared by every parameter."""
     iteration: int
     """The training iteration the checkpoint was saved at."""
-    moments: dict[str, megatron.MegatronTensors]
+    moments: dict[str, MegatronTensors]
     """"exp_avg" / "exp_avg_sq" -> the moments under Megatron's weight names, read one
     at a time (`hf_items(config)` renames them as `convert.megatron_to_hf` renames the
     weights)."""
     config: dict[str, Any]
-    """The Hugging Face config of the model (`megatron.hf_config`)."""
+    """The Hugging Face config of the model (`hf_config`)."""
 
 
 def read_adam(root: str | Path) -> MegatronAdam:
@@ -61,17 +70,17 @@ def read_adam(root: str | Path) -> MegatronAdam:
     Raises:
         CheckpointError / ConfigError: no optimizer state, or one we do not convert (named).
     """
-    folder = megatron.iteration_dir(Path(root))
-    common = folder / megatron.COMMON_FILE
+    folder = iteration_dir(Path(root))
+    common = folder / COMMON_FILE
     if not common.is_file():
-        file = next(iter(sorted(folder.glob(f"mp_rank_*/{megatron.LEGACY_FILE}"))), folder)
+        file = next(iter(sorted(folder.glob(f"mp_rank_*/{LEGACY_FILE}"))), folder)
         raise CheckpointError(
             f"{file}: --with-optimizer converts torch_dist saves only (--ckpt-format torch_dist, "
             "Megatron-LM's default); a legacy file keeps Adam's state by parameter index"
         )
-    saved = megatron.safe_torch_load(common)
-    args = megatron._args_of(saved, common)
-    config = megatron.hf_config(args, folder)
+    saved = safe_torch_load(common)
+    args = args_of(saved, common)
+    config = hf_config(args, folder)
     optimizer = saved.get("optimizer")
     step = _adam_step(optimizer, common)
     moments = _read_moments(folder, common, args)
@@ -109,10 +118,8 @@ def _adam_step(optimizer: Any, file: Path) -> int:
     return steps.pop()
 
 
-def _read_moments(
-    folder: Path, common: Path, args: dict[str, Any]
-) -> dict[str, megatron.MegatronTensors]:
-    """"exp_avg" / "exp_avg_sq" -> its tensors under Megatron's weight names."""
+def _read_moments(folder: Path, common: Path, args: dict[str, Any]) -> dict[str, MegatronTensors]:
+    """ "exp_avg" / "exp_avg_sq" -> its tensors under Megatron's weight names."""
     metadata = read_safe_metadata(folder)
     names: dict[str, dict[str, str]] = {kind: {} for kind in MOMENTS}
     for key, meta in metadata.state_dict_metadata.items():
@@ -137,4 +144,4 @@ def _read_moments(
     if first != second:
         odd = sorted(first ^ second)[0]
         raise CheckpointError(f"{folder}: exp_avg and exp_avg_sq differ in {odd}")
-    return {kind: megatron.stored_tensors(folder, args, metadata, names[kind]) for kind in MOMENTS}
+    return {kind: stored_tensors(folder, args, metadata, names[kind]) for kind in MOMENTS}
