@@ -140,3 +140,25 @@ def test_lora_demo_reward_rises(tmp_path):
     assert sampled1 > sampled0 + 0.08 and greedy1 >= greedy0 - 0.05, summary
     saved = tensor_metadata(tmp_path / "grpo" / "checkpoints" / "step_300")
     assert all(".lora_" in k for k in saved)
+
+
+fake_vllm = import_sibling(__file__, "test_rl_vllm").fake_vllm  # the stand-in engine
+
+
+def test_grpo_lora_on_vllm_sends_the_merged_model_each_step(task, fake_vllm):
+    """`rollout_engine vllm` with LoRA: the engine (a stand-in) gets the merged model, the
+    base's size in bytes and names, at every step."""
+    from mindspeed_llm.models import Transformer, build_model_config
+
+    python, _ = fake_vllm
+    drop = ("--model.hf_path", "--grpo.init_from", "--train.steps")
+    args = [a for a in _args(task, "vllm") if not a.startswith(drop)] + [
+        "--train.steps=2", "--grpo.rollout_engine=vllm", f"--grpo.vllm_python={python}",
+        "--model.flavor=debug-h32"]  # fmt: skip
+    assert guarded(main, args) == 0
+    metrics = read_metrics(task / "vllm" / "metrics.jsonl")
+    base = sum(
+        p.numel() * 4 for p in Transformer(build_model_config("llama", "debug-h32")).parameters()
+    )
+    assert [m["rollout/weight_sync_bytes"] for m in metrics] == [base] * 2
+    assert metrics[-1]["kl"] > 0
