@@ -206,3 +206,57 @@ def test_vllm_gets_the_merged_weights_under_hugging_face_names(fake_vllm):
     want = wq.weight + (ALPHA / RANK) * wq.lora_B.weight @ wq.lora_A.weight
     torch.testing.assert_close(sent["model.layers.0.self_attn.q_proj.weight"], want.detach())
     assert not torch.allclose(want, wq.weight)
+
+
+PROMPTS_2 = [[5, 17, 33, 9], [101, 7]]
+
+
+def _fsdp_lora():
+    """Rank's view of a LoRA policy sharded by FSDP (dp_shard=2): its rollout copy's sync
+    bytes, how far the copy's samples' log-probs are from the policy's, and how far the
+    adapters-off reference is from a base built without adapters (and from the policy)."""
+    import torch.distributed as dist
+
+    from mindspeed_align.rl.objective import pack_samples, recompute_logps
+    from mindspeed_align.rl.rollout import SamplingConfig
+
+    lora, parallel = LoRAConfig(rank=RANK, alpha=ALPHA), ParallelConfig(dp_shard=2)
+    dims = parallel.dims().build("cpu")
+    build = {"parallel": parallel, "seq_len": 32, "seed": 1234}
+    policy = build_model(
+        _config(), dims, torch.device("cpu"), after_tp=lora_transform(lora), **build
+    )
+    base = build_model(_config(), dims, torch.device("cpu"), **build)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if ".lora_B" in name:
+                p.add_(0.05)
+    rollout = LocalRollout(policy, lora=lora)
+    rollout.sync_weights()
+    sizes = [rollout.last_bytes]
+    rollout.sync_weights()
+    sizes.append(rollout.last_bytes)
+    batch = rollout.generate(PROMPTS_2, SamplingConfig(n=2, max_new_tokens=4), seed=dist.get_rank())
+    packed = pack_samples(batch.prompt_ids, batch.response_ids, {}, {}, agg="token-mean",
+                          max_new_tokens=8)  # fmt: skip
+    mask = packed["labels"][0] != -100
+    logps = recompute_logps(policy, packed, 1.0)[0][mask]
+    sampler = torch.tensor([lp for row in batch.sampler_logprobs for lp in row])
+    ref = BaseReference(policy).submit([packed], 1.0)()[0][0][mask]
+    plain = recompute_logps(base, packed, 1.0)[0][mask]
+    return sizes, (logps - sampler).abs().max().item(), (ref - plain).abs().max().item(), (
+        (ref - logps).abs().max().item())  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_fsdp_lora_policy_rolls_out_through_a_copy_with_its_adapters():
+    from mindspeed_core.testing import run_distributed
+
+    state = _policy(LoRAConfig(rank=RANK, alpha=ALPHA))[0].model.state_dict()
+    whole = sum(v.numel() * 4 for v in state.values())
+    adapters = sum(v.numel() * 4 for k, v in state.items() if ".lora_" in k)
+    for sizes, sampled, ref_vs_base, ref_vs_policy in run_distributed(_fsdp_lora, 2, timeout=600):
+        assert sizes == [whole, adapters]
+        assert sampled < 1e-5  # the copy samples the policy with its adapters
+        assert ref_vs_base < 1e-5 < ref_vs_policy  # adapters off: the base's log-probs

@@ -6,10 +6,11 @@ its parameters are plain tensors (one process, or data parallel by replication),
 an inference copy whose weights are gathered from the FSDP/TP shards (`sync_weights`,
 timed). A LoRA policy's copy carries the same adapters: its first sync copies the base and
 the adapters, later ones the adapters alone (the base is frozen), so a step moves the
-adapters' bytes (`last_bytes`), not the model's. Every prompt is prefilled once and its KV cache shared by its `n` sample rows
-(they draw what `n` repeated prompts would); the sampling seed mixes the run's
-seed, the step and the data-parallel rank, so dp ranks draw different samples and a rerun
-draws the same ones, while tensor-parallel peers (same prompts, same seed) agree.
+adapters' bytes (`last_bytes`), not the model's. Every prompt is prefilled once and its KV
+cache shared by its `n` sample rows (they draw what `n` repeated prompts would); the
+sampling seed mixes the run's seed, the step and the data-parallel rank, so dp ranks draw
+different samples and a rerun draws the same ones, while tensor-parallel peers (same
+prompts, same seed) agree.
 
 The log-probs the policy loss uses as "old" ones are not the sampler's: the trainer
 recomputes them with a teacher-forced forward of the training model (verl's recomputed
