@@ -94,8 +94,16 @@ def test_bad_lora_inputs_are_one_line(task, capsys):
         "--lora.targets=[qkv]": "lora.targets: unknown layer 'qkv'",
         "--lora.dropout=1.5": "lora.dropout=1.5 must be in [0, 1)",
     }
+    # a model LoRA cannot adapt as asked: DeepSeek-V3's low-rank queries have no q_proj
+    latent = ["--model.family=deepseek_v3", "--lora.targets=[q_proj]"]
+    cases[" ".join(latent)] = "lora.targets: 'q_proj' matches no linear layer of the model"
     for arg, expected in cases.items():
-        assert guarded(main, [*_args(task, "bad"), arg]) == 2, arg
+        base = [
+            a
+            for a in _args(task, "bad")
+            if not a.startswith(("--model.hf_path", "--grpo.init_from"))
+        ]
+        assert guarded(main, [*base, *arg.split()]) == 2, arg
         err = capsys.readouterr().err.strip()
         assert expected in err and "\n" not in err, (arg, err)
     assert not (task / "bad").exists()  # nothing half-written
