@@ -211,8 +211,9 @@ def test_vllm_gets_the_merged_weights_under_hugging_face_names(fake_vllm):
 PROMPTS_2 = [[5, 17, 33, 9], [101, 7]]
 
 
-def _fsdp_lora():
-    """Rank's view of a LoRA policy sharded by FSDP (dp_shard=2): its rollout copy's sync
+def _sharded_lora(layout: str):
+    """Rank's view of a LoRA policy sharded by FSDP (dp_shard=2) or tensor parallel (tp=2):
+    its rollout copy's sync
     bytes, how far the copy's samples' log-probs are from the policy's, and how far the
     adapters-off reference is from a base built without adapters (and from the policy)."""
     import torch.distributed as dist
@@ -220,7 +221,7 @@ def _fsdp_lora():
     from mindspeed_align.rl.objective import pack_samples, recompute_logps
     from mindspeed_align.rl.rollout import SamplingConfig
 
-    lora, parallel = LoRAConfig(rank=RANK, alpha=ALPHA), ParallelConfig(dp_shard=2)
+    lora, parallel = LoRAConfig(rank=RANK, alpha=ALPHA), ParallelConfig(**{layout: 2})
     dims = parallel.dims().build("cpu")
     build = {"parallel": parallel, "seq_len": 32, "seed": 1234}
     policy = build_model(
@@ -236,7 +237,11 @@ def _fsdp_lora():
     sizes = [rollout.last_bytes]
     rollout.sync_weights()
     sizes.append(rollout.last_bytes)
-    batch = rollout.generate(PROMPTS_2, SamplingConfig(n=2, max_new_tokens=4), seed=dist.get_rank())
+    batch = rollout.generate(
+        PROMPTS_2,
+        SamplingConfig(n=2, max_new_tokens=4),
+        seed=dist.get_rank() if layout == "dp_shard" else 0,
+    )
     packed = pack_samples(batch.prompt_ids, batch.response_ids, {}, {}, agg="token-mean",
                           max_new_tokens=8)  # fmt: skip
     mask = packed["labels"][0] != -100
@@ -250,13 +255,16 @@ def _fsdp_lora():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_an_fsdp_lora_policy_rolls_out_through_a_copy_with_its_adapters():
+@pytest.mark.parametrize("layout", ["dp_shard", "tp"])
+def test_a_sharded_lora_policy_rolls_out_through_a_copy_with_its_adapters(layout):
     from mindspeed_core.testing import run_distributed
 
     state = _policy(LoRAConfig(rank=RANK, alpha=ALPHA))[0].model.state_dict()
     whole = sum(v.numel() * 4 for v in state.values())
     adapters = sum(v.numel() * 4 for k, v in state.items() if ".lora_" in k)
-    for sizes, sampled, ref_vs_base, ref_vs_policy in run_distributed(_fsdp_lora, 2, timeout=600):
+    for sizes, sampled, ref_vs_base, ref_vs_policy in run_distributed(
+        _sharded_lora, 2, layout, timeout=600
+    ):
         assert sizes == [whole, adapters]
         assert sampled < 1e-5  # the copy samples the policy with its adapters
         assert ref_vs_base < 1e-5 < ref_vs_policy  # adapters off: the base's log-probs
