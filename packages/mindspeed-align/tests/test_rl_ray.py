@@ -180,6 +180,33 @@ def test_every_role_holding_a_model_gets_the_configured_accelerator(tmp_path, ca
     assert "grpo.ray_resources.fake_accel=0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_a_lora_policy_sends_its_rollout_actor_the_adapters_alone(tmp_path, capsys):
+    """`--lora.rank 8` with a Ray rollout: the actor got the whole base once (before the
+    first evaluation) and each step only the adapters' bytes; its samples, the Ray
+    reference (the base, built as the run started) and so the losses are the colocated LoRA
+    run's, whose reference is the policy with its adapters off."""
+    from mindspeed_llm.models import Transformer, build_model_config
+    from mindspeed_llm.peft import LoRAConfig, apply_lora
+
+    lora = ("--lora.rank=8", "--grpo.reward_model=null", "--grpo.rewards=[final_number]",
+            "--grpo.reward_weights=[1.0]")  # fmt: skip
+    assert guarded(main, _args(tmp_path, "lora-local", "grpo", *lora)) == 0
+    assert guarded(main, _args(tmp_path, "lora-ray", "grpo", "--grpo.placement=ray", *lora)) == 0
+    local = read_metrics(tmp_path / "lora-local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "lora-ray" / "metrics.jsonl")
+    model = Transformer(build_model_config("llama", flavor="debug"))
+    apply_lora(model, LoRAConfig(rank=8))
+    adapters = sum(p.numel() * 4 for n, p in model.named_parameters() if ".lora_" in n)
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    assert [m["rollout/weight_sync_bytes"] for m in remote] == [adapters] * 2
+    assert adapters < whole / 5  # rank 8 on the debug model's 64-wide layers: a tenth
+    assert local[-1]["kl"] > 0
+    for a, b in zip(local, remote, strict=True):
+        for key in ("loss", "grad_norm", "kl", "reward/mean", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=LOSS_ABS), (a["step"], key)
+
+
 def test_ray_reward_that_cannot_load_is_one_line(tmp_path, capsys):
     args = _args(tmp_path, "bad", "grpo", "--grpo.placement=ray",
                  f"--grpo.reward_model={tmp_path / 'missing'}")  # fmt: skip

@@ -17,6 +17,7 @@ from mindspeed_core.errors import ConfigError
 from mindspeed_core.optim import OptimConfig
 from mindspeed_core.parallel import ParallelConfig
 from mindspeed_core.profiling import ProfileConfig
+from mindspeed_llm.peft.lora import LoRAConfig
 from mindspeed_llm.train.config import LoggingSection, ModelSection, TrainSection
 
 
@@ -406,6 +407,11 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingSection = field(default_factory=GRPOLoggingSection)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Adapters on the policy (`mindspeed_llm.peft`, as `mindspeed sft --lora.rank`): only
+    they train and are checkpointed; the reference is the policy with its adapters off;
+    the rollout gets the base once and the adapters every step (vLLM: merged weights).
+    PPO's critic trains whole. `lora.rank 0` (the default): the whole policy trains."""
 
     @property
     def rl(self) -> GRPOSection:
@@ -444,6 +450,11 @@ class RLConfig:
                 f"optim.warmup_steps={self.optim.warmup_steps} exceeds train.steps={self.train.steps}"
             )
         self._check_token_budget()
+        if self.lora.quantize != "none":
+            raise ConfigError(
+                f"lora.quantize={self.lora.quantize}: mindspeed {name} trains plain LoRA "
+                "adapters only yet (the rollout's copy of the policy needs the base unquantised)"
+            )
 
     def _check_token_budget(self) -> None:
         """A micro-batch holds a sample whole (with shared prompts: a prompt's group)."""

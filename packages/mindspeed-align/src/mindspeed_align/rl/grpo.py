@@ -36,6 +36,7 @@ from mindspeed_align.rl.async_rollout import STALENESS_COUNTS, BoundedRollouts, 
 from mindspeed_align.rl.config import GRPOConfig
 from mindspeed_align.rl.env import run_episodes
 from mindspeed_align.rl.evaluate import evaluate_episodes, evaluate_reward
+from mindspeed_align.rl.lora import BaseReference, merged_policy
 from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, recompute_logps
 from mindspeed_align.rl.placement import LocalReference
 from mindspeed_align.rl.rewards import FAILURE_COUNTS, Rewards
@@ -72,7 +73,7 @@ class GRPOStep:
         self.off_policy = getattr(cfg.rl, "async_rollout", "off") != "off"
         self.source = source  # the prompts (`peek` gives the next steps')
         # the rollout: a role placed elsewhere (`placement.RayRoles.rollout`) or on this rank
-        self.rollout = rollout or LocalRollout(parts.model, copy=self.off_policy)
+        self.rollout = rollout or LocalRollout(parts.model, copy=self.off_policy, lora=cfg.lora)
         self.async_rollouts = None  # made on the first step, with the rollout and source as set then
         stops = () if tokenizer.eod_id is None else (tokenizer.eod_id,)
         self.sampling = SamplingConfig(n=cfg.rl.n, max_new_tokens=cfg.rl.max_new_tokens,
@@ -444,6 +445,10 @@ class GRPOMethod:
             self.reference = self.roles.reference(run.model_config, seed=cfg.train.seed,
                                                   seq_len=cfg.data.seq_len, precision=cfg.train.precision,
                                                   hf_path=cfg.model.hf_path, init_from=self.init_from)  # fmt: skip
+        elif cfg.rl.kl_coef and cfg.lora.enabled:  # the policy itself, its adapters off
+            self.reference = BaseReference(
+                run.policy, supervised_only=supervised_positions_layout(run.policy, run.dims)
+            )
         elif cfg.rl.kl_coef:  # the run's model as it starts
             reference = run.starting_policy()
             self.reference = LocalReference(
@@ -463,12 +468,15 @@ class GRPOMethod:
                                       f"{run.dims.degree(dim)}: vLLM rollouts run with tp=1 and "
                                       "cp=1 only yet (each data-parallel rank has its engine)")  # fmt: skip
             python = ensure_vllm_python(run.device.type, g.vllm_python, section=g.section)
-            return VLLMRollout(run.policy, python, max_model_len=self.cfg.data.seq_len,
+            # vLLM gets the LoRA policy's weights merged (W + scaling B A) every step
+            lora = self.cfg.lora
+            policy = merged_policy(run.policy, lora) if lora.enabled else run.policy
+            return VLLMRollout(policy, python, max_model_len=self.cfg.data.seq_len,
                                seed=self.cfg.train.seed, section=g.section)  # fmt: skip
         if self.roles is None:
             return None
         return self.roles.rollout(run.policy, seq_len=self.cfg.data.seq_len,
-                                  precision=self.cfg.train.precision)  # fmt: skip
+                                  precision=self.cfg.train.precision, lora=self.cfg.lora)  # fmt: skip
 
     def step_extras(self) -> dict[str, Any]:
         """More keyword arguments of `step_cls` (PPO's critic)."""

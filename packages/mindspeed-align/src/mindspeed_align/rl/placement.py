@@ -142,26 +142,32 @@ class _RewardWorker(_Worker):
 class _RolloutWorker(_Worker):
     """A Ray actor: a whole copy of the policy that samples; the trainer sends its weights."""
 
-    def __init__(self, config, *, seq_len: int, precision: str):
+    def __init__(self, config, *, seq_len: int, precision: str, lora=None):
         import torch
 
         from mindspeed_align.rl.rollout import LocalRollout
         from mindspeed_core.parallel import ParallelConfig
+        from mindspeed_llm.peft import lora_transform
         from mindspeed_llm.train.build import build_model
 
         parallel = ParallelConfig()
         dims = parallel.dims(1).build("cpu")
+        after_tp = lora_transform(lora) if lora is not None and lora.enabled else None
         self.model = build_model(config, dims, torch.device("cpu"), parallel=parallel,
-                                 seq_len=seq_len, precision=precision, frozen=True)  # fmt: skip
+                                 seq_len=seq_len, precision=precision, frozen=True,
+                                 after_tp=after_tp)  # fmt: skip
         self.rollout = LocalRollout(self.model)
 
-    def load(self, state: dict[str, Tensor]) -> None:
+    def load(self, state: dict[str, Tensor], adapters_only: bool = False) -> None:
+        """The policy's weights; with `adapters_only`, its LoRA adapters alone (the frozen
+        base came with the first load)."""
         target = self.model.model.state_dict()
-        missing = sorted(set(target) - set(state))
+        wanted = [k for k in target if ".lora_" in k] if adapters_only else list(target)
+        missing = sorted(set(wanted) - set(state))
         if missing:
             raise ValueError(f"the policy's weights lack {missing[:3]}")
-        for key, value in target.items():
-            value.copy_(state[key])
+        for key in wanted:
+            target[key].copy_(state[key])
 
     def generate(self, prompts, cfg, seed: int):
         return self.rollout.generate(prompts, cfg, seed=seed)
@@ -175,23 +181,28 @@ class _RayRollout:
 
     copy = True
 
-    def __init__(self, actor, policy, section: str):
+    def __init__(self, actor, policy, section: str, *, lora: bool = False):
         self.actor, self.policy, self.section = actor, policy, section
         self.lock = threading.Lock()
         self.last_bytes = 0
+        self.adapters_only = False
+        """The actor holds the frozen base of a LoRA policy: send the adapters alone."""
+        self.lora = lora
 
     def sync_weights(self) -> float:
-        """Sends the policy's whole weights (gathered from the shards) to the actor; seconds
-        taken (`last_bytes`: how many bytes)."""
-        from mindspeed_align.rl.rollout import plain_key
+        """Sends the policy's whole weights (gathered from the shards; a LoRA policy's
+        adapters alone after the first time) to the actor; seconds taken (`last_bytes`:
+        how many bytes)."""
+        from mindspeed_align.rl.rollout import whole_weights
 
         start = time.perf_counter()
-        state = {}
-        for name, value in self.policy.model.state_dict().items():
-            state[plain_key(name)] = (dtensor.full(value) if isinstance(value, DTensor) else value).detach().cpu()
+        only = self.adapters_only
+        weights = whole_weights(self.policy.model, adapters_only=only)
+        state = {k: v.detach().cpu() for k, v in weights}
         self.last_bytes = sum(t.numel() * t.element_size() for t in state.values())
         with self.lock:
-            _get(self.actor.load.remote(state), "rollout", self.section)
+            _get(self.actor.load.remote(state, only), "rollout", self.section)
+        self.adapters_only = self.lora
         return time.perf_counter() - start
 
     def generate(self, prompts, cfg, *, seed: int):
@@ -299,13 +310,14 @@ class RayRoles:
         self._started(actor, "reference")
         return _RayReference(actor, self.section)
 
-    def rollout(self, policy, *, seq_len: int, precision: str) -> _RayRollout:
-        """The rollout of `policy` (this rank's `BuiltModel`) on its own actor."""
+    def rollout(self, policy, *, seq_len: int, precision: str, lora=None) -> _RayRollout:
+        """The rollout of `policy` (this rank's `BuiltModel`; `lora`: its adapters'
+        `LoRAConfig`, which the actor's copy gets too) on its own actor."""
         actor = self.place("rollout", _RolloutWorker, policy.config, seq_len=seq_len,
-                           precision=precision)  # fmt: skip
+                           precision=precision, lora=lora)  # fmt: skip
         self._ready(actor, "rollout")
         self._started(actor, "rollout")
-        return _RayRollout(actor, policy, self.section)
+        return _RayRollout(actor, policy, self.section, lora=lora is not None and lora.enabled)
 
     def rewards(self, rl, tokenizer_path: Path) -> _RayRewards:
         actor = self.place("reward", _RewardWorker, rl, tokenizer_path)

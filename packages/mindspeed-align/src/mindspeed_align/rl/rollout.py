@@ -4,10 +4,13 @@ log-probs, and the teacher-forced log-probs the loss uses.
 The rollout runs `TokenSteps` (KV cache, no gradients) on the policy module itself when
 its parameters are plain tensors (one process, or data parallel by replication), or on
 an inference copy whose weights are gathered from the FSDP/TP shards (`sync_weights`,
-timed). Every prompt is prefilled once and its KV cache shared by its `n` sample rows
-(they draw what `n` repeated prompts would); the sampling seed mixes the run's
-seed, the step and the data-parallel rank, so dp ranks draw different samples and a rerun
-draws the same ones, while tensor-parallel peers (same prompts, same seed) agree.
+timed). A LoRA policy's copy carries the same adapters: its first sync copies the base and
+the adapters, later ones the adapters alone (the base is frozen), so a step moves the
+adapters' bytes (`last_bytes`), not the model's. Every prompt is prefilled once and its KV
+cache shared by its `n` sample rows (they draw what `n` repeated prompts would); the
+sampling seed mixes the run's seed, the step and the data-parallel rank, so dp ranks draw
+different samples and a rerun draws the same ones, while tensor-parallel peers (same
+prompts, same seed) agree.
 
 The log-probs the policy loss uses as "old" ones are not the sampler's: the trainer
 recomputes them with a teacher-forced forward of the training model (verl's recomputed
@@ -33,7 +36,14 @@ from mindspeed_llm.generation.kv_cache import KVCache
 from mindspeed_llm.models import get_model_spec
 from mindspeed_llm.train.build import BuiltModel
 
-__all__ = ["LocalRollout", "RolloutBatch", "SamplingConfig", "plain_key", "sampling_seed"]
+__all__ = [
+    "LocalRollout",
+    "RolloutBatch",
+    "SamplingConfig",
+    "plain_key",
+    "sampling_seed",
+    "whole_weights",
+]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -78,6 +88,16 @@ def plain_key(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
+def whole_weights(model: nn.Module, *, adapters_only: bool = False):
+    """(plain name, whole tensor) of every entry of `model`'s state dict (DTensors gathered);
+    with `adapters_only`, of its LoRA adapters alone (what a copy holding the frozen base
+    already needs each step)."""
+    for name, value in model.state_dict().items():
+        if adapters_only and ".lora_" not in name:
+            continue
+        yield plain_key(name), dtensor.full(value) if isinstance(value, DTensor) else value
+
+
 def sampling_seed(seed: int, step: int, dp_rank: int) -> int:
     """A 62-bit seed, different for every (seed, step, dp_rank)."""
     mixed = (seed * 0x9E3779B1 + step * 0x85EBCA77 + dp_rank * 0xC2B2AE3D) & ((1 << 62) - 1)
@@ -103,6 +123,7 @@ class LocalRollout:
         policy: the training model (its module is used as is when unsharded).
         copy: roll out through a whole copy even when the policy is unsharded (one-step
             off-policy rollouts sample while the policy trains).
+        lora: the policy's adapters (`LoRAConfig`, rank > 0), which a copy gets too.
 
     `sync_weights` and each decoding step of `generate` hold a lock: a rollout running in
     a background thread sees the weights change between two of its tokens, never inside
@@ -110,7 +131,7 @@ class LocalRollout:
     a partial rollout knows which weights drew each token.
     """
 
-    def __init__(self, policy: BuiltModel, *, copy: bool = False):
+    def __init__(self, policy: BuiltModel, *, copy: bool = False, lora=None):
         if policy.model is None:
             raise ValueError("a pipelined policy cannot roll out; RL refuses parallel.pp > 1")
         self.policy = policy
@@ -119,8 +140,15 @@ class LocalRollout:
         if sharded or copy:  # a whole copy, filled from the policy by sync_weights
             with torch.device(policy.device):
                 self.module = get_model_spec(policy.config.family).build(policy.config)
+            if lora is not None and lora.enabled:
+                from mindspeed_llm.peft import apply_lora
+
+                apply_lora(self.module, lora)
             self.module.requires_grad_(False).eval()
         self.copy = sharded or copy
+        self.adapters_only = False
+        """The copy holds the policy's frozen base: later syncs copy the adapters alone."""
+        self.lora = lora is not None and lora.enabled
         self.lock = threading.Lock()
         self._no_sync = threading.Event()
         """Cleared while a sync waits: decoding steps let it in (a lock is not fair: a
@@ -134,8 +162,9 @@ class LocalRollout:
 
     @torch.no_grad()
     def sync_weights(self) -> float:
-        """Copies the policy's current weights into the rollout module; seconds taken (0
-        when the rollout uses the policy module itself)."""
+        """Copies the policy's current weights (a LoRA policy's adapters alone after the
+        first time) into the rollout module; seconds taken (0 when the rollout uses the
+        policy module itself)."""
         if not self.copy:
             return 0.0
         self._no_sync.clear()
@@ -149,12 +178,12 @@ class LocalRollout:
             start = time.perf_counter()
             target = self.module.state_dict()
             self.last_bytes = 0
-            for name, value in self.policy.model.state_dict().items():
-                key = plain_key(name)
+            for key, value in whole_weights(self.policy.model, adapters_only=self.adapters_only):
                 if key in target:
-                    target[key].copy_(dtensor.full(value) if isinstance(value, DTensor) else value)
+                    target[key].copy_(value)
                     self.last_bytes += target[key].numel() * target[key].element_size()
             self.syncs += 1
+            self.adapters_only = self.lora
             return time.perf_counter() - start
 
     def generate(

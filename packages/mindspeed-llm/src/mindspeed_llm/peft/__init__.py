@@ -10,6 +10,7 @@ from mindspeed_llm.peft.lora import (
     lora_trainer_options,
     lora_transform,
     merge_lora,
+    merged_state,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "lora_trainer_options",
     "lora_transform",
     "merge_lora",
+    "merged_state",
 ]

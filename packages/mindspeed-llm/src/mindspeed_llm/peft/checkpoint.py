@@ -59,14 +59,25 @@ def run_lora(folder: Path) -> LoRAConfig | None:
         raise ConfigError(f"{ckpt.run_config_path(folder)}: lora section: {err}") from None
 
 
+WARM_START_SECTIONS = ("grpo", "ppo")
+"""Config sections whose `init_from` is the policy's warm start (RL's: `mindspeed grpo`,
+`dapo` and `ppo`), the base of a LoRA run when set."""
+
+
 def run_base(folder: Path) -> tuple[str, Path]:
-    """Where a LoRA run's frozen base came from: ("hf", `model.hf_path`) or ("checkpoint",
-    the step folder of `checkpoint.load`, e.g. a converted checkpoint).
+    """Where a LoRA run's frozen base came from: an RL run's `init_from` (a Hugging Face
+    folder or a MindSpeed checkpoint), ("hf", `model.hf_path`) or ("checkpoint", the step
+    folder of `checkpoint.load`, e.g. a converted checkpoint).
 
     Raises:
         CheckpointError: the run names neither (its checkpoints hold adapters only).
     """
     data = ckpt.run_config(folder) or {}
+    for section in WARM_START_SECTIONS:  # loaded over model.hf_path: the base, when set
+        init_from = (data.get(section) or {}).get("init_from")
+        if init_from:
+            path = Path(init_from)
+            return ("checkpoint", resolve(path)) if ckpt.is_mindspeed_checkpoint(path) else ("hf", path)  # fmt: skip
     hf_path = (data.get("model") or {}).get("hf_path")
     if hf_path:
         return "hf", Path(hf_path)

@@ -54,6 +54,7 @@ __all__ = [
     "lora_trainer_options",
     "lora_transform",
     "merge_lora",
+    "merged_state",
 ]
 
 _OURS = {hf: ours for ours, hf in HF_NAMES.items()}
@@ -292,6 +293,30 @@ def merge_lora(model: nn.Module) -> nn.Module:
             delattr(linear, attr)
     merge_expert_adapters(model)
     return model
+
+
+@torch.no_grad()
+def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A LoRA model's whole state dict (plain names) as its base's names and shapes, every
+    adapter folded in (W + scaling B A; a routed expert's W_e + scaling (B_e A_e)^T): what an
+    engine that cannot run adapters loads. `state` itself is left as it is."""
+    out = {k: v for k, v in state.items() if ".lora_" not in k}
+    for key, a in state.items():
+        if key.endswith(".lora_A.weight"):  # a linear layer's: A (rank, in), B (out, rank)
+            module = key.removesuffix(".lora_A.weight")
+            delta = state[f"{module}.lora_B.weight"].float() @ a.float()
+            target = f"{module}.weight"
+        elif key.endswith(".lora_A"):  # routed experts': A (E, rank, in), B (E, out, rank)
+            module = key.removesuffix(".lora_A")
+            b = state[f"{module}.lora_B"].float()
+            delta = torch.bmm(a.float().transpose(1, 2), b.transpose(1, 2))
+            owner, proj = module.rsplit(".adapters.", 1)
+            target = f"{owner}.{proj}"
+        else:
+            continue
+        weight = out[target]
+        out[target] = (weight.float() + scaling * delta).to(weight.dtype)
+    return out
 
 
 def lora_trainer_options(

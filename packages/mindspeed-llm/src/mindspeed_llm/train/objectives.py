@@ -85,7 +85,10 @@ class RunContext:
         `build.build_model`'s (`after_tp=` adapters, `parallel=` ...). A `BuiltModel`;
         with `whole`, one plain module holding the whole model in this process (in eval
         mode when frozen), whatever the layout (a pipeline run precomputes a reference
-        with it).
+        with it). The trainer's `after_tp` hook is not applied: under LoRA this is the
+        base without adapters, a second copy of it; the policy called inside
+        `mindspeed_llm.peft.adapters_disabled` gives the same outputs with no copy (what
+        LoRA-DPO and LoRA RL use).
 
         Raises:
             ConfigError: a frozen copy under pipeline parallel (it runs inside each

@@ -34,7 +34,8 @@ class StartingWeights:
     key: str = "init_from"
     """The config field that named `path` (errors name it)."""
     partial: bool = False
-    """`state` may lack the LoRA adapters (an adapter-only run)."""
+    """`state` and `path` may lack the LoRA adapters (an adapter-only run: its adapters
+    start as drawn, on the base these weights give)."""
 
     def give(self, built: Any, *, head: bool = True) -> None:
         """Load the warm start into `built` (a `BuiltModel`, or a whole `nn.Module`);
@@ -45,7 +46,7 @@ class StartingWeights:
                                              if not k.startswith("output.")}  # fmt: skip
             load_init_state(model, state, partial=self.partial, head=head)
         if self.path is not None:
-            load_weights(built, self.path, what=self.key, head=head)
+            load_weights(built, self.path, what=self.key, head=head, partial=self.partial)
 
 
 def starting_model(
@@ -80,10 +81,12 @@ def load_init_state(
         )
 
 
-def load_weights(built: Any, path: Path, *, what: str = "init_from", head: bool = True) -> None:
+def load_weights(
+    built: Any, path: Path, *, what: str = "init_from", head: bool = True, partial: bool = False
+) -> None:
     """Replace a model's weights (a `BuiltModel`, whole or sharded, or a whole module) with
     those at `path`; `head=False` keeps the model's own output layer (a critic's value head
-    on a language model's body)."""
+    on a language model's body), `partial` its LoRA adapters (`path` holds a base)."""
     from mindspeed_llm.loading import load_model
 
     model = built if isinstance(built, nn.Module) else built.model
@@ -92,21 +95,26 @@ def load_weights(built: Any, path: Path, *, what: str = "init_from", head: bool 
     full = source.state_dict()
     if not head:
         full.pop("output.weight", None)
-    set_weights(model, full, path=path, what=what, head=head)
+    set_weights(model, full, path=path, what=what, head=head, partial=partial)
 
 
-def set_weights(model: nn.Module, full: dict, *, path, what: str, head: bool) -> None:
-    """Load the whole tensors `full` into a (whole or sharded) model."""
+def set_weights(
+    model: nn.Module, full: dict, *, path, what: str, head: bool, partial: bool = False
+) -> None:
+    """Load the whole tensors `full` into a (whole or sharded) model; with `partial` its
+    LoRA adapters may be missing from `full`."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     try:
         if any(isinstance(p, DTensor) for p in model.parameters()):
-            options = StateDictOptions(full_state_dict=True, strict=head)
-            set_model_state_dict(model, full, options=options)
+            options = StateDictOptions(full_state_dict=True, strict=head and not partial)
+            result = set_model_state_dict(model, full, options=options)
+            missing, unexpected = (result or ([], [])) if partial else ([], [])
         else:
             missing, unexpected = model.load_state_dict(full, strict=False)
-            if unexpected or (head and missing) or set(missing) - {"output.weight"}:
-                raise RuntimeError(f"missing {missing}, unexpected {unexpected}")
+        missing = [k for k in missing if not (partial and ".lora_" in k)]
+        if unexpected or (head and missing) or set(missing) - {"output.weight"}:
+            raise RuntimeError(f"missing {missing}, unexpected {unexpected}")
     except (RuntimeError, KeyError) as err:
         first = str(err).strip().splitlines()[0]
         raise ConfigError(
