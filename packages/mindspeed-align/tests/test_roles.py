@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 
-from mindspeed_align.rl import placement, ppo, roles
+from mindspeed_align.rl import placement, ppo, ray_groups, roles
 from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout
 from mindspeed_align.rl.vllm_rollout import VLLMRollout
@@ -14,7 +14,7 @@ IMPLEMENTATIONS = {
     roles.Rollout: [LocalRollout, placement._RayRollout, VLLMRollout],
     roles.Reference: [placement.LocalReference, placement._RayReference],
     roles.RewardScorer: [Rewards, placement._RayRewards],
-    roles.Critic: [ppo.LocalCritic, placement._RayCritic],
+    roles.Critic: [ppo.LocalCritic, ray_groups._RayCritic],
 }
 
 

@@ -297,7 +297,7 @@ def _run(cfg: RLConfig, method, command: str) -> dict[str, float]:
     _demo_defaults(cfg, command)
     cfg.check_env_lengths()
     if cfg.rl.trainer_actors:  # the policy trains on Ray actors; this process waits for them
-        from mindspeed_align.rl.placement import run_on_trainer_actors
+        from mindspeed_align.rl.ray_groups import run_on_trainer_actors
 
         summary = run_on_trainer_actors(cfg, ppo if command == "ppo" else grpo)
         logger.info("trained on %d Ray actors to step %d: held-out reward %s at the start -> %s; "

@@ -262,7 +262,7 @@ def _critic(cfg, dims, device, build: Callable[..., BuiltModel], init_from) -> L
 
 
 def critic_on_actor(cfg, info, *, model_config, init_from) -> LocalCritic:
-    """The critic as a critic actor builds it (`placement._CriticWorker`), in the process
+    """The critic as a critic actor builds it (`ray_groups._CriticWorker`), in the process
     group of the critic actors (`info`): the run's layout, seed, precision and sequence
     length, as `Trainer.build_model` gives the colocated one."""
     dims = cfg.parallel.dims()

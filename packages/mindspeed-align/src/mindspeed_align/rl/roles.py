@@ -12,7 +12,7 @@ The implementations do not subclass the protocols (a protocol's empty method wou
 stand in for a missing one); the structural check is the test's.
 
 The policy trainer is not a role with methods: it is the command itself, run in the
-training processes or on Ray trainer actors (`placement.run_on_trainer_actors`).
+training processes or on Ray trainer actors (`ray_groups.run_on_trainer_actors`).
 """
 
 from __future__ import annotations
