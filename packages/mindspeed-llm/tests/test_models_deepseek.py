@@ -235,8 +235,9 @@ def test_refuses_bad_group_settings_and_parallel_layouts():
         dataclasses.replace(debug, num_expert_groups=3)
     with pytest.raises(ConfigError, match="kv_lora_rank"):
         dataclasses.replace(debug, kv_lora_rank=None)
+    check_layout(debug, ParallelConfig(tp=2, cp=2))  # MTP under tp and cp
     with pytest.raises(LayoutError, match="multi-token prediction"):
-        check_layout(debug, ParallelConfig(tp=2))
+        check_layout(debug, ParallelConfig(tp=2, sequence_parallel=True))
     with pytest.raises(LayoutError, match="multi-token prediction"):
         check_layout(debug, ParallelConfig(pp=3))
     dense = dataclasses.replace(debug, num_experts=0, num_nextn_predict_layers=0)

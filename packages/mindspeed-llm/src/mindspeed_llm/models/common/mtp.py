@@ -19,14 +19,25 @@ In training the decoder computes the loss inside its forward (`Transformer.forwa
 mtp_labels=labels)`, so FSDP has the shared embedding and head gathered) and keeps it in
 `last_mtp_loss`; the step adds `take_mtp_loss(model)` to the objective, as it adds the MoE
 router losses.
+
+Under tensor parallel the MTP blocks are planned as the decoder's blocks and the rest of a
+module runs whole on every rank (`parallelize`). Under context parallel (`cp_group` set)
+the token k ahead of a position may sit on another rank: the ranks all-gather their
+token ids and labels (ints, cheap), each looks its positions' k-ahead values up in the
+zig-zag layout (`_ahead_over_cp`), and the counts are summed over the group. Each rank's
+loss is cp x its share's nll / the whole count, so the mean over the group (the step's
+metric, FSDP's gradient average over dp x cp) is one process's loss, as MoE's
+load-balancing loss does under cp.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mindspeed_core.parallel.dtensor import full
 from mindspeed_core.parallel.materialize import ParamInit
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.config import TransformerConfig
@@ -77,6 +88,8 @@ class MultiTokenPrediction(nn.Module):
                 for i in range(first, first + config.num_nextn_predict_layers)
             }
         )
+        self.cp_group: dist.ProcessGroup | None = None
+        """Context parallel: the ranks holding zig-zag shares of the same sequences."""
 
     def init_weights(self, init: ParamInit, std: float) -> None:
         for layer in self.layers.values():
@@ -94,15 +107,19 @@ def mtp_hidden_states(
     hidden: Tensor,
     position_ids: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
+    *,
+    ahead: list[Tensor] | None = None,
 ) -> list[Tensor]:
     """Final-norm hidden states (batch, seq, hidden) of every MTP depth of `model` (a
     `Transformer` with `mtp`), from its tokens (batch, seq) and its final-norm `hidden`.
     At depth k the last k positions have no token k ahead (they see token 0); their
-    outputs are meaningless and `mtp_loss` ignores them."""
+    outputs are meaningless and `mtp_loss` ignores them. `ahead`: each depth's tokens k
+    ahead, when they are not `tokens` shifted (context parallel)."""
     rope = (model.rope_cos, model.rope_sin)
     out = []
     for k, layer in enumerate(model.mtp.layers.values(), start=1):
-        embedded = model.tok_embeddings(shift_left(tokens, k, 0))
+        shifted = shift_left(tokens, k, 0) if ahead is None else ahead[k - 1]
+        embedded = model.tok_embeddings(shifted)
         hidden = layer(embedded, hidden, rope, position_ids, cu_seqlens)
         out.append(layer.norm(hidden))
     return out
@@ -124,24 +141,80 @@ def mtp_loss(
             the training batch; depth k's target at i is labels[:, i + k].
         hidden: (batch, seq, hidden) the decoder's final-norm output for `tokens`.
         cu_seqlens: packed documents over the flattened batch * seq tokens.
+
+    Under context parallel (`model.mtp.cp_group`) `tokens` and `labels` are this rank's
+    zig-zag share (`collate.shard_context_parallel`, or `shard_sequence` per row without
+    `cu_seqlens`) and the result is this rank's share of the loss (see the module doc).
     """
-    losses = []
-    docs = None
-    if cu_seqlens is not None:  # (batch, seq) document index of every token
-        flat = torch.arange(tokens.numel(), device=tokens.device)
-        docs = torch.searchsorted(cu_seqlens[1:], flat, right=True).view_as(tokens)
-    states = mtp_hidden_states(model, tokens, hidden, position_ids, cu_seqlens)
-    for k, h in enumerate(states, start=1):
-        logits = model.project(h).float()  # (batch, seq, vocab)
-        target = shift_left(labels, k, IGNORE_INDEX)
-        if docs is not None:  # the token k further on is another document's
-            target = target.masked_fill(shift_left(docs, k, -1) != docs, IGNORE_INDEX)
+    group = model.mtp.cp_group
+    depths = range(1, len(model.mtp.layers) + 1)
+    if group is not None:
+        pairs = [_ahead_over_cp(tokens, labels, k, cu_seqlens, group) for k in depths]
+        ahead, targets = [a for a, _ in pairs], [t for _, t in pairs]
+    else:
+        ahead, targets = None, [_shifted_targets(labels, k, cu_seqlens) for k in depths]
+    states = mtp_hidden_states(model, tokens, hidden, position_ids, cu_seqlens, ahead=ahead)
+    nlls, counts = [], []
+    for h, target in zip(states, targets, strict=True):
+        logits = model.project(h).float()  # (batch, seq, vocab), vocab-sharded: loss parallel
         nll = F.cross_entropy(
             logits.flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
-        count = (target != IGNORE_INDEX).sum()
-        losses.append(nll / count.clamp(min=1))  # 0, not nan, where nothing is supervised
-    return model.config.mtp_loss_scale * torch.stack(losses).mean()
+        nlls.append(full(nll))
+        counts.append((target != IGNORE_INDEX).sum())
+    counts = torch.stack(counts)
+    scale = model.config.mtp_loss_scale
+    if group is not None:  # the whole sequences' counts; this rank's share, x cp
+        dist.all_reduce(counts, group=group)
+        scale = scale * dist.get_world_size(group)
+    losses = torch.stack(nlls) / counts.clamp(min=1)  # 0, not nan, where nothing is supervised
+    return scale * losses.mean()
+
+
+def _shifted_targets(labels: Tensor, k: int, cu_seqlens: Tensor | None) -> Tensor:
+    """labels k ahead (batch, seq), -100 past a row's end or in another document."""
+    target = shift_left(labels, k, IGNORE_INDEX)
+    if cu_seqlens is not None:  # the token k further on is another document's
+        flat = torch.arange(labels.numel(), device=labels.device)
+        docs = torch.searchsorted(cu_seqlens[1:], flat, right=True).view_as(labels)
+        target = target.masked_fill(shift_left(docs, k, -1) != docs, IGNORE_INDEX)
+    return target
+
+
+def _ahead_over_cp(
+    tokens: Tensor, labels: Tensor, k: int, cu_seqlens: Tensor | None, group
+) -> tuple[Tensor, Tensor]:
+    """Context parallel: the tokens (0 past the end) and labels (-100 past the end) k
+    positions ahead of this rank's positions, within each document, (batch, seq) each.
+
+    Every rank holds, of each (padded) document of 2 x cp chunks of m tokens, chunk r then
+    chunk 2cp-1-r, and every rank the same local boundaries (`packed_shard_index`); without
+    `cu_seqlens` each row is one document. Global position p of the document is chunk
+    p // m, which rank c holds first (c < cp) or rank 2cp-1-c holds second."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape, device = tokens.shape, tokens.device
+    local = torch.stack([tokens.flatten(), labels.flatten()])  # (2, local_tokens)
+    pieces = [torch.empty_like(local) for _ in range(cp)]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    every = torch.stack(pieces)  # (cp, 2, local_tokens)
+    n = local.shape[1]
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, n + 1, shape[1], device=device)
+    pos = torch.arange(n, device=device)
+    doc = torch.searchsorted(cu_seqlens[1:].long(), pos, right=True)
+    start = cu_seqlens[doc].long()
+    m = ((cu_seqlens[doc + 1].long() - start) // 2).clamp(min=1)  # chunk length
+    j = pos - start
+    first = j < m
+    p = torch.where(first, rank * m + j, (2 * cp - 1 - rank) * m + j - m) + k
+    inside = p < 2 * cp * m
+    c = p // m
+    src = torch.where(c < cp, c, 2 * cp - 1 - c).clamp(0, cp - 1)
+    at = (start + torch.where(c < cp, p % m, m + p % m)).clamp(max=n - 1)
+    found = every[src, :, at]  # (local_tokens, 2)
+    ahead = found[:, 0].masked_fill(~inside, 0).view(shape)
+    target = found[:, 1].masked_fill(~inside, IGNORE_INDEX).view(shape)
+    return ahead, target
 
 
 def take_mtp_loss(model: nn.Module) -> Tensor | None:

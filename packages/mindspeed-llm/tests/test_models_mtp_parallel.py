@@ -1,0 +1,174 @@
+"""Multi-token prediction under tensor and context parallel gives one process's next-token
+loss, MTP loss and gradients (fp32, gloo, 1e-5): DeepSeek-V3's and GLM-4.5's debug models
+(latent or grouped-query attention, MoE and dense blocks, one MTP module) at tp=2 (with
+and without loss parallel) and cp=2 (ring and Ulysses, packed documents and whole rows,
+where the token k ahead sits on the other rank), and tp=2 x cp=2.
+
+Each rank's next-token loss is its token sum / the whole count x cp, as in
+test_models_cp: FSDP over cp averages gradients over the cp ranks; the MTP loss of a cp
+rank is its share (`common.mtp`), whose mean over the cp ranks is one process's."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mindspeed_core.parallel import (
+    ParallelConfig,
+    ParallelDims,
+    gather_tokens,
+    loss_parallel_context,
+    packed_shard_index,
+    shard_sequence,
+)
+from mindspeed_core.parallel.dtensor import full
+from mindspeed_core.testing import run_distributed
+from mindspeed_llm.models import build_model_config, get_model_spec
+from mindspeed_llm.models.common.layout import LayoutError, check_layout
+from mindspeed_ops import position_ids_from_cu_seqlens
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+ROWS, SEQ = 2, 16
+# documents over the 2 rows of 16: 5, 11, 14, 2 tokens (the last two cross the row end)
+CU = torch.tensor([0, 5, 16, 30, 32], dtype=torch.int32)
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 512, (ROWS, SEQ), generator=gen)
+    labels = torch.randint(0, 512, (ROWS, SEQ), generator=gen)
+    labels[0, 3] = labels[1, 7] = -100  # unsupervised positions, at every depth
+    return tokens, labels
+
+
+def _model(family):
+    torch.manual_seed(0)
+    spec = get_model_spec(family)
+    config = build_model_config(family, flavor="debug", ops_impl="reference")
+    assert config.num_nextn_predict_layers == 1
+    return spec, spec.build(config)
+
+
+def _reference(family, packed):
+    """One process: next-token mean, MTP loss, and the gradients of their sum."""
+    _, model = _model(family)
+    tokens, labels = _batch()
+    kwargs = {"cu_seqlens": CU} if packed else {}
+    logits = model(tokens, mtp_labels=labels, **kwargs)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    mtp = model.last_mtp_loss
+    (loss + mtp).backward()
+    return loss.detach(), mtp.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _local_inputs(tokens, labels, cp_rank, cp, packed):
+    """This rank's zig-zag share: per row, or per packed document (as the trainer's
+    `shard_context_parallel`)."""
+    if not packed:
+        positions = torch.arange(SEQ).expand_as(tokens)
+        local = (shard_sequence(t, cp_rank, cp) for t in (tokens, labels, positions))
+        return (*local, None)
+    index, local_cu = packed_shard_index(CU, cp_rank, cp)
+    positions = position_ids_from_cu_seqlens(CU)
+    local = [
+        gather_tokens(t.flatten(), index, pad)[None]
+        for t, pad in ((tokens, 0), (labels, -100), (positions, 0))
+    ]
+    return (*local, local_cu)
+
+
+def _run(family, degrees, options, packed):
+    spec, model = _model(family)
+    dims = ParallelDims(**degrees).build()
+    model = spec.parallelize(model, dims, **options)
+    tokens, labels = _batch()
+    tokens, labels, positions, cu = _local_inputs(tokens, labels, dims.rank("cp"), dims.cp, packed)
+    count = (_batch()[1] != -100).sum()
+    with loss_parallel_context(options.get("loss_parallel", False)):
+        logits = model(tokens, position_ids=positions, cu_seqlens=cu, mtp_labels=labels)
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        loss = full(loss_sum) / count * dims.cp  # replicated under loss parallel: whole
+        mtp = model.last_mtp_loss
+        (loss + mtp).backward()
+    reported = torch.stack([loss.detach(), mtp.detach()])
+    dist.all_reduce(reported)
+    grads = {n: full(p.grad).detach() for n, p in model.named_parameters()}
+    return reported / dist.get_world_size(), grads
+
+
+def _layouts(cases):
+    return {name: _run(*case) for name, case in cases.items()}
+
+
+CASES_2 = {
+    "deepseek_tp2": ("deepseek_v3", {"tp": 2}, {}, False),
+    "glm_cp2_ring_packed": ("glm4_moe", {"cp": 2}, {"cp_mode": "ring"}, True),
+}
+SLOW_2 = {
+    "glm_tp2_loss_parallel": ("glm4_moe", {"tp": 2}, {"loss_parallel": True}, True),
+    "deepseek_cp2_ring": ("deepseek_v3", {"cp": 2}, {"cp_mode": "ring"}, False),
+    "deepseek_cp2_ring_packed": ("deepseek_v3", {"cp": 2}, {"cp_mode": "ring"}, True),
+    "glm_cp2_ulysses": ("glm4_moe", {"cp": 2}, {"cp_mode": "ulysses"}, False),
+}
+CASES_4 = {
+    "deepseek_tp2_cp2_packed": ("deepseek_v3", {"tp": 2, "cp": 2}, {}, True),
+    "glm_tp2_cp2_loss_parallel": ("glm4_moe", {"tp": 2, "cp": 2}, {"loss_parallel": True}, True),
+}
+
+
+def _check(ranks, cases):
+    references = {}
+    for results in ranks:
+        for name, (reported, grads) in results.items():
+            family, _, _, packed = cases[name]
+            if (family, packed) not in references:
+                references[family, packed] = _reference(family, packed)
+            want_loss, want_mtp, want_grads = references[family, packed]
+            torch.testing.assert_close(reported[0], want_loss, **TOL, msg=f"{name} loss")
+            torch.testing.assert_close(reported[1], want_mtp, **TOL, msg=f"{name} mtp loss")
+            assert grads.keys() == want_grads.keys()
+            for param, value in want_grads.items():
+                torch.testing.assert_close(grads[param], value, **TOL, msg=f"{name} {param}")
+            mtp_grad = grads[next(p for p in grads if p.endswith("eh_proj.weight"))]
+            assert mtp_grad.abs().sum() > 0, name
+
+
+@pytest.mark.distributed
+def test_mtp_under_tp2_and_cp2_matches_one_process():
+    _check(run_distributed(_layouts, 2, CASES_2, timeout=300), CASES_2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_mtp_under_more_tp2_and_cp2_layouts_matches_one_process():
+    _check(run_distributed(_layouts, 2, SLOW_2, timeout=600), SLOW_2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_mtp_under_tp2_times_cp2_matches_one_process():
+    _check(run_distributed(_layouts, 4, CASES_4, timeout=600), CASES_4)
+
+
+@pytest.mark.parametrize(
+    ("family", "parallel", "message"),
+    [
+        ("deepseek_v3", {"pp": 2}, r"parallel.pp=2: multi-token prediction .* pipeline"),
+        (
+            "glm4_moe",
+            {"tp": 2, "sequence_parallel": True},
+            r"parallel.sequence_parallel=true: multi-token prediction",
+        ),
+    ],
+)
+def test_mtp_layouts_not_built_are_refused_by_name(family, parallel, message):
+    config = build_model_config(family, flavor="debug")
+    with pytest.raises(LayoutError, match=message):
+        check_layout(config, ParallelConfig(**parallel))
+    no_mtp = dataclasses.replace(config, num_nextn_predict_layers=0)
+    check_layout(no_mtp, ParallelConfig(**parallel))
+    check_layout(config, ParallelConfig(tp=2, cp=2))
