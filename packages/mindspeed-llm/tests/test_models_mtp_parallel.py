@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from mindspeed_core.parallel import (
     ParallelConfig,
     ParallelDims,
+    build_pipeline_schedule,
     gather_tokens,
     loss_parallel_context,
     packed_shard_index,
@@ -43,10 +44,10 @@ def _batch():
     return tokens, labels
 
 
-def _model(family):
+def _model(family, **changes):
     torch.manual_seed(0)
     spec = get_model_spec(family)
-    config = build_model_config(family, flavor="debug", ops_impl="reference")
+    config = build_model_config(family, flavor="debug", ops_impl="reference", **changes)
     assert config.num_nextn_predict_layers == 1
     return spec, spec.build(config)
 
@@ -152,6 +153,178 @@ def test_mtp_under_more_tp2_and_cp2_layouts_matches_one_process():
 @pytest.mark.slow
 def test_mtp_under_tp2_times_cp2_matches_one_process():
     _check(run_distributed(_layouts, 4, CASES_4, timeout=600), CASES_4)
+
+
+# -- pipeline parallel: the MTP modules on the last stage -----------------------------------
+
+NO_AUX = {"router_aux_loss_coef": 0.0, "router_z_loss_coef": 0.0}  # pp: no pooled aux loss
+ROW_CU = [torch.tensor([0, 5, 16], dtype=torch.int32), torch.tensor([0, 14, 16], dtype=torch.int32)]
+
+
+def _microbatches(packed):
+    """Each row a microbatch: (tokens, labels, kwargs)."""
+    tokens, labels = _batch()
+    return [
+        (tokens[i : i + 1], labels[i : i + 1], {"cu_seqlens": ROW_CU[i]} if packed else {})
+        for i in range(ROWS)
+    ]
+
+
+def _pp_reference(family, packed):
+    """One process, gradient accumulation: mean over microbatches of CE mean + MTP."""
+    _, model = _model(family, **NO_AUX)
+    losses, mtps = [], []
+    for tokens, labels, kwargs in _microbatches(packed):
+        logits = model(tokens, mtp_labels=labels, **kwargs)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        ((loss + model.last_mtp_loss) / ROWS).backward()
+        losses.append(loss.detach())
+        mtps.append(model.last_mtp_loss.detach())
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return torch.stack([torch.stack(losses).mean(), torch.stack(mtps).mean()]), grads
+
+
+def _run_pp(family, degrees, options, packed):
+    spec, model = _model(family, **NO_AUX)
+    dims = ParallelDims(**degrees).build()
+    schedule_name = options.pop("schedule", "1F1B")
+    pipe = spec.pipeline(model, dims, device="cpu", schedule=schedule_name, **options)
+    last = [p for p in pipe.model_parts if p.mtp is not None]
+    for part in last:  # the step's share of each microbatch, as TrainStep sets it
+        part.mtp.aux_grad_scale = 1.0 / ROWS
+    losses, mtps = [], []
+
+    def loss_fn(logits, labels):
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        losses.append(full(loss).detach())
+        mtps.append(last[0].last_mtp_loss.detach())
+        return loss / ROWS
+
+    schedule = build_pipeline_schedule(pipe.stages, ROWS, loss_fn, schedule_name, scale_grads=False)
+    mbs = _microbatches(packed)
+    with loss_parallel_context(options.get("loss_parallel", False)):
+        schedule.step(
+            arg_mbs=[(t,) for t, _, _ in mbs],
+            kwarg_mbs=[{**kw, "mtp_labels": lab} for _, lab, kw in mbs],
+            target_mbs=[lab for _, lab, _ in mbs],
+        )
+    reported = torch.zeros(2)
+    if pipe.has_last:  # torch calls loss_fn once more to infer shapes: the last ROWS calls
+        reported = torch.stack(
+            [torch.stack(losses[-ROWS:]).mean(), torch.stack(mtps[-ROWS:]).mean()]
+        )
+    dist.all_reduce(reported, group=dims.mesh("pp").get_group())
+    grads = {
+        n: full(p.grad).detach() for part in pipe.model_parts for n, p in part.named_parameters()
+    }
+    return reported, grads, last[0].mtp is not None if last else False
+
+
+def _pp_layouts(cases):
+    return {name: _run_pp(*case) for name, case in cases.items()}
+
+
+PP_2 = {"deepseek_pp2_packed": ("deepseek_v3", {"pp": 2}, {}, True)}
+PP_SLOW_2 = {
+    "glm_pp2": ("glm4_moe", {"pp": 2}, {}, False),
+    "deepseek_pp2_gpipe_uneven": (
+        "deepseek_v3",
+        {"pp": 2},
+        {"schedule": "GPipe", "layers_per_stage": [1, 2]},
+        False,
+    ),
+}
+PP_4 = {
+    "deepseek_tp2_pp2_packed": ("deepseek_v3", {"tp": 2, "pp": 2}, {}, True),
+    "glm_tp2_pp2_loss_parallel": ("glm4_moe", {"tp": 2, "pp": 2}, {"loss_parallel": True}, False),
+}
+
+
+def _check_pp(ranks, cases):
+    references = {}
+    for name, (family, _, _, packed) in cases.items():
+        if (family, packed) not in references:
+            references[family, packed] = _pp_reference(family, packed)
+        want, want_grads = references[family, packed]
+        covered, holders = set(), 0
+        for results in ranks:
+            reported, grads, holds_mtp = results[name]
+            torch.testing.assert_close(reported, want, **TOL, msg=f"{name} losses")
+            for param, value in grads.items():
+                torch.testing.assert_close(value, want_grads[param], **TOL, msg=f"{name} {param}")
+            covered |= grads.keys()
+            holders += holds_mtp
+        assert covered == want_grads.keys(), name  # the stages hold the whole model
+        assert holders == len(ranks) // 2, name  # the MTP modules live on the last stage only
+
+
+@pytest.mark.distributed
+def test_mtp_under_pp2_matches_one_process():
+    _check_pp(run_distributed(_pp_layouts, 2, PP_2, timeout=300), PP_2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_mtp_under_more_pp2_layouts_matches_one_process():
+    _check_pp(run_distributed(_pp_layouts, 2, PP_SLOW_2, timeout=600), PP_SLOW_2)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_mtp_under_tp2_times_pp2_matches_one_process():
+    _check_pp(run_distributed(_pp_layouts, 4, PP_4, timeout=600), PP_4)
+
+
+# -- the trainer's step under pp: the kwargs, the attached loss's share, the metric ------
+
+
+def _step_grads(parallel, micro_batches, n_microbatches=None):
+    """One TrainStep of DeepSeek-V3 debug with MTP: loss, MTP metric, gradients by name."""
+    from mindspeed_core.optim import OptimConfig
+    from mindspeed_llm.train.build import build_model, build_train_parts
+    from mindspeed_llm.train.objectives import NextToken
+    from mindspeed_llm.train.step import TrainStep
+
+    config = build_model_config("deepseek_v3", "debug", ops_impl="reference", **NO_AUX)
+    dims = parallel.dims(None if parallel.pp > 1 else 1).build("cpu")
+    built = build_model(config, dims, torch.device("cpu"), parallel=parallel, seq_len=SEQ)
+    parts = build_train_parts(built, OptimConfig(lr=1e-3, warmup_steps=0), total_steps=2)
+    step = TrainStep(parts, NextToken(), dims, clip_grad=0.0, n_microbatches=n_microbatches)
+    result = step(micro_batches)
+    grads = {n: full(p.grad) for part in built.parts for n, p in part.named_parameters()}
+    return float(result.loss), result.metrics["mtp_loss"], grads
+
+
+def _packed_step_batch():
+    from mindspeed_llm.data.collate import lm_batch
+
+    samples = torch.randint(8, 512, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    samples[0, 5] = samples[1, 9] = 7  # an EOD in each row
+    return lm_batch(samples, 7)
+
+
+def _pp_step():
+    return _step_grads(ParallelConfig(pp=2), [_packed_step_batch()], n_microbatches=ROWS)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_training_step_under_pp2_matches_one_process():
+    """TrainStep passes the labels to the last stage, which attaches each microbatch's
+    share of the MTP loss; the metric reaches the first stage's rank too."""
+    from mindspeed_llm.data.collate import split_batch
+
+    rows = split_batch(_packed_step_batch(), ROWS)  # one process: the same microbatches
+    want_loss, want_mtp, want_grads = _step_grads(ParallelConfig(), rows)
+    ranks = run_distributed(_pp_step, 2, timeout=300)
+    covered = set()
+    for loss, mtp, grads in ranks:
+        assert loss == pytest.approx(want_loss, abs=1e-5)
+        assert mtp == pytest.approx(want_mtp, abs=1e-5) and mtp > 0
+        for name, value in grads.items():
+            torch.testing.assert_close(value, want_grads[name], **TOL, msg=name)
+        covered |= grads.keys()
+    assert covered == want_grads.keys()
 
 
 @pytest.mark.parametrize(

@@ -101,9 +101,9 @@ def _check_experts(model_cfg: TransformerConfig, p: ParallelConfig, name) -> Non
 
 
 def _check_latent_attention(model_cfg: TransformerConfig, p: ParallelConfig, name) -> None:
-    """Multi-head latent attention splits its heads over tp. MTP modules run under tp and
-    cp (`common.mtp`); not yet after the last stage of a pipeline, nor on sequence shards
-    of the final hidden states (sequence parallel)."""
+    """Multi-head latent attention splits its heads over tp. MTP modules run under tp, cp
+    and pp (`common.mtp`), not yet on sequence shards of the final hidden states
+    (sequence parallel)."""
     if model_cfg.kv_lora_rank is not None and p.tp > 1 and model_cfg.num_heads % p.tp:
         raise LayoutError(
             f"{name('tp')}={p.tp} must divide num_heads={model_cfg.num_heads} "
@@ -111,11 +111,6 @@ def _check_latent_attention(model_cfg: TransformerConfig, p: ParallelConfig, nam
         )
     if not model_cfg.num_nextn_predict_layers:
         return
-    if p.pp > 1:
-        raise LayoutError(
-            f"{name('pp')}={p.pp}: multi-token prediction (num_nextn_predict_layers) under "
-            "pipeline parallel is not built yet; use pp=1 (tp and cp work)"
-        )
     if p.tp > 1 and p.sequence_parallel:
         raise LayoutError(
             f"{name('sequence_parallel')}=true: multi-token prediction (num_nextn_predict_layers) "

@@ -90,6 +90,9 @@ class MultiTokenPrediction(nn.Module):
         )
         self.cp_group: dist.ProcessGroup | None = None
         """Context parallel: the ranks holding zig-zag shares of the same sequences."""
+        self.aux_grad_scale = 1.0
+        """Pipeline parallel: the micro-batch's share of the step that the loss attached to
+        the last stage's output carries (set by the trainer's step, as MoE's)."""
 
     def init_weights(self, init: ParamInit, std: float) -> None:
         for layer in self.layers.values():
@@ -101,26 +104,44 @@ def shift_left(t: Tensor, k: int, fill: int) -> Tensor:
     return torch.cat([t[:, k:], t.new_full((t.shape[0], k), fill)], dim=1)
 
 
+def ahead_embeddings(model: nn.Module, tokens: Tensor, depths: int) -> Tensor:
+    """(batch, seq, depths * hidden): at each position the embeddings of the tokens 1 ..
+    `depths` ahead (token 0 past a row's end), side by side. Under pipeline parallel the
+    first stage computes them and they ride to the last stage with the hidden states, so
+    the MTP modules use the first stage's embedding itself (no copy to keep in step)."""
+    return torch.cat(
+        [model.tok_embeddings(shift_left(tokens, k, 0)) for k in range(1, depths + 1)], -1
+    )
+
+
 def mtp_hidden_states(
     model: nn.Module,
-    tokens: Tensor,
+    tokens: Tensor | None,
     hidden: Tensor,
     position_ids: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     *,
     ahead: list[Tensor] | None = None,
+    embedded: Tensor | None = None,
 ) -> list[Tensor]:
     """Final-norm hidden states (batch, seq, hidden) of every MTP depth of `model` (a
     `Transformer` with `mtp`), from its tokens (batch, seq) and its final-norm `hidden`.
     At depth k the last k positions have no token k ahead (they see token 0); their
     outputs are meaningless and `mtp_loss` ignores them. `ahead`: each depth's tokens k
-    ahead, when they are not `tokens` shifted (context parallel)."""
+    ahead, when they are not `tokens` shifted (context parallel); `embedded`: their
+    embeddings already (`ahead_embeddings`: a pipeline's last stage, which has no
+    embedding), in place of `tokens`."""
     rope = (model.rope_cos, model.rope_sin)
+    width = hidden.shape[-1]
     out = []
     for k, layer in enumerate(model.mtp.layers.values(), start=1):
-        shifted = shift_left(tokens, k, 0) if ahead is None else ahead[k - 1]
-        embedded = model.tok_embeddings(shifted)
-        hidden = layer(embedded, hidden, rope, position_ids, cu_seqlens)
+        if embedded is not None:
+            embedded_k = embedded[..., (k - 1) * width : k * width]
+        else:
+            embedded_k = model.tok_embeddings(
+                shift_left(tokens, k, 0) if ahead is None else ahead[k - 1]
+            )
+        hidden = layer(embedded_k, hidden, rope, position_ids, cu_seqlens)
         out.append(layer.norm(hidden))
     return out
 
@@ -132,6 +153,8 @@ def mtp_loss(
     hidden: Tensor,
     position_ids: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
+    *,
+    embedded: Tensor | None = None,
 ) -> Tensor:
     """mtp_loss_scale x mean over depths k of the mean cross-entropy of token t_(i+1+k).
 
@@ -141,6 +164,8 @@ def mtp_loss(
             the training batch; depth k's target at i is labels[:, i + k].
         hidden: (batch, seq, hidden) the decoder's final-norm output for `tokens`.
         cu_seqlens: packed documents over the flattened batch * seq tokens.
+        embedded: a pipeline's last stage: `ahead_embeddings` of the tokens (which it
+            does not have: `tokens` is then None).
 
     Under context parallel (`model.mtp.cp_group`) `tokens` and `labels` are this rank's
     zig-zag share (`collate.shard_context_parallel`, or `shard_sequence` per row without
@@ -153,7 +178,9 @@ def mtp_loss(
         ahead, targets = [a for a, _ in pairs], [t for _, t in pairs]
     else:
         ahead, targets = None, [_shifted_targets(labels, k, cu_seqlens) for k in depths]
-    states = mtp_hidden_states(model, tokens, hidden, position_ids, cu_seqlens, ahead=ahead)
+    states = mtp_hidden_states(
+        model, tokens, hidden, position_ids, cu_seqlens, ahead=ahead, embedded=embedded
+    )
     nlls, counts = [], []
     for h, target in zip(states, targets, strict=True):
         logits = model.project(h).float()  # (batch, seq, vocab), vocab-sharded: loss parallel

@@ -347,6 +347,7 @@ def pipeline_decoder(
         stages_per_rank=stages_per_rank,
         schedule=schedule,
         layers_per_stage=layers_per_stage,
+        last=("norm", "output", "mtp"),  # MTP modules after the last block; see Transformer
         tied=model.config.tie_word_embeddings,
     )
     for part in parts.model_parts:
