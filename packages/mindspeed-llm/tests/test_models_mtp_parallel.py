@@ -327,21 +327,26 @@ def test_training_step_under_pp2_matches_one_process():
     assert covered == want_grads.keys()
 
 
-@pytest.mark.parametrize(
-    ("family", "parallel", "message"),
-    [
-        ("deepseek_v3", {"pp": 2}, r"parallel.pp=2: multi-token prediction .* pipeline"),
-        (
-            "glm4_moe",
-            {"tp": 2, "sequence_parallel": True},
-            r"parallel.sequence_parallel=true: multi-token prediction",
-        ),
-    ],
-)
-def test_mtp_layouts_not_built_are_refused_by_name(family, parallel, message):
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layouts_not_built_are_refused_by_name(family):
+    """Sequence parallel is refused for MTP models only; tp x cp and tp x pp are taken."""
     config = build_model_config(family, flavor="debug")
-    with pytest.raises(LayoutError, match=message):
-        check_layout(config, ParallelConfig(**parallel))
-    no_mtp = dataclasses.replace(config, num_nextn_predict_layers=0)
-    check_layout(no_mtp, ParallelConfig(**parallel))
+    parallel = ParallelConfig(tp=2, sequence_parallel=True)
+    with pytest.raises(LayoutError, match="parallel.sequence_parallel=true: multi-token"):
+        check_layout(config, parallel)
+    check_layout(dataclasses.replace(config, num_nextn_predict_layers=0), parallel)
     check_layout(config, ParallelConfig(tp=2, cp=2))
+    assert check_layout(config, ParallelConfig(tp=2, pp=3)) == [1, 1, 1]
+
+
+def test_pretrain_cli_refuses_mtp_with_sequence_parallel_in_one_line(tmp_path, capsys):
+    from mindspeed_core.cli import run as cli_run
+
+    run_dir = tmp_path / "run"
+    argv = ["pretrain", "--model.family=deepseek_v3", "--model.flavor=debug",
+            "--parallel.tp=2", "--parallel.sequence_parallel=true", f"--logging.run_dir={run_dir}"]  # fmt: skip
+    assert cli_run(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: parallel.sequence_parallel=true: multi-token prediction"), err
+    assert not run_dir.exists()
