@@ -28,6 +28,13 @@ zig-zag layout (`_ahead_over_cp`), and the counts are summed over the group. Eac
 loss is cp x its share's nll / the whole count, so the mean over the group (the step's
 metric, FSDP's gradient average over dp x cp) is one process's loss, as MoE's
 load-balancing loss does under cp.
+
+Under pipeline parallel the modules sit on the last stage. The first stage computes the
+embeddings of the tokens ahead (`ahead_embeddings`) and they ride to the last stage
+beside the hidden states, so the modules use the first stage's embedding itself: no copy
+to keep equal (Megatron sends the token ids and all-reduces a copy's gradient), at the
+cost of depths x hidden more per stage boundary. The last stage attaches its loss to its
+output (`moe.AttachAux`, times `aux_grad_scale`, the step's share per microbatch).
 """
 
 from __future__ import annotations
@@ -148,7 +155,7 @@ def mtp_hidden_states(
 
 def mtp_loss(
     model: nn.Module,
-    tokens: Tensor,
+    tokens: Tensor | None,
     labels: Tensor,
     hidden: Tensor,
     position_ids: Tensor | None = None,
@@ -174,7 +181,8 @@ def mtp_loss(
     group = model.mtp.cp_group
     depths = range(1, len(model.mtp.layers) + 1)
     if group is not None:
-        pairs = [_ahead_over_cp(tokens, labels, k, cu_seqlens, group) for k in depths]
+        every = _gather_over_cp(tokens, labels, group)
+        pairs = [_ahead_over_cp(every, tokens.shape, k, cu_seqlens, group) for k in depths]
         ahead, targets = [a for a, _ in pairs], [t for _, t in pairs]
     else:
         ahead, targets = None, [_shifted_targets(labels, k, cu_seqlens) for k in depths]
@@ -208,23 +216,27 @@ def _shifted_targets(labels: Tensor, k: int, cu_seqlens: Tensor | None) -> Tenso
     return target
 
 
+def _gather_over_cp(tokens: Tensor, labels: Tensor, group) -> Tensor:
+    """(cp, 2, local_tokens): every cp rank's token ids and labels, by cp rank."""
+    local = torch.stack([tokens.flatten(), labels.flatten()])
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    return torch.stack(pieces)
+
+
 def _ahead_over_cp(
-    tokens: Tensor, labels: Tensor, k: int, cu_seqlens: Tensor | None, group
+    every: Tensor, shape: torch.Size, k: int, cu_seqlens: Tensor | None, group
 ) -> tuple[Tensor, Tensor]:
     """Context parallel: the tokens (0 past the end) and labels (-100 past the end) k
-    positions ahead of this rank's positions, within each document, (batch, seq) each.
+    positions ahead of this rank's positions, within each document, (batch, seq) each,
+    from `every` rank's (`_gather_over_cp`).
 
     Every rank holds, of each (padded) document of 2 x cp chunks of m tokens, chunk r then
     chunk 2cp-1-r, and every rank the same local boundaries (`packed_shard_index`); without
     `cu_seqlens` each row is one document. Global position p of the document is chunk
     p // m, which rank c holds first (c < cp) or rank 2cp-1-c holds second."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape, device = tokens.shape, tokens.device
-    local = torch.stack([tokens.flatten(), labels.flatten()])  # (2, local_tokens)
-    pieces = [torch.empty_like(local) for _ in range(cp)]
-    dist.all_gather(pieces, local.contiguous(), group=group)
-    every = torch.stack(pieces)  # (cp, 2, local_tokens)
-    n = local.shape[1]
+    device, n = every.device, every.shape[-1]
     if cu_seqlens is None:
         cu_seqlens = torch.arange(0, n + 1, shape[1], device=device)
     pos = torch.arange(n, device=device)
