@@ -286,7 +286,7 @@ def _step_grads(parallel, micro_batches, n_microbatches=None):
     from mindspeed_llm.train.step import TrainStep
 
     config = build_model_config("deepseek_v3", "debug", ops_impl="reference", **NO_AUX)
-    dims = parallel.dims(None if parallel.pp > 1 else 1).build("cpu")
+    dims = parallel.dims(dist.get_world_size() if dist.is_initialized() else 1).build("cpu")
     built = build_model(config, dims, torch.device("cpu"), parallel=parallel, seq_len=SEQ)
     parts = build_train_parts(built, OptimConfig(lr=1e-3, warmup_steps=0), total_steps=2)
     step = TrainStep(parts, NextToken(), dims, clip_grad=0.0, n_microbatches=n_microbatches)
@@ -303,28 +303,39 @@ def _packed_step_batch():
     return lm_batch(samples, 7)
 
 
-def _pp_step():
-    return _step_grads(ParallelConfig(pp=2), [_packed_step_batch()], n_microbatches=ROWS)
+def _steps():
+    batch = _packed_step_batch()
+    return {
+        "pp2": _step_grads(ParallelConfig(pp=2), [batch], n_microbatches=ROWS),
+        "cp2": _step_grads(ParallelConfig(cp=2), [batch]),
+    }
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_training_step_under_pp2_matches_one_process():
-    """TrainStep passes the labels to the last stage, which attaches each microbatch's
-    share of the MTP loss; the metric reaches the first stage's rank too."""
+def test_training_step_under_pp2_and_cp2_matches_one_process():
+    """pp: TrainStep passes the labels to the last stage, which attaches each
+    microbatch's share of the MTP loss, and the metric reaches the first stage's rank too;
+    cp: the step's zig-zag shards of packed documents (`shard_context_parallel`) and the
+    metric's mean over cp give one process's MTP loss."""
     from mindspeed_llm.data.collate import split_batch
 
-    rows = split_batch(_packed_step_batch(), ROWS)  # one process: the same microbatches
-    want_loss, want_mtp, want_grads = _step_grads(ParallelConfig(), rows)
-    ranks = run_distributed(_pp_step, 2, timeout=300)
-    covered = set()
-    for loss, mtp, grads in ranks:
-        assert loss == pytest.approx(want_loss, abs=1e-5)
-        assert mtp == pytest.approx(want_mtp, abs=1e-5) and mtp > 0
-        for name, value in grads.items():
-            torch.testing.assert_close(value, want_grads[name], **TOL, msg=name)
-        covered |= grads.keys()
-    assert covered == want_grads.keys()
+    # one process: the pipeline's microbatches (the MTP loss is a mean per microbatch)
+    by_layout = {
+        "pp2": _step_grads(ParallelConfig(), split_batch(_packed_step_batch(), ROWS)),
+        "cp2": _step_grads(ParallelConfig(), [_packed_step_batch()]),
+    }
+    ranks = run_distributed(_steps, 2, timeout=300)
+    for layout, (want_loss, want_mtp, want_grads) in by_layout.items():
+        covered = set()
+        for results in ranks:
+            loss, mtp, grads = results[layout]
+            assert loss == pytest.approx(want_loss, abs=1e-5), layout
+            assert mtp == pytest.approx(want_mtp, abs=1e-5) and mtp > 0, layout
+            for name, value in grads.items():
+                torch.testing.assert_close(value, want_grads[name], **TOL, msg=f"{layout} {name}")
+            covered |= grads.keys()
+        assert covered == want_grads.keys(), layout
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
