@@ -1,14 +1,14 @@
-"""Multi-token prediction under tensor and context parallel gives one process's next-token
-loss, MTP loss and gradients (fp32, gloo, 1e-5): DeepSeek-V3's and GLM-4.5's debug models
-(latent or grouped-query attention, MoE and dense blocks, one MTP module) at tp=2 (with
-and without loss parallel) and cp=2 (ring and Ulysses, packed documents and whole rows,
-where the token k ahead sits on the other rank), and tp=2 x cp=2.
+"""Multi-token prediction under tensor, context and pipeline parallel gives one process's
+next-token loss, MTP loss and gradients (fp32, gloo, 1e-5): DeepSeek-V3's and GLM-4.5's
+debug models (latent or grouped-query attention, MoE and dense blocks, one MTP module) at
+tp=2 (with and without sequence and loss parallel), cp=2 (ring and Ulysses, packed
+documents and whole rows, where the token k ahead sits on the other rank), pp=2 (the MTP
+module on the last stage), tp=2 x cp=2 and tp=2 x pp=2; and the trainer's step at pp=2
+and cp=2.
 
 Each rank's next-token loss is its token sum / the whole count x cp, as in
 test_models_cp: FSDP over cp averages gradients over the cp ranks; the MTP loss of a cp
 rank is its share (`common.mtp`), whose mean over the cp ranks is one process's."""
-
-import dataclasses
 
 import pytest
 import torch
@@ -114,10 +114,18 @@ SLOW_2 = {
     "deepseek_cp2_ring": ("deepseek_v3", {"cp": 2}, {"cp_mode": "ring"}, False),
     "deepseek_cp2_ring_packed": ("deepseek_v3", {"cp": 2}, {"cp_mode": "ring"}, True),
     "glm_cp2_ulysses": ("glm4_moe", {"cp": 2}, {"cp_mode": "ulysses"}, False),
+    "deepseek_tp2_sp_packed": ("deepseek_v3", {"tp": 2}, {"sequence_parallel": True}, True),
+    "glm_tp2_sp_loss_parallel": (
+        "glm4_moe",
+        {"tp": 2},
+        {"sequence_parallel": True, "loss_parallel": True},
+        False,
+    ),
 }
 CASES_4 = {
     "deepseek_tp2_cp2_packed": ("deepseek_v3", {"tp": 2, "cp": 2}, {}, True),
     "glm_tp2_cp2_loss_parallel": ("glm4_moe", {"tp": 2, "cp": 2}, {"loss_parallel": True}, True),
+    "deepseek_tp2_sp_cp2": ("deepseek_v3", {"tp": 2, "cp": 2}, {"sequence_parallel": True}, False),
 }
 
 
@@ -236,6 +244,7 @@ PP_SLOW_2 = {
 }
 PP_4 = {
     "deepseek_tp2_pp2_packed": ("deepseek_v3", {"tp": 2, "pp": 2}, {}, True),
+    "deepseek_tp2_pp2_sp": ("deepseek_v3", {"tp": 2, "pp": 2}, {"sequence_parallel": True}, False),
     "glm_tp2_pp2_loss_parallel": ("glm4_moe", {"tp": 2, "pp": 2}, {"loss_parallel": True}, False),
 }
 
@@ -339,25 +348,10 @@ def test_training_step_under_pp2_and_cp2_matches_one_process():
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
-def test_mtp_layouts_not_built_are_refused_by_name(family):
-    """Sequence parallel is refused for MTP models only; tp x cp and tp x pp are taken."""
+def test_mtp_models_take_every_model_parallel_layout(family):
+    """No layout is refused for having MTP modules (cp x pp is refused for every model)."""
     config = build_model_config(family, flavor="debug")
-    parallel = ParallelConfig(tp=2, sequence_parallel=True)
-    with pytest.raises(LayoutError, match="parallel.sequence_parallel=true: multi-token"):
-        check_layout(config, parallel)
-    check_layout(dataclasses.replace(config, num_nextn_predict_layers=0), parallel)
-    check_layout(config, ParallelConfig(tp=2, cp=2))
+    check_layout(config, ParallelConfig(tp=2, sequence_parallel=True, cp=2))
     assert check_layout(config, ParallelConfig(tp=2, pp=3)) == [1, 1, 1]
-
-
-def test_pretrain_cli_refuses_mtp_with_sequence_parallel_in_one_line(tmp_path, capsys):
-    from mindspeed_core.cli import run as cli_run
-
-    run_dir = tmp_path / "run"
-    argv = ["pretrain", "--model.family=deepseek_v3", "--model.flavor=debug",
-            "--parallel.tp=2", "--parallel.sequence_parallel=true", f"--logging.run_dir={run_dir}"]  # fmt: skip
-    assert cli_run(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    assert err.startswith("error: parallel.sequence_parallel=true: multi-token prediction"), err
-    assert not run_dir.exists()
+    with pytest.raises(LayoutError, match="parallel.cp=2 with parallel.pp=2 is not supported"):
+        check_layout(config, ParallelConfig(cp=2, pp=2))

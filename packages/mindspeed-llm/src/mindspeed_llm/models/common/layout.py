@@ -101,20 +101,12 @@ def _check_experts(model_cfg: TransformerConfig, p: ParallelConfig, name) -> Non
 
 
 def _check_latent_attention(model_cfg: TransformerConfig, p: ParallelConfig, name) -> None:
-    """Multi-head latent attention splits its heads over tp. MTP modules run under tp, cp
-    and pp (`common.mtp`), not yet on sequence shards of the final hidden states
-    (sequence parallel)."""
+    """Multi-head latent attention splits its heads over tp (MTP modules run under every
+    layout: `common.mtp`)."""
     if model_cfg.kv_lora_rank is not None and p.tp > 1 and model_cfg.num_heads % p.tp:
         raise LayoutError(
             f"{name('tp')}={p.tp} must divide num_heads={model_cfg.num_heads} "
             "(multi-head latent attention splits its heads)"
-        )
-    if not model_cfg.num_nextn_predict_layers:
-        return
-    if p.tp > 1 and p.sequence_parallel:
-        raise LayoutError(
-            f"{name('sequence_parallel')}=true: multi-token prediction (num_nextn_predict_layers) "
-            f"under tensor parallel needs {name('sequence_parallel')}=false"
         )
 
 

@@ -21,7 +21,8 @@ mtp_labels=labels)`, so FSDP has the shared embedding and head gathered) and kee
 router losses.
 
 Under tensor parallel the MTP blocks are planned as the decoder's blocks and the rest of a
-module runs whole on every rank (`parallelize`). Under context parallel (`cp_group` set)
+module runs whole on every rank (`parallelize`; under sequence parallel its norms and
+eh_proj on sequence shards). Under context parallel (`cp_group` set)
 the token k ahead of a position may sit on another rank: the ranks all-gather their
 token ids and labels (ints, cheap), each looks its positions' k-ahead values up in the
 zig-zag layout (`_ahead_over_cp`), and the counts are summed over the group. Each rank's

@@ -186,6 +186,7 @@ def parallelize_decoder(
 
 
 _POST_NORMS = ("post_attention_norm", "post_ffn_norm")
+_MTP_NORMS = ("enorm", "hnorm", "norm")
 
 
 def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: bool,
@@ -212,6 +213,8 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         )  # fmt: skip
     if getattr(model, "mtp", None) is not None:
         plan = with_mtp_blocks(plan, list(model.mtp.layers))
+        if sequence_parallel:  # the MTP modules' norms see sequence shards, as the decoder's
+            plan.update({f"mtp.layers.*.{n}": SequenceParallel() for n in _MTP_NORMS})
     head = getattr(model, "output", None)
     pad_vocabulary(model, tp_mesh.size())
     config = model.config
@@ -239,6 +242,8 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         _shard_sinks(model, tp_mesh)
     if config.kv_lora_rank is not None:
         _replicate_latent_parts(model, tp_mesh)
+    if sequence_parallel and getattr(model, "mtp", None) is not None:
+        _replicate_mtp_projections(model, tp_mesh)
     if config.index_topk:
         for layer in _blocks(model).values():  # DSA's indexer: whole on every rank
             distribute_module(layer.attention.indexer, tp_mesh)
@@ -415,6 +420,14 @@ def _replicate_latent_parts(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             module = getattr(layer.attention, name, None)
             if module is not None:
                 distribute_module(module, tp_mesh)
+
+
+def _replicate_mtp_projections(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Sequence parallel: each MTP module's eh_proj as a replicated DTensor on the sequence
+    shards its norms give (its weight's gradient summed over the tp ranks), handing its
+    block the local shard, as the decoder's blocks take their input."""
+    for layer in model.mtp.layers.values():
+        distribute_module(layer.eh_proj, tp_mesh, output_fn=lambda _m, out, _mesh: out.to_local())
 
 
 def _shard_sinks(model: nn.Module, tp_mesh: DeviceMesh) -> None:
