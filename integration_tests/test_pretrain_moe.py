@@ -114,3 +114,17 @@ def test_deepseek_v3_trains_with_mtp_and_ep2_gives_one_process_losses(torchrun, 
         pretrain._assert_close(
             pretrain._losses(ep2, key), pretrain._losses(one, key), range(1, STEPS + 1)
         )
+
+
+@pytest.mark.slow
+def test_deepseek_v3_with_mtp_under_tp2_cp2_and_pp2_gives_one_process_losses(torchrun, tmp_path):
+    """Multi-token prediction through the CLI under each model-parallel layout: tp=2, cp=2
+    (the tokens ahead looked up over cp) and pp=2 (the MTP module on the last stage) give
+    one process's losses and MTP losses (metrics.jsonl, step by step)."""
+    one = torchrun(1, tmp_path / "one", *DEEPSEEK)
+    for name in ("tp", "cp", "pp"):
+        run = torchrun(2, tmp_path / name, *DEEPSEEK, f"--parallel.{name}=2")
+        for key in ("loss", "mtp_loss"):
+            pretrain._assert_close(
+                pretrain._losses(run, key), pretrain._losses(one, key), range(1, STEPS + 1)
+            )

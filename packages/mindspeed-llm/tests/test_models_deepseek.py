@@ -235,10 +235,9 @@ def test_refuses_bad_group_settings_and_parallel_layouts():
         dataclasses.replace(debug, num_expert_groups=3)
     with pytest.raises(ConfigError, match="kv_lora_rank"):
         dataclasses.replace(debug, kv_lora_rank=None)
-    with pytest.raises(LayoutError, match="multi-token prediction"):
-        check_layout(debug, ParallelConfig(tp=2))
-    with pytest.raises(LayoutError, match="multi-token prediction"):
-        check_layout(debug, ParallelConfig(pp=3))
+    check_layout(debug, ParallelConfig(tp=2, cp=2))  # MTP under tp and cp
+    check_layout(debug, ParallelConfig(tp=2, sequence_parallel=True))
+    assert check_layout(debug, ParallelConfig(pp=3)) == [1, 1, 1]  # MTP on the last stage
     dense = dataclasses.replace(debug, num_experts=0, num_nextn_predict_layers=0)
     with pytest.raises(LayoutError, match="latent attention splits its heads"):
         check_layout(dense, ParallelConfig(tp=3))

@@ -140,13 +140,13 @@ def test_glm4_moe_refuses_what_we_do_not_build(key, value):
 
 
 def test_glm4_moe_layouts():
-    """As the shared decoder: tp (heads and the dense/shared widths), ep, pp, cp; MTP only
-    with tp = pp = cp = 1; writing refuses dense blocks GLM cannot spell."""
+    """As the shared decoder: tp (heads and the dense/shared widths), ep, pp, cp; MTP under
+    tp (+sp), cp and pp; writing refuses dense blocks GLM cannot spell."""
     debug = build_model_config("glm4_moe", "debug")
     no_mtp = dataclasses.replace(debug, num_nextn_predict_layers=0)
-    for parallel in ({"tp": 2}, {"pp": 2}, {"cp": 2}):
-        with pytest.raises(LayoutError, match="multi-token prediction"):
-            check_layout(debug, ParallelConfig(**parallel))
+    check_layout(debug, ParallelConfig(tp=2, sequence_parallel=True))
+    check_layout(debug, ParallelConfig(tp=2, cp=2))
+    assert check_layout(debug, ParallelConfig(pp=3)) == [1, 1, 1]
     check_layout(debug, ParallelConfig(ep=2, dp_shard=2))
     with pytest.raises(LayoutError, match="tp=4 does not divide num_kv_heads=2"):
         check_layout(no_mtp, ParallelConfig(tp=4))

@@ -246,12 +246,16 @@ class TrainStep:
         kwargs = [
             {"position_ids": b["position_ids"], "cu_seqlens": b["cu_seqlens"]} for b in batches
         ]
+        if train and self._mtp is not None:  # the last stage attaches the MTP loss itself
+            kwargs = [
+                {**kw, "mtp_labels": b["labels"]} for kw, b in zip(kwargs, batches, strict=True)
+            ]
         handles = []  # each microbatch's index, known on the host without a device read
         for i in range(len(batches)):
             host = remember_host_values(torch.tensor(i), i)
             handles.append(carry_host_values(host, host.to(device, non_blocking=True)))
         self._scale_attached_aux(len(batches))
-        self._pp = {"targets": targets, "weight": weight, "outputs": {}}
+        self._pp = {"targets": targets, "weight": weight, "outputs": {}, "mtp": {}}
         with self._compute_context():
             if train:  # the losses are all we need: do not keep every microbatch's logits
                 self.schedule.step(arg_mbs=args, kwarg_mbs=kwargs, target_mbs=handles,
@@ -259,6 +263,8 @@ class TrainStep:
             else:
                 self.schedule.eval(arg_mbs=args, kwarg_mbs=kwargs, target_mbs=handles, losses=[])
         outputs = [self._pp["outputs"][i] for i in sorted(self._pp["outputs"])]
+        if self._pp["mtp"]:  # the last stage's microbatches' MTP losses, for the metric
+            self._mtp += [self._pp["mtp"][i] for i in sorted(self._pp["mtp"])]
         loss_sum, sums = torch.zeros((), device=self.model.device), self._zero_metrics()
         for out in outputs:
             loss_sum += out.loss_sum
@@ -288,6 +294,10 @@ class TrainStep:
         out = self.objective.loss(outputs, self._pp["targets"][index], self.model.loss)
         detached = {k: full(v).detach().float() for k, v in out.metrics.items()}
         self._pp["outputs"][index] = LossOutput(full(out.loss_sum).detach().float(), detached)
+        for part in self.model.parts if self._mtp is not None else ():
+            mtp = take_mtp_loss(part)  # attached to the output already: only noted
+            if mtp is not None:
+                self._pp["mtp"][index] = mtp.detach().float()
         loss = out.loss_sum * self._pp["weight"]
         return self.parts.scaler.scale_loss(loss) if self.parts.scaler else loss
 
@@ -303,7 +313,9 @@ class TrainStep:
         params = list(parts.optimizer.parameters())
         if parts.scaler is not None:  # fp16: the scaler reads its overflow flag on the host
             if not math.isfinite(float(loss)):
-                self._nonfinite.note(self.state.step + 1, loss, torch.ones((), dtype=torch.bool, device=loss.device))
+                self._nonfinite.note(
+                    self.state.step + 1, loss, torch.ones((), dtype=torch.bool, device=loss.device)
+                )
                 return torch.full((), math.nan)
             found_inf = parts.scaler.unscale_(params)
             parts.scaler.update(found_inf)
@@ -342,11 +354,15 @@ class TrainStep:
         return aux
 
     def _mtp_step(self) -> dict:
-        """MTP: the mean weighted MTP loss of the step's micro-batches over the loss ranks."""
-        if not self._mtp:
+        """MTP: the mean weighted MTP loss of the step's micro-batches over the loss ranks
+        (under pp the last stage's, shared over the pipeline ranks)."""
+        if self._mtp is None or (not self._mtp and self.schedule is None):
             return {}
-        value = torch.stack(self._mtp).mean()
+        device = self.model.device
+        value = torch.stack(self._mtp).mean() if self._mtp else torch.zeros((), device=device)
         self._mtp.clear()
+        if self.schedule is not None:  # one rank of each pipeline holds the last stage
+            dist.all_reduce(value, group=self.dims.mesh("pp").get_group())
         mesh = self.dims.mesh("loss")
         if mesh is not None:
             dist.all_reduce(value, group=mesh.get_group())

@@ -101,17 +101,12 @@ def _check_experts(model_cfg: TransformerConfig, p: ParallelConfig, name) -> Non
 
 
 def _check_latent_attention(model_cfg: TransformerConfig, p: ParallelConfig, name) -> None:
-    """MTP modules shift the sequence (no cp), sit after the last stage (no pp) and use
-    the whole head (no tp); multi-head latent attention itself splits its heads over tp."""
+    """Multi-head latent attention splits its heads over tp (MTP modules run under every
+    layout: `common.mtp`)."""
     if model_cfg.kv_lora_rank is not None and p.tp > 1 and model_cfg.num_heads % p.tp:
         raise LayoutError(
             f"{name('tp')}={p.tp} must divide num_heads={model_cfg.num_heads} "
             "(multi-head latent attention splits its heads)"
-        )
-    if model_cfg.num_nextn_predict_layers and (p.tp > 1 or p.pp > 1 or p.cp > 1):
-        raise LayoutError(
-            f"{name('tp')}={p.tp}, {name('pp')}={p.pp}, {name('cp')}={p.cp}: multi-token "
-            "prediction (num_nextn_predict_layers) supports only tp=1, pp=1 and cp=1 yet"
         )
 
 

@@ -51,6 +51,7 @@ from mindspeed_llm.models.common.tp_plan import (
     llama_tp_plan,
     with_latent_attention,
     with_moe_layers,
+    with_mtp_blocks,
 )
 from mindspeed_ops import attention, attention_backward
 
@@ -185,6 +186,7 @@ def parallelize_decoder(
 
 
 _POST_NORMS = ("post_attention_norm", "post_ffn_norm")
+_MTP_NORMS = ("enorm", "hnorm", "norm")
 
 
 def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: bool,
@@ -201,13 +203,18 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         plan = with_latent_attention(plan)
     if sequence_parallel and config.post_norms:  # Gemma 2's output norms see sequence shards
         plan.update({f"layers.*.{n}": SequenceParallel(use_local_output=True) for n in _POST_NORMS})
-    moe = [k for k, layer in model.layers.items() if isinstance(layer.feed_forward, MoE)]
+    blocks = _blocks(model)  # the MTP modules' blocks planned as if in `layers`
+    moe = [k for k, layer in blocks.items() if isinstance(layer.feed_forward, MoE)]
     if moe:
-        dense = [k for k in model.layers if k not in moe]
+        dense = [k for k in blocks if k not in moe]
         plan = with_moe_layers(
             plan, moe, dense, sequence_parallel=sequence_parallel,
             shared_expert=bool(config.shared_expert_intermediate_size),
         )  # fmt: skip
+    if getattr(model, "mtp", None) is not None:
+        plan = with_mtp_blocks(plan, list(model.mtp.layers))
+        if sequence_parallel:  # the MTP modules' norms see sequence shards, as the decoder's
+            plan.update({f"mtp.layers.*.{n}": SequenceParallel() for n in _MTP_NORMS})
     head = getattr(model, "output", None)
     pad_vocabulary(model, tp_mesh.size())
     config = model.config
@@ -235,10 +242,20 @@ def _tensor_parallel(model, tp_mesh, sequence_parallel: bool, loss_parallel: boo
         _shard_sinks(model, tp_mesh)
     if config.kv_lora_rank is not None:
         _replicate_latent_parts(model, tp_mesh)
+    if sequence_parallel and getattr(model, "mtp", None) is not None:
+        _replicate_mtp_projections(model, tp_mesh)
     if config.index_topk:
-        for layer in model.layers.values():  # DSA's indexer: whole on every rank
+        for layer in _blocks(model).values():  # DSA's indexer: whole on every rank
             distribute_module(layer.attention.indexer, tp_mesh)
             layer.attention.tp_group = tp_mesh.get_group()
+
+
+def _blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """The decoder blocks by layer number: `layers`, then the MTP modules' blocks."""
+    blocks = dict(model.layers.items())
+    if getattr(model, "mtp", None) is not None:
+        blocks.update({i: layer.block for i, layer in model.mtp.layers.items()})
+    return blocks
 
 
 def _vocab_matrices(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -335,6 +352,7 @@ def pipeline_decoder(
         stages_per_rank=stages_per_rank,
         schedule=schedule,
         layers_per_stage=layers_per_stage,
+        last=("norm", "output", "mtp"),  # MTP modules after the last block; see Transformer
         tied=model.config.tie_word_embeddings,
     )
     for part in parts.model_parts:
@@ -364,9 +382,12 @@ def _owned_entries(plan: dict, model: nn.Module) -> dict:
 
 
 def _route_over_cp(model: nn.Module, dims: ParallelDims) -> None:
-    """Context parallel: each MoE block's load-balancing loss sums the loads over cp."""
+    """Context parallel: each MoE block's load-balancing loss sums the loads over cp, and
+    the MTP modules look up the tokens ahead over cp (`common.mtp`)."""
     if dims.cp == 1:
         return
+    if getattr(model, "mtp", None) is not None:
+        model.mtp.cp_group = dims.mesh("cp").get_group()
     for block in model.modules():
         if isinstance(block, MoE):
             block.token_group = dims.mesh("cp").get_group()
@@ -394,17 +415,25 @@ def _replicate_latent_parts(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Multi-head latent attention's low-rank parts as replicated DTensors over the tp mesh:
     they run on the gathered input and feed column-parallel layers, whose input gradients
     come back summed, so every rank holds their whole gradient."""
-    for layer in model.layers.values():
+    for layer in _blocks(model).values():
         for name in LATENT_REPLICATED:
             module = getattr(layer.attention, name, None)
             if module is not None:
                 distribute_module(module, tp_mesh)
 
 
+def _replicate_mtp_projections(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Sequence parallel: each MTP module's eh_proj as a replicated DTensor on the sequence
+    shards its norms give (its weight's gradient summed over the tp ranks), handing its
+    block the local shard, as the decoder's blocks take their input."""
+    for layer in model.mtp.layers.values():
+        distribute_module(layer.eh_proj, tp_mesh, output_fn=lambda _m, out, _mesh: out.to_local())
+
+
 def _shard_sinks(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Attention sinks (one logit per query head) as DTensors sharded by head over the tp
     mesh, like wq's rows: each rank's attention reads its own heads' sinks."""
-    for layer in model.layers.values():
+    for layer in _blocks(model).values():
         attention = layer.attention
         attention.sinks = nn.Parameter(distribute_tensor(attention.sinks.data, tp_mesh, [Shard(0)]))
 
@@ -413,7 +442,7 @@ def _shard_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """qk_norm_scope="all": each tp rank normalises its heads' share of the q/k width, so
     the norm weights are sharded like wq's and wk's rows, and the attention sums the squares
     over the tp ranks (`norm.rms_norm_over_ranks`)."""
-    for layer in model.layers.values():
+    for layer in _blocks(model).values():
         attention = layer.attention
         for norm in (attention.q_norm, attention.k_norm):
             weight = distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)])
@@ -439,7 +468,7 @@ def _shard_linear_attention(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """The rest of a gated DeltaNet block under tp: the convolution's channels (grouped per
     key head), dt_bias and A_log (per value head) sharded like the projections' rows; the
     gated norm's weight, shared by every head, replicated (its gradient summed over ranks)."""
-    for layer in model.layers.values():
+    for layer in _blocks(model).values():
         mixer = layer.attention
         if not isinstance(mixer, GatedDeltaNet):
             continue
@@ -456,7 +485,7 @@ def _replicate_qk_norms(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     Each rank normalises only its own heads, so each sees part of the weights' gradient;
     as DTensors, `RMSNorm` marks that gradient Partial and DTensor sums it over ranks.
     """
-    for layer in model.layers.values():
+    for layer in _blocks(model).values():
         if getattr(layer.attention, "q_norm", None) is None:
             continue  # a gated DeltaNet block
         distribute_module(layer.attention.q_norm, tp_mesh)

@@ -163,7 +163,34 @@ def with_latent_attention(
     like Llama's (wq or the low-rank wq_b, and wkv_b, which expands each head's key and
     value, by column; wo by row); the low-rank parts stay whole (see LATENT_REPLICATED)."""
     attention = f"{names.layers}.*.{names.attention}"
-    out = {k: v for k, v in plan.items() if k not in (f"{attention}.{names.wk}", f"{attention}.{names.wv}")}
+    out = {
+        k: v
+        for k, v in plan.items()
+        if k not in (f"{attention}.{names.wk}", f"{attention}.{names.wv}")
+    }
     out[f"{attention}.wq_b"] = ColwiseParallel()
     out[f"{attention}.wkv_b"] = ColwiseParallel()
+    return out
+
+
+def with_mtp_blocks(
+    plan: dict[str, ParallelStyle], mtp_layers: list[str], names: LlamaNames = LlamaNames()
+) -> dict[str, ParallelStyle]:
+    """`plan` with the decoder blocks of the MTP modules (`mtp.layers.<i>.block`, i in
+    `mtp_layers`) planned as decoder block i would be: every `layers.*.<x>` entry and
+    every `layers.<i>.<x>` entry (`with_moe_layers` spells MoE blocks per layer; list the
+    MTP blocks there too) becomes `mtp.layers.<i>.block.<x>`. The rest of an MTP module
+    (its norms and eh_proj) takes whole hidden states and runs whole on every rank."""
+    prefix = f"{names.layers}."
+    out = {}
+    for key, style in plan.items():
+        layer, _, rest = key[len(prefix) :].partition(".")
+        if not key.startswith(prefix) or not rest:
+            out[key] = style
+            continue
+        if layer not in mtp_layers:
+            out[key] = style
+        for i in mtp_layers:
+            if layer in ("*", i):
+                out[f"mtp.{names.layers}.{i}.block.{rest}"] = style
     return out

@@ -24,8 +24,8 @@ from mindspeed_llm.models.common.feed_forward import FeedForward
 from mindspeed_llm.models.common.gated_deltanet import GatedDeltaNet
 from mindspeed_llm.models.common.linear import Linear
 from mindspeed_llm.models.common.mla import MultiLatentAttention
-from mindspeed_llm.models.common.moe import GroupedExperts, MoE
-from mindspeed_llm.models.common.mtp import MultiTokenPrediction, mtp_loss
+from mindspeed_llm.models.common.moe import AttachAux, GroupedExperts, MoE
+from mindspeed_llm.models.common.mtp import MultiTokenPrediction, ahead_embeddings, mtp_loss
 from mindspeed_llm.models.common.norm import RMSNorm
 from mindspeed_llm.models.common.rope import rope_tables
 from mindspeed_llm.models.config import TransformerConfig
@@ -248,16 +248,27 @@ class Transformer(nn.Module):
         A pipeline stage (`mindspeed_core.parallel.split_pipeline`) without
         `tok_embeddings` takes (batch, seq, hidden) hidden states as `tokens`, and one
         without `norm`/`output` returns hidden states; give such stages `position_ids`
-        (under sequence parallel their hidden states hold a slice of the sequence).
+        (under sequence parallel their hidden states hold a slice of the sequence). With
+        MTP modules (on the last stage) those hidden states carry, after the hidden
+        width, the first stage's `ahead_embeddings` of the tokens, and the last stage
+        attaches its MTP loss to its output (`AttachAux`, scaled by `mtp.aux_grad_scale`).
         """
+        depths = self._carried_depths()
+        carried = None  # pipeline + MTP: the MTP modules' token embeddings ride along
         if self.tok_embeddings is None:
             h = tokens  # hidden states from the previous pipeline stage
+            if depths:  # (batch, seq, (1 + depths) * hidden)
+                h, carried = h.split(
+                    [self.config.hidden_size, depths * self.config.hidden_size], -1
+                )
         elif tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
         else:
             h = self.tok_embeddings(tokens)  # (batch, seq, hidden)
             if self.config.scale_embeddings:  # Gemma: sqrt(hidden) rounded to h's dtype
                 h = h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype).item()
+            if depths:
+                carried = ahead_embeddings(self, tokens, depths)
         if cu_seqlens is not None and position_ids is None:
             if not isinstance(cu_seqlens, Tensor):
                 raise ValueError("shared prompts (SharedKeys) need explicit position_ids")
@@ -280,8 +291,14 @@ class Transformer(nn.Module):
             kv_cache.advance(tokens.shape[1])
         if self.norm is not None:
             h = self.norm(h)
+        if self.output is None and carried is not None:  # to the next stage, with h
+            return torch.cat([h, carried], -1)
         if mtp_labels is not None and self.mtp is not None:
-            self.last_mtp_loss = mtp_loss(self, tokens, mtp_labels, h, position_ids, cu_seqlens)
+            ids = None if carried is not None else tokens
+            loss = mtp_loss(self, ids, mtp_labels, h, position_ids, cu_seqlens, embedded=carried)
+            self.last_mtp_loss = loss
+            if carried is not None:  # a pipeline's last stage: the loss rides on its output
+                h = AttachAux.apply(h, loss * self.mtp.aux_grad_scale)
         if return_hidden:
             return h
         if nll_labels is not None:
@@ -293,6 +310,13 @@ class Transformer(nn.Module):
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         return h if self.output is None else self.project(h)
+
+    def _carried_depths(self) -> int:
+        """MTP depths whose token embeddings a pipeline stage passes on (0: none); a
+        stage lacks the embedding or the output projection."""
+        if None not in (self.tok_embeddings, self.output):
+            return 0
+        return self.config.num_nextn_predict_layers
 
     def project(self, h: Tensor) -> Tensor:
         """Logits (..., vocab) of final-norm hidden states (..., hidden): the output
