@@ -15,7 +15,7 @@ The policy trains in the training processes (one process, a torchrun job, or Ray
   the rank sends weights, prompts, packed batches and texts, and gets samples, log-probs
   and scores back. PPO's critic gets a critic actor per training rank: the critic actors
   form a process group of their own on the run's layout, value the rank's micro-batches and
-  train on its mini-batches (`RayRoles.critic`). The reference's work is submitted before the policy's own forwards,
+  train on its mini-batches (`ray_groups.place_critic`). The reference's work is submitted before the policy's own forwards,
   so the two overlap. An actor that dies ends the run with one line naming its role
   (`RoleDied`), not a hang.
 
@@ -326,24 +326,6 @@ class RayRoles:
             raise ConfigError(str(cause).strip().splitlines()[-1]) from None
         self._started(actor, "reward")
         return _RayRewards(actor, self.section)
-
-    def critic(self, cfg, build):
-        """PPO's critic on Ray actors: one per training rank, the actors a process group of
-        their own (rank r's actor is its rank r) with the run's layout; `build(cfg, info)`
-        builds a rank's critic there (`ppo.critic_on_actor`). Every training rank calls this."""
-        import torch.distributed as dist
-
-        from mindspeed_align.rl.ray_groups import _CriticWorker, _RayCritic
-
-        actor = self.place("critic", _CriticWorker)
-        self._ready(actor, "critic")
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        master = [_get(actor.endpoint.remote(), "critic", self.section) if rank == 0 else None]
-        if world > 1:  # rank 0's actor hosts the critic group's rendezvous
-            dist.broadcast_object_list(master, src=0)
-        names = _get(actor.setup.remote(cfg, build, rank, world, master[0]), "critic", self.section)
-        self._started(actor, "critic")
-        return _RayCritic(actor, names, self.section)
 
     def _ready(self, actor, role: str, *, constructor_errors: bool = False) -> None:
         """Wait until `actor` is up; one that cannot be placed (no free CPU on the cluster)

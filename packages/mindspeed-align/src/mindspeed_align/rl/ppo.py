@@ -20,7 +20,7 @@ the critic's model, optimizer and schedule are checkpointed beside the policy's
 
 The critic trains in the training processes (`LocalCritic`), or, with `ppo.placement: ray`, on
 Ray actors of its own: one per training rank, in a process group of the critic actors alone,
-on the run's layout (`placement.RayRoles.critic`). Each training rank asks its actor for the
+on the run's layout (`ray_groups.place_critic`). Each training rank asks its actor for the
 old values of its micro-batches and sends it the update of each mini-batch; checkpoints fetch
 and send the actors' states (whole tensors) under the same names.
 """
@@ -41,6 +41,7 @@ from mindspeed_align.reward import add_score_head
 from mindspeed_align.rl import advantages as adv_fns
 from mindspeed_align.rl.grpo import GRPOMethod, GRPOStep, combine_results
 from mindspeed_align.rl.losses import kl_estimate, value_loss
+from mindspeed_align.rl.ray_groups import place_critic
 from mindspeed_align.rl.weights import load_value_model
 from mindspeed_core.parallel import loss_parallel_context
 from mindspeed_core.parallel.dtensor import full
@@ -278,7 +279,7 @@ def build_critic(run: RunContext, cfg, init_from, roles=None):
     """The critic: on this rank (`LocalCritic`), or on a Ray actor of `roles` (a
     `placement.RayRoles`); its states join the run's checkpoints under `critic_*`."""
     if roles is not None:
-        critic = roles.critic(cfg, functools.partial(critic_on_actor, model_config=run.model_config,
+        critic = place_critic(roles, cfg, functools.partial(critic_on_actor, model_config=run.model_config,
                                                      init_from=init_from))  # fmt: skip
     else:
         critic = _critic(cfg, run.dims, run.device, run.build_model, init_from)

@@ -1,5 +1,5 @@
 """Ray actors that form a torch.distributed group of their own: PPO's critic actors (one
-per training rank, the run's layout, `RayRoles.critic`) and the policy's trainer actors
+per training rank, the run's layout, `place_critic`) and the policy's trainer actors
 (`grpo.trainer_actors`: the whole command runs on them, `run_on_trainer_actors`). The
 other roles, one actor each, are in `placement.py`.
 """
@@ -25,7 +25,7 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.parallel import dtensor
 from mindspeed_llm.data.collate import Batch
 
-__all__ = ["run_on_trainer_actors"]
+__all__ = ["place_critic", "run_on_trainer_actors"]
 
 
 def _endpoint() -> tuple[str, int]:
@@ -128,6 +128,24 @@ class _RayCritic:
 
     def __call__(self, mini: list[Batch], *, schedule: bool = True):
         return _get(self.actor.update.remote(mini, schedule), "critic", self.section)
+
+
+def place_critic(roles: RayRoles, cfg, build) -> _RayCritic:
+    """PPO's critic on Ray actors placed by `roles`: one per training rank, the actors a
+    process group of their own (rank r's actor is its rank r) with the run's layout;
+    `build(cfg, info)` builds a rank's critic there (`ppo.critic_on_actor`). Every training
+    rank calls this."""
+    import torch.distributed as dist
+
+    actor = roles.place("critic", _CriticWorker)
+    roles._ready(actor, "critic")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    master = [_get(actor.endpoint.remote(), "critic", roles.section) if rank == 0 else None]
+    if world > 1:  # rank 0's actor hosts the critic group's rendezvous
+        dist.broadcast_object_list(master, src=0)
+    names = _get(actor.setup.remote(cfg, build, rank, world, master[0]), "critic", roles.section)
+    roles._started(actor, "critic")
+    return _RayCritic(actor, names, roles.section)
 
 
 class _TrainerWorker(_Worker):
