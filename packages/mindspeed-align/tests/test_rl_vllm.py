@@ -234,6 +234,15 @@ def test_a_run_trains_on_the_engines_samples(task, fake_vllm, command):
     assert not _alive(int((seen / "pid").read_text()))  # ended with the run
 
 
+def test_a_device_without_a_known_vllm_package_asks_for_an_environment(monkeypatch):
+    from mindspeed_align.rl.vllm_rollout import ensure_vllm_python
+    from mindspeed_core.errors import ConfigError
+
+    monkeypatch.delenv("MINDSPEED_VLLM_PYTHON", raising=False)
+    with pytest.raises(ConfigError, match="on npu: name an environment with vLLM"):
+        ensure_vllm_python("npu", None)
+
+
 def _real_vllm() -> Path:
     from mindspeed_align.rl.vllm_rollout import ensure_vllm_python
     from mindspeed_core.errors import ConfigError

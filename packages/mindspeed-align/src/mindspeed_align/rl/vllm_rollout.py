@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -46,12 +47,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 
 from mindspeed_align.rl.placement import RoleDied
-from mindspeed_align.rl.rollout import RolloutBatch, SamplingConfig, plain_key
+from mindspeed_align.rl.rollout import RolloutBatch, SamplingConfig, whole_weights
 from mindspeed_core.errors import ConfigError
-from mindspeed_core.parallel import dtensor
 from mindspeed_llm.models import get_model_spec
 from mindspeed_llm.train.build import BuiltModel
 
@@ -87,7 +86,10 @@ def ensure_vllm_python(device: str, given: Path | None, *, section: str = "grpo"
         if not given.is_file():
             raise ConfigError(f"{section}.vllm_python={given}: no such interpreter")
         return given
-    packages, overrides = VLLM_PACKAGES.get(device, VLLM_PACKAGES["cuda"])
+    if device not in VLLM_PACKAGES:  # vllm-ascend and others: the user's own environment
+        raise ConfigError(f"{section}.rollout_engine=vllm on {device}: name an environment with "
+                          f"vLLM for this device with {section}.vllm_python")  # fmt: skip
+    packages, overrides = VLLM_PACKAGES[device]
     env = _cache_root() / "-".join(p.replace("==", "-") for p in packages)
     python = env / "bin" / "python"
     if python.is_file() and (env / ".complete").is_file():
@@ -120,10 +122,7 @@ def ensure_vllm_python(device: str, given: Path | None, *, section: str = "grpo"
 
 def _whole_hf_state(policy: BuiltModel) -> dict[str, torch.Tensor]:
     """The policy's whole weights under Hugging Face names, on the CPU."""
-    ours = {}
-    for name, value in policy.model.state_dict().items():
-        value = dtensor.full(value) if isinstance(value, DTensor) else value
-        ours[plain_key(name)] = value.detach().cpu()
+    ours = {name: value.detach().cpu() for name, value in whole_weights(policy.model)}
     hf = get_model_spec(policy.config.family).hf_adapter.to_hf(ours, policy.config)
     return {k: v.contiguous() for k, v in hf.items()}
 
@@ -291,8 +290,6 @@ class VLLMRollout:
 
 
 def _config_json(cfg) -> str:
-    import json
-
     return json.dumps(cfg.to_hf_dict(), indent=1, default=str)
 
 
