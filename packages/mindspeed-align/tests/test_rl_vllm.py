@@ -33,10 +33,17 @@ from mindspeed_llm.models import build_model_config
 from mindspeed_llm.train.build import build_model
 
 FAKE_VLLM = '''
-"""A stand-in for vLLM: token t of a sample is (prompt's first id + 7 * sample + t) % 512."""
+"""A stand-in for vLLM: token t of a sample is (prompt's first id + 7 * sample + t) % 512.
+It appends each generate call's prompts, max_tokens and n to calls.jsonl, and "generate",
+"generated" and "reload" to events as they happen; a file "slow" holding seconds makes
+each generate call take that long."""
 __version__ = "fake"
-import os, time
+import json, os, time
 from safetensors import safe_open
+
+def _seen(name, text):
+    with open(os.path.join(os.environ["FAKE_VLLM_OUT"], name), "a") as f:
+        f.write(text + "\\n")
 
 class SamplingParams:
     def __init__(self, **kw):
@@ -59,6 +66,14 @@ class LLM:
     def generate(self, prompts, params, use_tqdm=False):
         if os.path.exists(os.path.join(os.environ["FAKE_VLLM_OUT"], "hang")):
             time.sleep(3600)
+        _seen("events", "generate")
+        _seen("calls.jsonl", json.dumps({"prompts": [p["prompt_token_ids"] for p in prompts],
+                                         "max_tokens": [sp.max_tokens for sp in params],
+                                         "n": [sp.n for sp in params]}))
+        slow = os.path.join(os.environ["FAKE_VLLM_OUT"], "slow")
+        if os.path.exists(slow):
+            time.sleep(float(open(slow).read()))
+        _seen("events", "generated")
         outs = []
         for p, sp in zip(prompts, params):
             first = p["prompt_token_ids"][0]
@@ -67,6 +82,7 @@ class LLM:
         return outs
 
     def collective_rpc(self, name, kwargs):
+        _seen("events", "reload")
         with safe_open(os.path.join(kwargs["weights_path"], "model.safetensors"), "pt") as f:
             names = sorted(f.keys())
         with open(os.path.join(os.environ["FAKE_VLLM_OUT"], "reloaded.json"), "w") as out:
@@ -198,7 +214,7 @@ def test_bad_inputs_are_one_line(task, capsys):
     cases = {
         ("--grpo.rollout_engine=sglang",): "grpo.rollout_engine: expected one of ['native', 'vllm']",
         ("--grpo.rollout_engine=vllm", "--grpo.placement=ray"):
-            "grpo.rollout_engine=vllm runs colocated single-turn rollouts only yet",
+            "grpo.rollout_engine=vllm runs colocated rollouts only yet (not grpo.placement=ray)",
         (f"--grpo.vllm_python={ours}",): "grpo.vllm_python needs grpo.rollout_engine=vllm",
         ("--grpo.rollout_engine=vllm", "--grpo.vllm_python=/no/such/python"):
             "grpo.vllm_python=/no/such/python: no such interpreter",

@@ -79,8 +79,9 @@ def _demo_defaults(cfg: GRPOConfig, command: str) -> None:
     if cfg.lora.enabled:
         values = {**values, **LORA_DEMO}
     if cfg.rl.rollout_engine == "vllm":  # vLLM's CPU attention: heads of >= 32 channels
+        run_dir = values.get("logging.run_dir", Path(f"runs/{command}"))  # its own: another model
         values = {**values, "model.flavor": "debug-h32",
-                  "logging.run_dir": Path(f"runs/{command}-vllm")}  # fmt: skip
+                  "logging.run_dir": run_dir.with_name(run_dir.name + "-vllm")}  # fmt: skip
     fresh, changed = type(cfg)(), []
     for key, value in values.items():
         section, field_name = key.split(".")

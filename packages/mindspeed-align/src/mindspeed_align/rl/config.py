@@ -159,7 +159,8 @@ class GRPOSection:
     AReaL's one-step off-policy). `rollout/staleness` logs the lag (0 on the first step and
     after a resume, which sample synchronously). bounded: rollouts of up to max_staleness
     steps ahead sample in the background, their weights synced every step even mid-sample
-    (partial rollouts), each token tagged with the policy version that drew it; groups more
+    (partial rollouts; on vLLM a sync waits for the call in flight instead), each token
+    tagged with the policy version that drew it; groups more
     than max_staleness versions stale are dropped (`rl/async_rollout.py`; metrics
     `rollout/staleness_mean`, `rollout/staleness/<k>`, `rollout/dropped`,
     `rollout/partial`). off: sample, then train."""
@@ -183,7 +184,8 @@ class GRPOSection:
     """What samples the rollouts: our generation engine in the training process (native), or
     vLLM in its own process and Python environment (`rl/vllm_rollout.py`: the policy's
     weights reach it every step, its prefix cache reset; its log-probs are the sampler's).
-    vllm: colocated placement, single-turn prompts, no tensor or context parallel."""
+    vllm: colocated placement, no tensor or context parallel; environments and async
+    rollouts too (a sync waits for the generate call in flight: no partial rollouts)."""
     vllm_python: Path | None = None
     """With rollout_engine vllm: the Python of an environment with vLLM (None:
     MINDSPEED_VLLM_PYTHON, else one created once with uv under ~/.cache/mindspeed/vllm)."""

@@ -74,10 +74,9 @@ def check_grpo_section(self: GRPOSection) -> None:
                           f"above 0 only with {name}.placement=ray")  # fmt: skip
     if self.rollout_engine not in ("native", "vllm"):
         raise ConfigError(f"{name}.rollout_engine={self.rollout_engine!r} is not native or vllm")
-    if self.rollout_engine == "vllm" and (self.placement != "colocated" or self.env):
-        raise ConfigError(f"{name}.rollout_engine=vllm runs colocated single-turn rollouts "
-                          f"only yet (not {name}.placement={self.placement}"
-                          f"{f', {name}.env={self.env}' if self.env else ''})")  # fmt: skip
+    if self.rollout_engine == "vllm" and self.placement != "colocated":
+        raise ConfigError(f"{name}.rollout_engine=vllm runs colocated rollouts only yet "
+                          f"(not {name}.placement={self.placement})")  # fmt: skip
     if self.vllm_python is not None and self.rollout_engine != "vllm":
         raise ConfigError(f"{name}.vllm_python needs {name}.rollout_engine=vllm")
     if self.vllm_python is not None and not Path(self.vllm_python).is_file():
@@ -97,9 +96,8 @@ def check_async(self: GRPOSection) -> None:
         raise ConfigError(f"{name}.max_staleness={self.max_staleness} needs "
                           f"{name}.async_rollout=bounded (one_step's is 1)")  # fmt: skip
     unsupported = {f"{name}.env={self.env}": self.env is not None,
-                   f"{name}.placement={self.placement}": self.placement != "colocated",
-                   f"{name}.rollout_engine={self.rollout_engine}": self.rollout_engine != "native"}  # fmt: skip
+                   f"{name}.placement={self.placement}": self.placement != "colocated"}  # fmt: skip
     refused = [what for what, bad in unsupported.items() if bad]
     if mode == "bounded" and refused:
-        raise ConfigError(f"{name}.async_rollout=bounded samples single-turn rollouts on the "
-                          f"native engine in the training process only (not {refused[0]})")  # fmt: skip
+        raise ConfigError(f"{name}.async_rollout=bounded samples single-turn rollouts in the "
+                          f"training process only (not {refused[0]})")  # fmt: skip

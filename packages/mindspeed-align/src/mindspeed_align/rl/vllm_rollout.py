@@ -24,6 +24,19 @@ Life of the engine:
 
 On CPU vLLM's attention needs heads of at least 32 channels; the demo switches to such a
 model (llama `debug-h32`) when run with the vLLM engine.
+
+Asynchronous rollouts (`grpo.async_rollout`): a `generate` call holds the engine's lock
+for the whole call and `sync_weights` takes it, so a sync waits for the call in flight
+(and a call waiting behind a sync lets it in first, `_no_sync`). Every token of a call is
+then drawn by the weights synced before it, and its batch says so exactly: `syncs` counts
+the syncs, `token_syncs` tags every token of the call with the count it began under, which
+is all `async_rollout.BoundedRollouts` needs for exact staleness. Partial rollouts (a sync
+interrupting a generation, its later tokens drawn by the new weights) are not built on
+vLLM: it would take aborting the requests, reloading, and resubmitting each with its
+tokens so far as a longer prompt (vLLM's in-flight weight updates are not in 0.32's
+offline `LLM`), which is not cheap; so on vLLM a bounded run's samples are never partial
+(`rollout/partial` 0) and a sync can wait up to one rollout call (a multi-turn episode's
+turns are separate calls).
 """
 
 from __future__ import annotations
@@ -152,6 +165,12 @@ class VLLMRollout:
                               f"{cfg.head_dim}")  # fmt: skip
         self.policy, self.section = policy, section
         self.lock = threading.Lock()
+        self._no_sync = threading.Event()
+        """Cleared while a sync waits for the lock: a generate call about to start waits
+        (the lock is not fair; back-to-back rollouts in a thread would starve the sync)."""
+        self._no_sync.set()
+        self.syncs = 0
+        """How many times `sync_weights` sent the policy's weights (`token_syncs`)."""
         self.last_bytes = 0
         shm = Path("/dev/shm")
         self.dir = Path(tempfile.mkdtemp(prefix="mindspeed-vllm-", dir=shm if shm.is_dir() else None))
@@ -261,17 +280,26 @@ class VLLMRollout:
 
     def sync_weights(self) -> float:
         """Sends the policy's current weights to vLLM (and resets its prefix cache); seconds."""
-        with self.lock:
-            start = time.perf_counter()
-            self._write_weights()
-            self._call({"op": "reload", "path": str(self.weights_dir)})
-            return time.perf_counter() - start
+        self._no_sync.clear()
+        try:
+            with self.lock:  # after the generate call in flight, if any
+                start = time.perf_counter()
+                self._write_weights()
+                self._call({"op": "reload", "path": str(self.weights_dir)})
+                self.syncs += 1
+                return time.perf_counter() - start
+        finally:
+            self._no_sync.set()
 
     def generate(self, prompts: Sequence[Sequence[int]], cfg: SamplingConfig, *, seed: int
                  ) -> RolloutBatch:  # fmt: skip
-        """`cfg.n` samples of every prompt (temperature 0: greedy), with vLLM's log-probs."""
+        """`cfg.n` samples of every prompt (temperature 0: greedy), with vLLM's log-probs;
+        a prompt gets at most max_model_len minus its length new tokens (none at the limit).
+        Every token is tagged with the syncs before the call (`token_syncs`)."""
         start = time.perf_counter()
+        self._no_sync.wait()
         with self.lock:
+            version = self.syncs
             reply = self._call({"op": "generate", "prompts": [list(p) for p in prompts], "n": cfg.n,
                                 "temperature": cfg.temperature, "max_tokens": cfg.max_new_tokens,
                                 "stop": list(cfg.stop_token_ids), "seed": seed})  # fmt: skip
@@ -282,6 +310,7 @@ class VLLMRollout:
             group=[i for i in range(len(prompts)) for _ in range(cfg.n)],
             stopped=reply["stopped"],
             seconds=time.perf_counter() - start,
+            token_syncs=[[version] * len(ids) for ids in reply["tokens"]],
         )
 
     def prompts_within_budget(self, prompt_len: int, cfg: SamplingConfig) -> int:

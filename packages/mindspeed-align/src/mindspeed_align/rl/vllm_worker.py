@@ -6,7 +6,8 @@ It builds `vllm.LLM` on a Hugging Face folder the trainer wrote, connects back t
 trainer (`multiprocessing.connection`, the key in MINDSPEED_VLLM_AUTHKEY) and answers:
 
     {"op": "generate", "prompts": [[ids]], "n", "temperature", "max_tokens", "stop", "seed"}
-        -> {"tokens": [[ids]], "logprobs": [[float]], "stopped": [bool]}  (n rows a prompt)
+        -> {"tokens": [[ids]], "logprobs": [[float]], "stopped": [bool]}  (n rows a prompt;
+        a prompt gets at most max-model-len minus its length new tokens)
     {"op": "reload", "path": DIR}  -> {"seconds": s}   the folder's weights, then the
         prefix cache reset (a cached prefix would otherwise give the old weights' tokens)
     {"op": "close"}
@@ -25,6 +26,7 @@ import signal
 import threading
 import time
 import traceback
+from functools import partial
 from multiprocessing.connection import Client
 
 
@@ -41,26 +43,35 @@ def _watch_parent(parent: int, folder: str) -> None:
         time.sleep(0.2)
 
 
-def _generate(llm, msg: dict) -> dict:
+def _generate(llm, msg: dict, *, max_model_len: int) -> dict:
+    """Each prompt's n samples. A prompt asks for min(max_tokens, max_model_len - its
+    length) tokens (a multi-turn episode's later turns come close to the limit), and one
+    with no room left gets n empty replies, not stopped, without asking vLLM."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     stop = list(msg["stop"])
-    prompts, params = [], []
+    prompts, params, asked = [], [], []
     for i, ids in enumerate(msg["prompts"]):
+        room = min(msg["max_tokens"], max_model_len - len(ids))
+        if room < 1:
+            continue
+        asked.append(i)
         prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
         params.append(SamplingParams(
             n=msg["n"], temperature=msg["temperature"], top_p=1.0,
-            max_tokens=msg["max_tokens"], stop_token_ids=stop, ignore_eos=True, logprobs=0,
+            max_tokens=room, stop_token_ids=stop, ignore_eos=True, logprobs=0,
             seed=(msg["seed"] * 1_000_003 + i) % (1 << 62), detokenize=False,
         ))  # fmt: skip
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = dict(zip(asked, llm.generate(prompts, params, use_tqdm=False), strict=True)) if prompts else {}
     tokens, logprobs, stopped = [], [], []
-    for out in outs:  # in the prompts' order; each with its n samples
-        for sample in out.outputs:
-            ids = list(sample.token_ids)
+    for i in range(len(msg["prompts"])):  # in the prompts' order; each with its n samples
+        samples = outs[i].outputs if i in outs else [None] * msg["n"]
+        for sample in samples:
+            ids = [] if sample is None else list(sample.token_ids)
             tokens.append(ids)
-            logprobs.append([step[t].logprob for step, t in zip(sample.logprobs, ids, strict=True)])
+            logprobs.append([] if sample is None else
+                            [step[t].logprob for step, t in zip(sample.logprobs, ids, strict=True)])  # fmt: skip
             stopped.append(bool(ids) and ids[-1] in stop)
     return {"tokens": tokens, "logprobs": logprobs, "stopped": stopped}
 
@@ -99,7 +110,7 @@ def main() -> None:
         traceback.print_exc()
         return
     conn.send({"ready": True, "version": vllm.__version__})
-    ops = {"generate": _generate, "reload": _reload}
+    ops = {"generate": partial(_generate, max_model_len=args.max_model_len), "reload": _reload}
     while True:
         try:
             msg = conn.recv()
