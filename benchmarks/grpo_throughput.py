@@ -29,7 +29,10 @@ synced every step even mid-sample), and its gain over sync.
 `--engines native,vllm` instead runs ours with each rollout engine (`grpo.rollout_engine`;
 vLLM in its own environment: `--vllm-python`, MINDSPEED_VLLM_PYTHON, or the one the trainer
 creates once) and reports, per engine, samples/s and the share of the steps' wall time spent
-generating (`generate_share`), and vLLM's samples/s over ours. vLLM's start-up is left out
+generating (`generate_share`; under async rollouts it overlaps training), and vLLM's
+samples/s over ours; with `--async` and/or `--bounded K` each engine also runs one-step
+and/or bounded and reports its gain over that engine's synchronous run
+(`vllm_bounded_k2_gain`). vLLM's start-up is left out
 like every side's model loading; its weight sync each step is in the step time.
 """
 
@@ -71,8 +74,11 @@ def make_prompts(root: Path, count: int, shape: str = "short") -> Path:
     return path
 
 
-ASYNC_SIDES = {"ours_async": "one_step", "ours_bounded": "bounded"}
-"""Our runs with `grpo.async_rollout` other than off, by side."""
+ASYNC_SIDES = {"ours_async": "one_step", "ours_bounded": "bounded",
+               "ours_vllm_async": "one_step", "ours_vllm_bounded": "bounded"}  # fmt: skip
+"""Our runs with `grpo.async_rollout` other than off, by side (`ours_vllm*`: on vLLM)."""
+ENGINE_SIDES = {"native": "ours", "vllm": "ours_vllm"}
+"""Each engine's synchronous side; its async ones add `_async` and `_bounded`."""
 
 
 def _ours(folder: Path, prompts: Path, args) -> dict:
@@ -85,7 +91,7 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
     from mindspeed_llm.tokenizer import load_tokenizer
     from mindspeed_llm.train.trainer import Trainer
 
-    samples = args.prompts_per_step * args.n
+    samples, vllm = args.prompts_per_step * args.n, args.side.startswith("ours_vllm")
     cfg = load_config(GRPOConfig, None, [
         f"--model.hf_path={folder}", f"--data.prompts={prompts}", f"--data.tokenizer={folder}",
         f"--data.seq_len={args.seq_len}", "--data.eval_prompts=0", f"--grpo.n={args.n}",
@@ -94,10 +100,10 @@ def _ours(folder: Path, prompts: Path, args) -> dict:
         f"--train.steps={args.steps}", f"--train.micro_batch={samples}",
         f"--train.global_batch={samples}", "--optim.lr=1e-5",
         f"--grpo.async_rollout={ASYNC_SIDES.get(args.side, 'off')}",
-        f"--grpo.max_staleness={args.bounded if args.side == 'ours_bounded' else 1}",
+        f"--grpo.max_staleness={args.bounded if args.side.endswith('_bounded') else 1}",
         f"--grpo.shared_prompts={args.shared_prompts}",
-        f"--grpo.rollout_engine={'vllm' if args.side == 'ours_vllm' else 'native'}",
-        *([f"--grpo.vllm_python={args.vllm_python}"] if args.side == "ours_vllm" and args.vllm_python else []),
+        f"--grpo.rollout_engine={'vllm' if vllm else 'native'}",
+        *([f"--grpo.vllm_python={args.vllm_python}"] if vllm and args.vllm_python else []),
         f"--logging.run_dir={folder.parent / 'run'}"])  # fmt: skip
     info = init_distributed(device_type="cpu")
     tokenizer = load_tokenizer(folder)
@@ -180,6 +186,24 @@ def _bounded(results: dict, k: int, sync: dict) -> dict:
             "bounded_gain": round(bounded["samples_per_s"] / sync["samples_per_s"], 2)}  # fmt: skip
 
 
+def _engine_sides(engine: str, args) -> list[str]:
+    """The sides of one engine under --engines: synchronous, with --async one-step, with
+    --bounded K bounded."""
+    sync = ENGINE_SIDES[engine]
+    return [sync, *([f"{sync}_async"] if args.async_ else []),
+            *([f"{sync}_bounded"] if args.bounded else [])]  # fmt: skip
+
+
+def _engine_report(engine: str, results: dict, args):
+    """(key, value) of one engine's entries in the --engines report."""
+    sync = ENGINE_SIDES[engine]
+    yield engine, results[sync]
+    for side, name in ((f"{sync}_async", "one_step"), (f"{sync}_bounded", f"bounded_k{args.bounded}")):
+        if side in results:
+            yield f"{engine}_{name}", results[side]
+            yield f"{engine}_{name}_gain", round(results[side]["samples_per_s"] / results[sync]["samples_per_s"], 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -216,9 +240,8 @@ def main() -> None:
         root = Path(tmp)
         make_inputs(root, 1)
         make_prompts(root, args.steps * args.prompts_per_step, args.shape)
-        engines = {"native": "ours", "vllm": "ours_vllm"}
         if args.engines:
-            sides = tuple(engines[e] for e in args.engines.split(","))
+            sides = tuple(side for e in args.engines.split(",") for side in _engine_sides(e, args))
         else:
             sides = (("ours", "ours_async", *(("ours_bounded",) if args.bounded else ()))
                      if args.async_ else ("ours", "theirs"))  # fmt: skip
@@ -231,7 +254,7 @@ def main() -> None:
         out = {"benchmark": "grpo_throughput_engines", "shape": args.shape, "dtype": "fp32",
                "n": args.n, "prompts_per_step": args.prompts_per_step,
                "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-               **{e: results[engines[e]] for e in args.engines.split(",")}}  # fmt: skip
+               **{k: v for e in args.engines.split(",") for k, v in _engine_report(e, results, args)}}  # fmt: skip
         if "native" in out and "vllm" in out:
             out["vllm_over_native"] = round(out["vllm"]["samples_per_s"] / out["native"]["samples_per_s"], 2)
         print(json.dumps({**out, "load_avg_1min": round(os.getloadavg()[0], 2)}))
