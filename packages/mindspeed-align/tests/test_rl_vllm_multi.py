@@ -62,38 +62,35 @@ def test_no_prompt_asks_for_more_tokens_than_fit(fake_vllm):
 
 
 def test_a_sync_waits_for_the_call_in_flight_and_tokens_carry_the_syncs_before_it(fake_vllm):
+    """A background thread's two back-to-back calls (as a rollout thread makes them) and a
+    sync asked during the first: the sync runs between them (the thread releasing the lock
+    does not take it straight back), the first call's tokens carry 0 syncs, the second's 1."""
     python, seen = fake_vllm
     rollout = _engine(python)
     cfg = SamplingConfig(n=2, max_new_tokens=3)
-    out: dict[str, object] = {}
+    out: list = []
 
-    def generate(name, prompts):
-        out[name] = rollout.generate(prompts, cfg, seed=1)
+    def background():
+        out.extend(rollout.generate(p, cfg, seed=1) for p in ([[1], [2]], [[3]]))
 
     try:
         assert rollout.generate([[1]], cfg, seed=0).token_syncs == [[0] * 3] * 2
         (seen / "slow").write_text("1.0")
-        first = threading.Thread(target=generate, args=("first", [[1], [2]]))
-        first.start()
+        thread = threading.Thread(target=background)
+        thread.start()
         deadline = time.monotonic() + WAIT_S
         while _events(seen).count("generate") < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        sync = threading.Thread(target=rollout.sync_weights)
-        sync.start()
-        while rollout._no_sync.is_set() and time.monotonic() < deadline:
-            time.sleep(0.01)  # the sync is waiting for the lock
-        second = threading.Thread(target=generate, args=("second", [[3]]))
-        second.start()
-        for thread in (first, sync, second):
-            thread.join(WAIT_S)
+        rollout.sync_weights()  # asked while the first call is in flight
+        thread.join(WAIT_S)
         (seen / "slow").unlink()
         assert rollout.syncs == 1
         after = rollout.generate([[1]], cfg, seed=2)
     finally:
         rollout.close()
     assert _events(seen) == ["generate", "generated"] * 2 + ["reload"] + ["generate", "generated"] * 2
-    assert out["first"].token_syncs == [[0] * 3] * 4  # drawn before the sync
-    assert out["second"].token_syncs == [[1] * 3] * 2  # it waited behind the sync
+    assert out[0].token_syncs == [[0] * 3] * 4  # drawn before the sync
+    assert out[1].token_syncs == [[1] * 3] * 2  # the sync went first
     assert after.token_syncs == [[1] * 3] * 2
 
 
