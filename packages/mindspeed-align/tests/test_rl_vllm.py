@@ -102,6 +102,8 @@ def fake_vllm(tmp_path, monkeypatch):
     (package / "__init__.py").write_text(FAKE_VLLM)
     (package / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
                                        "    return {'prompt_token_ids': prompt_token_ids}\n")  # fmt: skip
+    (package / "platforms.py").write_text("class _CPU:\n    def is_cpu(self):\n        return True\n\n"
+                                          "current_platform = _CPU()\n")  # fmt: skip
     out = tmp_path / "seen"
     out.mkdir()
     python = tmp_path / "python"
@@ -290,6 +292,11 @@ def test_vllm_greedy_tokens_equal_ours_before_and_after_a_sync():
         after = ours.generate(prompts, greedy, seed=0)
         assert after.response_ids != a.response_ids  # the update changed the answers
         assert engine.generate(prompts, greedy, seed=0).response_ids == after.response_ids
+        # seeded samples of 80 distinct 60-token prompts: over one step's token budget, which
+        # split a prefill and killed vLLM's CPU engine; and a prompt near max_model_len
+        many = [[3 + (7 * i + j) % 300 for j in range(60)] for i in range(80)]
+        sampled = engine.generate(many, SamplingConfig(n=1, max_new_tokens=12), seed=1)
+        assert [len(r) for r in sampled.response_ids] == [4] * 80  # 64 - 60 fit
     finally:
         engine.close()
 

