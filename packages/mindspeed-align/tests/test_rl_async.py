@@ -262,8 +262,8 @@ def test_bad_async_inputs_are_one_line(task, capsys):
     cases = {
         "--grpo.max_staleness=0": "grpo.max_staleness=0 must be >= 1",
         "--grpo.async_rollout=sometimes": "expected one of ['off', 'one_step', 'bounded']",
-        "--grpo.placement=ray": "grpo.async_rollout=bounded samples single-turn rollouts in the "
-        "training process only (not grpo.placement=ray)",
+        "--grpo.placement=ray": "grpo.async_rollout=bounded samples colocated single-turn "
+        "rollouts only (not grpo.placement=ray)",
         "--grpo.env=calculator": "(not grpo.env=calculator)",
     }
     for arg, expected in cases.items():

@@ -303,11 +303,11 @@ def test_vllm_greedy_tokens_equal_ours_before_and_after_a_sync():
 
 @pytest.mark.slow
 def test_demo_learns_with_vllm_rollouts(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    python = _real_vllm()
-    summary_args = ["--grpo.rollout_engine=vllm", f"--grpo.vllm_python={python}",
-                    "--logging.progress=false"]  # fmt: skip
-    from mindspeed_align.rl.cli import command
+    from mindspeed_align.rl.cli import grpo
+    from mindspeed_align.rl.config import GRPOConfig, GRPOLoggingSection, GRPOSection
 
-    summary = command(summary_args)
+    monkeypatch.chdir(tmp_path)
+    cfg = GRPOConfig(grpo=GRPOSection(rollout_engine="vllm", vllm_python=_real_vllm()),
+                     logging=GRPOLoggingSection(progress=False))  # fmt: skip
+    summary = grpo(cfg)  # (`command` is a Command: it returns an exit code, not the summary)
     assert summary["reward_after"][0] > 0.8, summary

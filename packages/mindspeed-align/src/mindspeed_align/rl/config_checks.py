@@ -99,5 +99,5 @@ def check_async(self: GRPOSection) -> None:
                    f"{name}.placement={self.placement}": self.placement != "colocated"}  # fmt: skip
     refused = [what for what, bad in unsupported.items() if bad]
     if mode == "bounded" and refused:
-        raise ConfigError(f"{name}.async_rollout=bounded samples single-turn rollouts in the "
-                          f"training process only (not {refused[0]})")  # fmt: skip
+        raise ConfigError(f"{name}.async_rollout=bounded samples colocated single-turn rollouts "
+                          f"only (not {refused[0]})")  # fmt: skip
