@@ -49,8 +49,9 @@ def test_the_straight_run_learns_and_fills_its_run_directory(straight):
 @pytest.mark.parametrize(
     ("nproc", "layout"),
     [
-        (2, ["--parallel.tp=2"]),
-        (2, ["--parallel.dp_shard=2"]),
+        # tp and dp_shard alone: slow (the combined layout in CI runs both)
+        pytest.param(2, ["--parallel.tp=2"], marks=pytest.mark.slow),
+        pytest.param(2, ["--parallel.dp_shard=2"], marks=pytest.mark.slow),
         (4, ["--parallel.tp=2", "--parallel.dp_shard=2"]),
     ],
     ids=["tp2", "dp_shard2", "tp2_dp_shard2"],
