@@ -74,10 +74,9 @@ def check_grpo_section(self: GRPOSection) -> None:
                           f"above 0 only with {name}.placement=ray")  # fmt: skip
     if self.rollout_engine not in ("native", "vllm"):
         raise ConfigError(f"{name}.rollout_engine={self.rollout_engine!r} is not native or vllm")
-    if self.rollout_engine == "vllm" and (self.placement != "colocated" or self.env):
-        raise ConfigError(f"{name}.rollout_engine=vllm runs colocated single-turn rollouts "
-                          f"only yet (not {name}.placement={self.placement}"
-                          f"{f', {name}.env={self.env}' if self.env else ''})")  # fmt: skip
+    if self.rollout_engine == "vllm" and self.env:
+        raise ConfigError(f"{name}.rollout_engine=vllm runs single-turn rollouts only yet "
+                          f"(not {name}.env={self.env})")  # fmt: skip
     if self.vllm_python is not None and self.rollout_engine != "vllm":
         raise ConfigError(f"{name}.vllm_python needs {name}.rollout_engine=vllm")
     if self.vllm_python is not None and not Path(self.vllm_python).is_file():
