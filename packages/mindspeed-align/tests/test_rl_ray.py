@@ -1,6 +1,7 @@
 """`grpo.placement: ray` (mindspeed-align[ray]): the rollout, the reference and the rewards as Ray
 actors on a local cluster give the colocated run's losses, a reward that cannot load is one
-line, and a rollout actor killed mid-run ends the run with one line naming it.
+line, and a rollout actor killed mid-run ends the run with one line naming it; with
+`rollout_engine: vllm` the rollout actor hosts the (stand-in) vLLM engine.
 
 One local cluster serves the module (starting one costs 5-20 s on 2 cores; each actor
 a few seconds more, to import torch)."""
