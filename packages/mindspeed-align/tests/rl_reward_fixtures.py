@@ -21,3 +21,8 @@ def nan_for_odd(prompts, completions, **_):
 
 def one_score_too_many(prompts, completions, **_):
     return [1.0 for _ in completions] + [1.0]
+
+
+def text_length(prompts, completions, **_):
+    """Varies with the text (the vLLM stand-in's scripted samples get different rewards)."""
+    return [(len(c) % 5) / 4 for c in completions]

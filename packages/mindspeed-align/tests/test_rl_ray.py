@@ -1,6 +1,7 @@
 """`grpo.placement: ray` (mindspeed-align[ray]): the rollout, the reference and the rewards as Ray
 actors on a local cluster give the colocated run's losses, a reward that cannot load is one
-line, and a rollout actor killed mid-run ends the run with one line naming it.
+line, and a rollout actor killed mid-run ends the run with one line naming it; with
+`rollout_engine: vllm` the rollout actor hosts the (stand-in) vLLM engine.
 
 One local cluster serves the module (starting one costs 5-20 s on 2 cores; each actor
 a few seconds more, to import torch)."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -322,3 +324,65 @@ def test_a_killed_trainer_actor_ends_the_run_with_one_line(tmp_path, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert code == 2 and seconds < 60, (code, seconds)
     assert errors == ["error: grpo.placement=ray: the trainer rank 0 actor died"], errors
+
+
+def _vllm(tmp_path):
+    """The stand-in vLLM (`test_rl_vllm.FAKE_VLLM`) and the flags of a run on it."""
+    python, seen = import_sibling(__file__, "test_rl_vllm").make_fake_vllm(tmp_path)
+    # no reference (one actor fewer); the reward model's scores vary with the scripted text
+    flags = ("--grpo.rollout_engine=vllm", f"--grpo.vllm_python={python}", "--model.flavor=debug-h32",
+             "--grpo.kl_coef=0.0")  # fmt: skip
+    return python, seen, flags
+
+
+def test_the_rollout_actor_samples_on_its_vllm_engine(tmp_path, capsys):
+    """`rollout_engine: vllm` with `placement: ray`: the rollout actor starts the engine (the
+    stand-in), fills its copy of the policy from the trainer's weights each step and has
+    vLLM reload them (under Hugging Face names); the run's losses are the colocated vLLM
+    run's step by step."""
+    python, seen, flags = _vllm(tmp_path)
+    assert guarded(main, _args(tmp_path, "vllm-local", "grpo", *flags)) == 0
+    (seen / "reloaded.json").unlink()
+    assert guarded(main, _args(tmp_path, "vllm-ray", "grpo", "--grpo.placement=ray", *flags)) == 0
+    assert "grpo: the rollout runs on Ray actor" in capsys.readouterr().err
+    assert len((seen / "pids").read_text().split()) == 2  # an engine a run: the actor's too
+    names = json.loads((seen / "reloaded.json").read_text())
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
+    local = read_metrics(tmp_path / "vllm-local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "vllm-ray" / "metrics.jsonl")
+    assert len(local) == len(remote) == 2 and local[0]["response/length_mean"] == 3
+    assert local[0]["reward/std"] > 0 and local[0]["grad_norm"] > 0  # a live gradient
+    for a, b in zip(local, remote, strict=True):
+        assert b["rollout/weight_sync_bytes"] > 0
+        for key in ("loss", "grad_norm", "reward/mean", "response/length_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=LOSS_ABS), (a["step"], key)
+
+
+@pytest.mark.slow
+def test_a_dead_vllm_engine_in_the_rollout_actor_is_one_line_naming_it(tmp_path):
+    """The actor's vLLM engine killed: the next rollout raises `RoleDied` naming the engine;
+    an engine that cannot start is one line too."""
+    import signal
+
+    from mindspeed_align.rl.placement import RayRoles, RoleDied
+    from mindspeed_align.rl.rollout import SamplingConfig
+
+    python, seen, _ = _vllm(tmp_path)
+    policy = import_sibling(__file__, "test_rl_vllm")._policy()
+    roles = RayRoles("grpo", 1)
+    try:
+        rollout = roles.rollout(policy, seq_len=64, precision="fp32", vllm_python=python)
+        assert rollout.sync_weights() > 0
+        os.kill(int((seen / "pid").read_text()), signal.SIGKILL)
+        with pytest.raises(RoleDied) as err:
+            rollout.generate([[1, 2]], SamplingConfig(n=1, max_new_tokens=2), seed=0)
+        message = str(err.value)
+        assert message.startswith("grpo.rollout_engine=vllm: the vLLM rollout engine died"), message
+        assert "\n" not in message
+        with pytest.raises(RoleDied) as err:  # an interpreter without vllm
+            roles.rollout(policy, seq_len=64, precision="fp32", vllm_python=Path(sys.executable))
+        message = str(err.value)
+        assert "the vLLM rollout engine failed: ModuleNotFoundError" in message, message
+        assert "\n" not in message
+    finally:
+        roles.close()

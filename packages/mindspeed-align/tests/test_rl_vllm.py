@@ -11,6 +11,7 @@ or MINDSPEED_VLLM_PYTHON): greedy tokens equal our engine's before and after a w
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -62,6 +63,7 @@ class LLM:
     def __init__(self, model, **kw):
         self.model, self.kw = model, kw
         open(os.path.join(os.environ["FAKE_VLLM_OUT"], "pid"), "w").write(str(os.getpid()))
+        open(os.path.join(os.environ["FAKE_VLLM_OUT"], "pids"), "a").write(f"{os.getpid()} ")
 
     def generate(self, prompts, params, use_tqdm=False):
         if os.path.exists(os.path.join(os.environ["FAKE_VLLM_OUT"], "hang")):
@@ -93,8 +95,7 @@ class LLM:
 '''
 
 
-@pytest.fixture()
-def fake_vllm(tmp_path, monkeypatch):
+def make_fake_vllm(tmp_path) -> tuple[Path, Path]:
     """An interpreter whose `vllm` is the stand-in above (our own Python, so safetensors is
     there), and the folder the stand-in writes what it saw to."""
     package = tmp_path / "fake" / "vllm"
@@ -107,10 +108,16 @@ def fake_vllm(tmp_path, monkeypatch):
     out = tmp_path / "seen"
     out.mkdir()
     python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={package.parent} exec {sys.executable} \"$@\"\n")
+    # the folder named in the script: a Ray actor has its cluster's environment, not ours
+    python.write_text(f"#!/bin/sh\nFAKE_VLLM_OUT={out} PYTHONPATH={package.parent} "
+                      f"exec {sys.executable} \"$@\"\n")  # fmt: skip
     python.chmod(0o755)
-    monkeypatch.setenv("FAKE_VLLM_OUT", str(out))
     return python, out
+
+
+@pytest.fixture()
+def fake_vllm(tmp_path):
+    return make_fake_vllm(tmp_path)
 
 
 def _policy(flavor: str = "debug-h32"):
@@ -215,8 +222,6 @@ def test_bad_inputs_are_one_line(task, capsys):
     ours = sys.executable  # an interpreter without vLLM
     cases = {
         ("--grpo.rollout_engine=sglang",): "grpo.rollout_engine: expected one of ['native', 'vllm']",
-        ("--grpo.rollout_engine=vllm", "--grpo.placement=ray"):
-            "grpo.rollout_engine=vllm runs colocated rollouts only yet (not grpo.placement=ray)",
         (f"--grpo.vllm_python={ours}",): "grpo.vllm_python needs grpo.rollout_engine=vllm",
         ("--grpo.rollout_engine=vllm", "--grpo.vllm_python=/no/such/python"):
             "grpo.vllm_python=/no/such/python: no such interpreter",
@@ -250,6 +255,127 @@ def test_a_run_trains_on_the_engines_samples(task, fake_vllm, command):
     assert len(metrics) == 2 and all(m["rollout/weight_sync_bytes"] > 0 for m in metrics)
     assert metrics[0]["response/length_mean"] == 3  # the stand-in never stops early
     assert not _alive(int((seen / "pid").read_text()))  # ended with the run
+
+
+def _fake_run_args(task, run, python, *extra):
+    args = [a for a in _args(task) if not a.startswith("--logging.run_dir")]
+    return [*args, f"--logging.run_dir={run}", "--grpo.rollout_engine=vllm", "--model.flavor=debug-h32",
+            f"--grpo.vllm_python={python}", "--logging.log_interval=1",
+            "--grpo.rewards=[rl_reward_fixtures:text_length]", *extra]  # fmt: skip
+
+
+def _vllm_group_runs(task, python, run, layout):
+    """On each rank of a tp or cp group: a 2-step run on the stand-in, noting the batches
+    this rank trained on; then a run whose engine is killed as the first step samples,
+    which must end every rank with the same one-line error."""
+    from mindspeed_align.rl import vllm_group, vllm_rollout
+
+    seen, calls = [], []
+    shared = vllm_group.SharedVLLMRollout.generate
+
+    def noting(self, prompts, cfg, *, seed):
+        batch = shared(self, prompts, cfg, seed=seed)
+        seen.append((batch.prompt_ids, batch.response_ids))
+        return batch
+
+    vllm_group.SharedVLLMRollout.generate = noting
+    code = guarded(main, _fake_run_args(task, run, python, layout))
+    vllm_group.SharedVLLMRollout.generate = shared
+    engine = vllm_rollout.VLLMRollout.generate
+
+    def killing(self, prompts, cfg, *, seed):  # the run's third call: its first step's
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(self.process.pid, signal.SIGKILL)
+        return engine(self, prompts, cfg, seed=seed)
+
+    vllm_rollout.VLLMRollout.generate = killing
+    try:
+        main(_fake_run_args(task, run.with_name(run.name + "-killed"), python, layout))
+        died = "no error"
+    except RoleDied as err:
+        died = str(err)
+    return code, seen, died
+
+
+def _tp_cp_case(task, fake_vllm, layout, monkeypatch):
+    from mindspeed_core.testing import run_distributed
+    from mindspeed_core.training import read_metrics
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # the ranks import the reward
+
+    python, out = fake_vllm
+    one = task[0] / "fake-one"
+    if not one.exists():
+        assert guarded(main, _fake_run_args(task, one, python)) == 0
+    (out / "pids").unlink(missing_ok=True)
+    name = layout.split("=")[0].split(".")[-1]
+    ranks = run_distributed(_vllm_group_runs, 2, task, python, task[0] / f"fake-{name}", layout,
+                            timeout=600)  # fmt: skip
+    pids = (out / "pids").read_text().split()
+    assert len(pids) == 2, pids  # one engine a run (the second killed), not one a rank
+    (code0, seen0, died0), (code1, seen1, died1) = ranks
+    assert code0 == code1 == 0 and len(seen0) == 2 + 2 + 2  # evaluations and steps
+    assert seen0 == seen1  # both ranks trained on the first rank's samples
+    for died in (died0, died1):
+        assert died.startswith("grpo.rollout_engine=vllm: the vLLM rollout engine died"), died
+        assert "\n" not in died
+    a = read_metrics(one / "metrics.jsonl")
+    b = read_metrics(task[0] / f"fake-{name}" / "metrics.jsonl")
+    assert len(a) == len(b) == 2
+    assert a[0]["reward/std"] > 0 and a[1]["loss"] != a[0]["loss"]  # the policy learns
+    for x, y in zip(a, b, strict=True):
+        for key in ("loss", "grad_norm", "reward/mean", "response/length_mean"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-5), (x["step"], key)
+
+
+@pytest.mark.distributed
+def test_one_engine_per_tensor_parallel_group(task, fake_vllm, monkeypatch):
+    """`parallel.tp 2`: the first rank's engine samples, both ranks train on its batch (the
+    losses of one process on the stand-in, 1e-5), and an engine killed mid-run ends both
+    ranks with its one line."""
+    _tp_cp_case(task, fake_vllm, "--parallel.tp=2", monkeypatch)
+
+
+def _group_rollout(python, layout: dict):
+    """Under `layout`: a sync and a rollout on the group's engine (the stand-in)."""
+    import torch.distributed as dist
+
+    from mindspeed_align.rl.vllm_group import SharedVLLMRollout, engine_group
+    from mindspeed_align.rl.vllm_rollout import VLLMRollout
+
+    parallel = ParallelConfig(**layout)
+    dims = parallel.dims(dist.get_world_size()).build("cpu")
+    policy = build_model(build_model_config("llama", "debug-h32"), dims, torch.device("cpu"),
+                         parallel=parallel, seq_len=64, precision="fp32", seed=3)  # fmt: skip
+    rollout = SharedVLLMRollout(policy, lambda: VLLMRollout(policy, python, max_model_len=64),
+                                engine_group(dims))  # fmt: skip
+    try:
+        rollout.sync_weights()
+        batch = rollout.generate([[5, 6], [9]], SamplingConfig(n=2, max_new_tokens=3), seed=1)
+        return batch.response_ids, rollout.last_bytes, rollout.engine is not None
+    finally:
+        rollout.close()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [{"cp": 2}, {"cp": 2, "tp": 2}], ids=["cp2", "cp2-tp2"])
+def test_one_engine_per_context_parallel_group(fake_vllm, layout):
+    """A cp (and a cp x tp) group shares its first rank's engine: one engine, the same
+    batch and synced bytes on every rank (RL refuses cp > 1 in its config for now, so this
+    drives the rollout itself)."""
+    from mindspeed_core.testing import run_distributed
+
+    python, seen = fake_vllm
+    ranks = run_distributed(_group_rollout, math.prod(layout.values()), python, layout,
+                            timeout=600)  # fmt: skip
+    assert len((seen / "pids").read_text().split()) == 1
+    assert [engine for *_, engine in ranks] == [True] + [False] * (len(ranks) - 1)
+    whole = sum(p.numel() * 4 for p in _policy().model.parameters())
+    for tokens, synced, _ in ranks:
+        assert tokens == [[5, 6, 7], [12, 13, 14], [9, 10, 11], [16, 17, 18]]
+        assert synced == whole
 
 
 def test_a_device_without_a_known_vllm_package_asks_for_an_environment(monkeypatch):
@@ -299,6 +425,42 @@ def test_vllm_greedy_tokens_equal_ours_before_and_after_a_sync():
         assert [len(r) for r in sampled.response_ids] == [4] * 80  # 64 - 60 fit
     finally:
         engine.close()
+
+
+GREEDY_PROMPTS = [[1, 5, 9, 33, 70, 2, 8], list(range(3, 40))]
+
+
+def _tp_greedy(python):
+    """Greedy samples of the tp=2 policy (the one-process seed's weights) on its group's engine."""
+    from mindspeed_align.rl.vllm_group import SharedVLLMRollout, engine_group
+    from mindspeed_align.rl.vllm_rollout import VLLMRollout
+
+    parallel = ParallelConfig(tp=2)
+    dims = parallel.dims(2).build("cpu")
+    policy = build_model(build_model_config("llama", "debug-h32"), dims, torch.device("cpu"),
+                         parallel=parallel, seq_len=64, precision="fp32", seed=3)  # fmt: skip
+    rollout = SharedVLLMRollout(policy, lambda: VLLMRollout(policy, python, max_model_len=64),
+                                engine_group(dims))  # fmt: skip
+    try:
+        greedy = SamplingConfig(n=1, max_new_tokens=12, temperature=0.0)
+        return rollout.generate(GREEDY_PROMPTS, greedy, seed=0).response_ids, rollout.engine is not None
+    finally:
+        rollout.close()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_vllm_greedy_tokens_under_tp2_equal_one_process():
+    """Real vLLM: the tp=2 group's engine, fed weights gathered from the shards, answers as
+    the one-process policy does (ours and vLLM's greedy tokens)."""
+    from mindspeed_core.testing import run_distributed
+
+    python = _real_vllm()
+    greedy = SamplingConfig(n=1, max_new_tokens=12, temperature=0.0)
+    one = LocalRollout(_policy()).generate(GREEDY_PROMPTS, greedy, seed=0).response_ids
+    (tokens0, engine0), (tokens1, engine1) = run_distributed(_tp_greedy, 2, python, timeout=900)
+    assert engine0 and not engine1  # the first rank's engine alone
+    assert tokens0 == tokens1 == one
 
 
 @pytest.mark.slow

@@ -8,10 +8,11 @@ import pytest
 from mindspeed_align.rl import placement, ppo, ray_groups, roles
 from mindspeed_align.rl.rewards import Rewards
 from mindspeed_align.rl.rollout import LocalRollout
+from mindspeed_align.rl.vllm_group import SharedVLLMRollout
 from mindspeed_align.rl.vllm_rollout import VLLMRollout
 
 IMPLEMENTATIONS = {
-    roles.Rollout: [LocalRollout, placement._RayRollout, VLLMRollout],
+    roles.Rollout: [LocalRollout, placement._RayRollout, VLLMRollout, SharedVLLMRollout],
     roles.Reference: [placement.LocalReference, placement._RayReference],
     roles.RewardScorer: [Rewards, placement._RayRewards],
     roles.Critic: [ppo.LocalCritic, ray_groups._RayCritic],

@@ -74,9 +74,6 @@ def check_grpo_section(self: GRPOSection) -> None:
                           f"above 0 only with {name}.placement=ray")  # fmt: skip
     if self.rollout_engine not in ("native", "vllm"):
         raise ConfigError(f"{name}.rollout_engine={self.rollout_engine!r} is not native or vllm")
-    if self.rollout_engine == "vllm" and self.placement != "colocated":
-        raise ConfigError(f"{name}.rollout_engine=vllm runs colocated rollouts only yet "
-                          f"(not {name}.placement={self.placement})")  # fmt: skip
     if self.vllm_python is not None and self.rollout_engine != "vllm":
         raise ConfigError(f"{name}.vllm_python needs {name}.rollout_engine=vllm")
     if self.vllm_python is not None and not Path(self.vllm_python).is_file():

@@ -36,7 +36,7 @@ from mindspeed_align.rl.async_rollout import STALENESS_COUNTS, BoundedRollouts, 
 from mindspeed_align.rl.config import GRPOConfig
 from mindspeed_align.rl.env import run_episodes
 from mindspeed_align.rl.evaluate import evaluate_episodes, evaluate_reward
-from mindspeed_align.rl.lora import BaseReference, merged_policy
+from mindspeed_align.rl.lora import BaseReference
 from mindspeed_align.rl.objective import GRPOObjective, Mismatch, pack_samples, recompute_logps
 from mindspeed_align.rl.placement import LocalReference
 from mindspeed_align.rl.rewards import FAILURE_COUNTS, Rewards
@@ -456,27 +456,24 @@ class GRPOMethod:
             )
 
     def _placed_rollout(self, run: RunContext):
-        """The rollout on vLLM (`rollout_engine: vllm`), on its own Ray actor (`placement:
-        ray`), else None (our engine on this rank)."""
+        """The rollout on vLLM (`rollout_engine: vllm`: one engine per tp x cp group), on its
+        own Ray actor (`placement: ray`, vLLM's engine inside it with vllm), else None (our
+        engine on this rank)."""
         g = self.cfg.rl
-        if g.rollout_engine == "vllm":
-            from mindspeed_align.rl.vllm_rollout import VLLMRollout, ensure_vllm_python
+        if g.rollout_engine == "vllm" and self.roles is None:
+            from mindspeed_align.rl.vllm_group import start_vllm_rollout
 
-            for dim in ("tp", "cp"):
-                if run.dims.degree(dim) > 1:
-                    raise ConfigError(f"{g.section}.rollout_engine=vllm with parallel.{dim}="
-                                      f"{run.dims.degree(dim)}: vLLM rollouts run with tp=1 and "
-                                      "cp=1 only yet (each data-parallel rank has its engine)")  # fmt: skip
-            python = ensure_vllm_python(run.device.type, g.vllm_python, section=g.section)
-            # vLLM gets the LoRA policy's weights merged (W + scaling B A) every step
-            lora = self.cfg.lora
-            policy = merged_policy(run.policy, lora) if lora.enabled else run.policy
-            return VLLMRollout(policy, python, max_model_len=self.cfg.data.seq_len,
-                               seed=self.cfg.train.seed, section=g.section)  # fmt: skip
+            return start_vllm_rollout(run, self.cfg)
         if self.roles is None:
             return None
+        vllm = None
+        if g.rollout_engine == "vllm":
+            from mindspeed_align.rl.vllm_rollout import ensure_vllm_python
+
+            vllm = ensure_vllm_python(run.device.type, g.vllm_python, section=g.section)
         return self.roles.rollout(run.policy, seq_len=self.cfg.data.seq_len,
-                                  precision=self.cfg.train.precision, lora=self.cfg.lora)  # fmt: skip
+                                  precision=self.cfg.train.precision, lora=self.cfg.lora,
+                                  vllm_python=vllm, seed=self.cfg.train.seed)  # fmt: skip
 
     def step_extras(self) -> dict[str, Any]:
         """More keyword arguments of `step_cls` (PPO's critic)."""

@@ -15,7 +15,10 @@ The policy trains in the training processes (one process, a torchrun job, or Ray
   the rank sends weights, prompts, packed batches and texts, and gets samples, log-probs
   and scores back. PPO's critic gets a critic actor per training rank: the critic actors
   form a process group of their own on the run's layout, value the rank's micro-batches and
-  train on its mini-batches (`ray_groups.place_critic`). The reference's work is submitted before the policy's own forwards,
+  train on its mini-batches (`ray_groups.place_critic`). With `rollout_engine: vllm` the
+  rollout actor starts a vLLM engine as its own child (`_VLLMRolloutWorker`): each step
+  fills the actor's copy, which vLLM then reloads; an engine's death is `RoleDied` naming
+  the rollout engine. The reference's work is submitted before the policy's own forwards,
   so the two overlap. An actor that dies ends the run with one line naming its role
   (`RoleDied`), not a hang.
 
@@ -35,6 +38,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +74,10 @@ def _get(ref, role: str, section: str, timeout: float | None = None):
     except ray.exceptions.RayActorError as err:
         why = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
         raise RoleDied(f"{section}.placement=ray: the {role} actor died ({why})") from None
+    except ray.exceptions.RayTaskError as err:  # e.g. the actor's vLLM engine died: its line
+        if isinstance(err.cause, RoleDied):
+            raise RoleDied(str(err.cause)) from None
+        raise
 
 logger = logging.getLogger("mindspeed.rl")
 
@@ -174,6 +182,27 @@ class _RolloutWorker(_Worker):
         return self.rollout.prompts_within_budget(prompt_len, cfg)
 
 
+class _VLLMRolloutWorker(_RolloutWorker):
+    """A Ray actor: the whole copy of the policy that `load` fills, and a vLLM engine (its
+    child process: the engine's parent watch ends it with the actor) that samples; each
+    `load` writes the copy's weights (merged, for LoRA) and vLLM reloads them."""
+
+    def __init__(self, config, *, seq_len: int, precision: str, lora=None, python: Path,
+                 seed: int = 0, section: str = "grpo"):  # fmt: skip
+        super().__init__(config, seq_len=seq_len, precision=precision, lora=lora)
+        from mindspeed_align.rl.lora import merged_policy
+        from mindspeed_align.rl.vllm_rollout import VLLMRollout
+
+        lora_on = lora is not None and lora.enabled
+        policy = merged_policy(self.model, lora) if lora_on else self.model
+        self.rollout = VLLMRollout(policy, python, max_model_len=seq_len, seed=seed,
+                                   section=section)  # fmt: skip
+
+    def load(self, state: dict[str, Tensor], adapters_only: bool = False) -> None:
+        super().load(state, adapters_only)
+        self.rollout.sync_weights()
+
+
 class _RayRollout:
     """The rollout of one training rank on its Ray actor (`LocalRollout`'s calls)."""
 
@@ -234,6 +263,15 @@ class _RayRewards:
 
         with contextlib.suppress(ray.exceptions.RayActorError):  # dead: the run said so
             ray.get(self.actor.close.remote())
+
+
+def _constructor_error(err, kind: type[MindSpeedError]) -> MindSpeedError:
+    """An actor's constructor's error (`err`: Ray's, whose message ends with the traceback's
+    last line, `module.Error: message`) as a one-line `kind`."""
+    cause = err.cause if isinstance(getattr(err, "cause", None), Exception) else err
+    line = (str(cause).strip().splitlines() or [type(cause).__name__])[-1]
+    name, sep, message = line.partition(": ")
+    return kind(message if sep and re.fullmatch(r"[\w.]+", name) else line)
 
 
 class RayRoles:
@@ -308,12 +346,22 @@ class RayRoles:
         self._started(actor, "reference")
         return _RayReference(actor, self.section)
 
-    def rollout(self, policy, *, seq_len: int, precision: str, lora=None) -> _RayRollout:
+    def rollout(self, policy, *, seq_len: int, precision: str, lora=None,
+                vllm_python: Path | None = None, seed: int = 0) -> _RayRollout:  # fmt: skip
         """The rollout of `policy` (this rank's `BuiltModel`; `lora`: its adapters'
-        `LoRAConfig`, which the actor's copy gets too) on its own actor."""
-        actor = self.place("rollout", _RolloutWorker, policy.config, seq_len=seq_len,
-                           precision=precision, lora=lora)  # fmt: skip
-        self._ready(actor, "rollout")
+        `LoRAConfig`, which the actor's copy gets too) on its own actor; with `vllm_python`
+        (vLLM's interpreter) the actor samples on a vLLM engine of its own."""
+        if vllm_python is None:
+            actor = self.place("rollout", _RolloutWorker, policy.config, seq_len=seq_len,
+                               precision=precision, lora=lora)  # fmt: skip
+        else:
+            actor = self.place("rollout", _VLLMRolloutWorker, policy.config, seq_len=seq_len,
+                               precision=precision, lora=lora, python=vllm_python, seed=seed,
+                               section=self.section)  # fmt: skip
+        try:
+            self._ready(actor, "rollout", constructor_errors=vllm_python is not None)
+        except self.ray.exceptions.RayActorError as err:  # vLLM did not start: its line
+            raise _constructor_error(err, RoleDied) from None
         self._started(actor, "rollout")
         return _RayRollout(actor, policy, self.section, lora=lora is not None and lora.enabled)
 
@@ -322,8 +370,7 @@ class RayRoles:
         try:
             self._ready(actor, "reward", constructor_errors=True)
         except self.ray.exceptions.RayActorError as err:  # its constructor refused the config
-            cause = err.cause if isinstance(getattr(err, "cause", None), Exception) else err
-            raise ConfigError(str(cause).strip().splitlines()[-1]) from None
+            raise _constructor_error(err, ConfigError) from None
         self._started(actor, "reward")
         return _RayRewards(actor, self.section)
 

@@ -22,6 +22,10 @@ Life of the engine:
   parent and kills its process group); a worker that dies mid-run ends the run with one
   line naming the rollout engine and its log.
 
+Under tensor or context parallel one engine serves each tp x cp group, on its first rank
+(`vllm_group.SharedVLLMRollout`); under `placement: ray` the rollout actor runs it
+(`placement._VLLMRolloutWorker`).
+
 On CPU vLLM's attention needs heads of at least 32 channels; the demo switches to such a
 model (llama `debug-h32`) when run with the vLLM engine.
 
@@ -67,7 +71,7 @@ from mindspeed_core.errors import ConfigError
 from mindspeed_llm.models import get_model_spec
 from mindspeed_llm.train.build import BuiltModel
 
-__all__ = ["VLLM_PACKAGES", "VLLMRollout", "ensure_vllm_python"]
+__all__ = ["VLLM_PACKAGES", "VLLMRollout", "check_policy", "ensure_vllm_python"]
 
 logger = logging.getLogger("mindspeed.rl")
 
@@ -140,6 +144,19 @@ def _whole_hf_state(policy: BuiltModel) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in hf.items()}
 
 
+def check_policy(policy: BuiltModel, section: str) -> None:
+    """Refuses a policy vLLM cannot take (before any weight is gathered: a tensor- or
+    context-parallel group's ranks all refuse it, none waits in the gathering)."""
+    if policy.model is None:
+        raise ConfigError(f"{section}.rollout_engine=vllm: a pipelined policy cannot "
+                          "send whole weights; RL refuses parallel.pp > 1")  # fmt: skip
+    cfg = policy.config
+    if policy.device.type == "cpu" and cfg.head_dim < MIN_CPU_HEAD_DIM:
+        raise ConfigError(f"{section}.rollout_engine=vllm: vLLM's CPU attention needs heads "
+                          f"of at least {MIN_CPU_HEAD_DIM} channels; this model's head_dim is "
+                          f"{cfg.head_dim}")  # fmt: skip
+
+
 class VLLMRollout:
     """The rollout of this rank on a vLLM engine (implements `roles.Rollout`).
 
@@ -155,14 +172,8 @@ class VLLMRollout:
 
     def __init__(self, policy: BuiltModel, python: Path, *, max_model_len: int, seed: int = 0,
                  section: str = "grpo", gpu_memory_utilization: float = 0.3):  # fmt: skip
-        if policy.model is None:
-            raise ConfigError(f"{section}.rollout_engine=vllm: a pipelined policy cannot "
-                              "send whole weights; RL refuses parallel.pp > 1")  # fmt: skip
+        check_policy(policy, section)
         cfg = policy.config
-        if policy.device.type == "cpu" and cfg.head_dim < MIN_CPU_HEAD_DIM:
-            raise ConfigError(f"{section}.rollout_engine=vllm: vLLM's CPU attention needs heads "
-                              f"of at least {MIN_CPU_HEAD_DIM} channels; this model's head_dim is "
-                              f"{cfg.head_dim}")  # fmt: skip
         self.policy, self.section = policy, section
         self.lock = threading.Lock()
         self._no_sync = threading.Event()
