@@ -47,20 +47,24 @@ def _args(folder, run, *extra):
     ]  # fmt: skip
 
 
+# every linear layer and the output layer (peft's lm_head), as the demo's LoRA adapts it
+EVERY_TARGET = "--lora.targets=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"
+
+
 def test_grpo_lora_saves_adapters_only_resumes_exactly_and_exports_for_peft(task, tmp_path):
     peft = pytest.importorskip("peft")
     pytest.importorskip("mindspeed_tools")  # `mindspeed convert`
     import transformers
 
-    assert guarded(main, _args(task, "whole")) == 0
+    assert guarded(main, _args(task, "whole", EVERY_TARGET)) == 0
     whole = read_metrics(task / "whole" / "metrics.jsonl")
     assert whole[0]["kl"] == pytest.approx(0.0, abs=1e-7)  # adapters start at B = 0
     assert whole[-1]["kl"] > 0  # the reference (adapters off) stays the base
     saved = tensor_metadata(task / "whole" / "checkpoints" / "step_4")
     assert saved and all(".lora_" in k for k in saved)
-    assert len(saved) == 7 * 2 * 2  # q k v o gate up down x A, B x 2 layers
-    assert guarded(main, _args(task, "split", "--train.exit_at_step=2")) == 0
-    assert guarded(main, _args(task, "split")) == 0
+    assert len(saved) == (7 * 2 + 1) * 2  # (q k v o gate up down x 2 layers, lm_head) x A, B
+    assert guarded(main, _args(task, "split", EVERY_TARGET, "--train.exit_at_step=2")) == 0
+    assert guarded(main, _args(task, "split", EVERY_TARGET)) == 0
     split = read_metrics(task / "split" / "metrics.jsonl")
     assert [m["step"] for m in split] == [1, 2, 3, 4]
     for a, b in zip(whole, split, strict=True):
