@@ -43,7 +43,7 @@ from mindspeed_llm.peft.experts import (
     grouped_experts,
     merge_expert_adapters,
 )
-from mindspeed_llm.peft.targets import HF_NAMES, MEGATRON_NAMES
+from mindspeed_llm.peft.targets import HEAD_NAMES, HF_NAMES, MEGATRON_NAMES
 
 __all__ = [
     "HF_NAMES",
@@ -57,7 +57,7 @@ __all__ = [
     "merged_state",
 ]
 
-_OURS = {hf: ours for ours, hf in HF_NAMES.items()}
+_OURS = {hf: ours for ours, hf in {**HF_NAMES, **HEAD_NAMES}.items()}
 
 
 @dataclass(kw_only=True)
@@ -72,7 +72,9 @@ class LoRAConfig:
     """Linear layers to adapt, by name: q_proj k_proj v_proj o_proj gate_proj up_proj
     down_proj (Hugging Face's), wq wk wv wo w1 w3 w2 (ours) or linear_fc1 (= w1 w3)
     linear_fc2 (= w2) (MindSpeed-LLM's). The feed-forward names also adapt a MoE block's
-    routed experts (one adapter per expert) and its shared expert."""
+    routed experts (one adapter per expert) and its shared expert. lm_head (ours: output),
+    the output projection, only when named (one process or FSDP: no tensor or pipeline
+    parallel, no tied or padded vocabulary)."""
     rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023), as peft's use_rslora."""
     quantize: str = "none"
@@ -86,7 +88,7 @@ class LoRAConfig:
             raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
         unknown = [t for t in self.targets if not _expand(t)]
         if unknown:
-            known = " ".join([*HF_NAMES.values(), *HF_NAMES, *MEGATRON_NAMES])
+            known = " ".join([*HF_NAMES.values(), *HF_NAMES, *MEGATRON_NAMES, *HEAD_NAMES.values()])
             raise ConfigError(f"lora.targets: unknown layer {unknown[0]!r} (known: {known})")
         if self.rank and not self.targets:
             raise ConfigError("lora.targets is empty: name at least one linear layer")
@@ -113,13 +115,16 @@ def _expand(target: str) -> tuple[str, ...]:
     if target in MEGATRON_NAMES:
         return MEGATRON_NAMES[target]
     ours = _OURS.get(target, target)
-    return (ours,) if ours in HF_NAMES else ()
+    return (ours,) if ours in HF_NAMES or ours in HEAD_NAMES else ()
 
 
 def lora_transform(config: LoRAConfig):
     """The `after_tp` hook of `build_model` / `Trainer` that applies `config`."""
 
     def after_tp(model: nn.Module, dims=None) -> set[nn.Parameter]:
+        if dims is not None and set(HEAD_NAMES) & config.our_targets() and dims.pp > 1:
+            raise ConfigError(f"lora.targets={config.targets}: lm_head (the output layer) is "
+                              f"not adapted under parallel.pp={dims.pp} yet")  # fmt: skip
         apply_lora(model, config)
         if config.quantize != "nf4":
             return set()
@@ -161,6 +166,7 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
             f"lora.targets: {missing[0]!r} matches no linear layer of the model "
             f"(its linear layers: {' '.join(sorted(_linear_names(model)))})"
         )
+    _check_head(model, [module for name, module in found if name.rsplit(".", 1)[-1] in HEAD_NAMES])
     expert_names = [f"{name}.{proj}" for name, _, proj in experts]
     check_quantize(config.quantize, expert_names)
     model.requires_grad_(False)
@@ -170,6 +176,26 @@ def apply_lora(model: nn.Module, config: LoRAConfig) -> list[str]:
     adapt_experts(experts, rank=config.rank, scaling=config.scaling, dropout=config.dropout,
                   seed=seed)  # fmt: skip
     return [name for name, _ in found] + expert_names
+
+
+def _check_head(model: nn.Module, heads: list[nn.Linear]) -> None:
+    """Refuse an output projection an adapter cannot be merged into or saved for alone: one
+    sharing its weight with the embedding (tied: the merge would change the inputs too), split
+    over the vocabulary (tensor parallel) or with padding rows (its B would not be the Hugging
+    Face head's shape)."""
+    config = getattr(model, "config", None)
+    embedding = getattr(model, "tok_embeddings", None)
+    for head in heads:
+        why = None
+        if embedding is not None and head.weight is embedding.weight:
+            why = "its weight is the embedding's (tie_word_embeddings)"
+        elif isinstance(head.weight, DTensor):
+            why = "it is split over the vocabulary (parallel.tp > 1)"
+        elif config is not None and head.out_features != config.vocab_size:
+            why = f"it has {head.out_features} rows for a vocabulary of {config.vocab_size}"
+        if why:
+            raise ConfigError(f"lora.targets: lm_head (the output layer) cannot take an adapter "
+                              f"here: {why}")  # fmt: skip
 
 
 def _linear_names(model: nn.Module) -> set[str]:

@@ -331,7 +331,9 @@ class Transformer(nn.Module):
         """Whether `token_nll` can run: this module holds the plain output projection (no
         adapter on it, no bias) and no softcapping bends its logits."""
         out = self.output
-        return bool(type(out) is Linear and out.bias is None
+        # an adapter (LoRA's `lora_A`/`lora_B`, run by a forward hook) would be skipped by the
+        # fused op, which reads output.weight alone
+        return bool(type(out) is Linear and out.bias is None and not hasattr(out, "lora_A")
                     and self.config.final_logit_softcapping is None)  # fmt: skip
 
     def token_nll(self, h: Tensor, labels: Tensor) -> Tensor:
