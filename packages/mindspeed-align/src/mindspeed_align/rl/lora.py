@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from mindspeed_align.rl.placement import LocalReference
+from mindspeed_align.rl.reference import LocalReference
 from mindspeed_llm.data.collate import Batch
 from mindspeed_llm.peft import LoRAConfig, adapters_disabled, merged_state
 from mindspeed_llm.train.build import BuiltModel

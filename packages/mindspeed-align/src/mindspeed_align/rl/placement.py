@@ -47,15 +47,13 @@ from pathlib import Path
 from torch import Tensor
 
 from mindspeed_align.rl.objective import recompute_logps
+from mindspeed_align.rl.reference import LocalReference
+from mindspeed_align.rl.roles import RoleDied
 from mindspeed_core.errors import ConfigError, MindSpeedError
 from mindspeed_core.lifeline import Reaper
 from mindspeed_llm.data.collate import Batch
 
 __all__ = ["LocalReference", "RayRoles", "RoleDied"]
-
-
-class RoleDied(MindSpeedError):
-    """A role's Ray actor died (killed, out of memory, its node lost): the run cannot go on."""
 
 
 ROLE_ACTORS = 4
@@ -80,19 +78,6 @@ def _get(ref, role: str, section: str, timeout: float | None = None):
         raise
 
 logger = logging.getLogger("mindspeed.rl")
-
-
-class LocalReference:
-    """The colocated reference: a frozen `BuiltModel` under the run's layout."""
-
-    def __init__(self, model, *, supervised_only: bool = False):
-        self.model, self.supervised_only = model, supervised_only
-
-    def submit(self, batches: list[Batch], temperature: float) -> Callable[[], list[Tensor]]:
-        """Log-probs of the batches' labels (the response positions alone projected where
-        the layout allows), computed when the result is asked for."""
-        return lambda: [recompute_logps(self.model, b, temperature, supervised_only=self.supervised_only)
-                        for b in batches]  # fmt: skip
 
 
 class _Worker:

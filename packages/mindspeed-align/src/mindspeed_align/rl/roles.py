@@ -22,7 +22,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["Critic", "Reference", "RewardScorer", "Rollout"]
+from mindspeed_core.errors import MindSpeedError
+
+__all__ = ["Critic", "Reference", "RewardScorer", "RoleDied", "Rollout"]
 
 
 @runtime_checkable
@@ -82,3 +84,7 @@ class Critic(Protocol):
     def __call__(self, mini: list, *, schedule: bool = True) -> Any:
         """One update on a mini-batch of micro-batches (a `StepResult`)."""
         ...
+
+
+class RoleDied(MindSpeedError):
+    """A role's Ray actor died (killed, out of memory, its node lost): the run cannot go on."""

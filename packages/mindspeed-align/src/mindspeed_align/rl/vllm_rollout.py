@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from mindspeed_align.rl.placement import RoleDied
+from mindspeed_align.rl.roles import RoleDied
 from mindspeed_align.rl.rollout import RolloutBatch, SamplingConfig, whole_weights
 from mindspeed_core.errors import ConfigError
 from mindspeed_llm.models import get_model_spec
